@@ -1,0 +1,56 @@
+"""Position-keyed sampling: every token is a Gumbel-max draw whose noise depends only on (seed, position).
+
+With T>0 the token at absolute position p is ``argmax(logits_p / T + G(seed, p))``; ``G`` is i.i.d.
+standard Gumbel noise regenerated from a generator seeded by (seed, p). Each token is an exact draw from
+softmax(logits_p / T), and because the noise does not depend on how tokens were grouped into blocks,
+the sampled text is the same for every block size B. The drafter proposes with the same noise
+(coupled proposals), so a draft token is accepted exactly when it equals the target's token.
+At T=0 the token is the argmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PositionKeyedSampler:
+    """Picks tokens from logits with noise keyed by (seed, absolute position).
+
+    Args:
+        temperature: 0 for greedy, > 0 for sampling.
+        seed: request seed.
+        vocab_size: V, the logits' last dimension.
+
+    Raises:
+        ValueError: for a negative temperature.
+    """
+
+    def __init__(self, temperature: float, seed: int, vocab_size: int):
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        self.temperature = float(temperature)
+        self.seed = int(seed)
+        self.vocab_size = vocab_size
+        self._noise: dict[int, torch.Tensor] = {}
+
+    def gumbel(self, position: int) -> torch.Tensor:
+        """Standard Gumbel noise [V] (float32, CPU) for one absolute position, cached per request."""
+        noise = self._noise.get(position)
+        if noise is None:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + position)
+            noise = -torch.empty(self.vocab_size).exponential_(generator=generator).log_()
+            self._noise[position] = noise
+        return noise
+
+    def pick(self, logits: torch.Tensor, first_position: int) -> torch.Tensor:
+        """Tokens for consecutive positions.
+
+        Args:
+            logits: [n, V]; row i scores the token at absolute position ``first_position + i``.
+        Returns:
+            [n] token ids (long, on ``logits``' device).
+        """
+        if self.temperature == 0:
+            return logits.argmax(dim=-1)
+        noise = torch.stack([self.gumbel(first_position + i) for i in range(logits.shape[0])]).to(logits.device)
+        return (logits.float() / self.temperature + noise).argmax(dim=-1)

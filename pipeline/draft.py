@@ -1,0 +1,163 @@
+"""``draft`` stage: train a DFlash drafter for a target and export it in the z-lab layout.
+
+    make draft                       # the embedded default (SmolLM2-135M-Instruct), shipped drafter
+    python -m pipeline.draft draft.trainer.max_time=00:00:30:00 draft.out=data/drafters/my-drafter
+
+Pipeline: training prompt sets (local JSONL with ``turns``, hub ids, stdlib code prompts) ->
+target-generated greedy responses with the tapped layers' features (cached shards, resumable) ->
+Lightning training with random anchors, a block-sparse mask and position-decayed cross-entropy ->
+``config.json`` + ``model.safetensors`` (bf16) + ``README.md`` model card.
+Never point it at the benchmark sets used for evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import hydra
+import lightning as L
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import DataLoader
+
+from pipeline.drafting.data import AnchorDataset, collate, load_sequences
+from pipeline.drafting.module import DrafterModule, init_from_target_layers
+from pipeline.drafting.responses import build_response_cache
+from pipeline.drafting.stdlib_prompts import stdlib_prompts
+from pipeline.models.drafter import DFlashDrafter, make_drafter_config, num_parameters
+from pipeline.models.loading import resolve_path
+from pipeline.models.target import load_target
+from pipeline.prompts import load_prompt_set
+from pipeline.tracking import init_wandb
+
+log = logging.getLogger(__name__)
+
+
+def training_prompts(set_cfg) -> list:
+    """Prompts of one configured training set (``source: stdlib`` builds the stdlib code prompts)."""
+    if set_cfg.source == "stdlib":
+        return stdlib_prompts(set_cfg.get("limit"), seed=0)
+    return load_prompt_set(set_cfg.source, set_cfg.name, set_cfg.get("limit"), seed=0)
+
+
+def write_model_card(out: Path, cfg: DictConfig, stats: dict) -> None:
+    """A README.md next to the weights: data, steps, wall time, teacher-forced tau per B."""
+    lines = [
+        f"# {out.name}",
+        "",
+        f"DFlash drafter for `{cfg.model.target}`, trained by `make draft` (pipeline/draft.py), seed {cfg.seed}.",
+        "",
+        "| item | value |", "|---|---|",
+    ]
+    for k, v in stats.items():
+        if not isinstance(v, dict):
+            lines.append(f"| {k} | {v} |")
+    lines += ["", "Teacher-forced acceptance length on held-out training-distribution sequences (not a benchmark):", "",
+              "| B | tau |", "|---|---|"]
+    for b, tau in sorted(stats.get("val_tau", {}).items(), key=lambda kv: int(kv[0])):
+        lines.append(f"| {b} | {tau:.3f} |")
+    lines += ["", "Config:", "", "```yaml", OmegaConf.to_yaml(cfg.draft), "```", ""]
+    (out / "README.md").write_text("\n".join(lines))
+
+
+def train_drafter(cfg: DictConfig) -> Path:
+    """Run the whole draft stage; returns the export directory."""
+    L.seed_everything(cfg.seed, workers=True)
+    t_start = time.time()
+    target = load_target(cfg.model.target, dtype=cfg.model.dtype, device=cfg.model.device)
+    dcfg = cfg.draft
+    drafter_config = make_drafter_config(target.model.config, num_layers=dcfg.num_layers, block_size=dcfg.block_size,
+                                         target_layer_ids=dcfg.get("target_layer_ids"), mask_token_id=dcfg.mask_token_id)
+    layer_ids = drafter_config.dflash_config["target_layer_ids"]
+    cache_root = Path(dcfg.cache_dir)
+    dirs, n_prompts = [], 0
+    for set_cfg in dcfg.sets:
+        prompts = training_prompts(set_cfg)
+        n_prompts += len(prompts)
+        d = cache_root / set_cfg.name
+        build_response_cache(target, prompts, d, layer_ids, dcfg.max_new_tokens, dcfg.max_prompt_tokens, dcfg.gen_batch_size)
+        dirs.append(d)
+    t_data = time.time()
+    sequences = load_sequences(dirs, dcfg.max_seq_len)
+    random.Random(cfg.seed).shuffle(sequences)
+    n_val = max(1, int(len(sequences) * dcfg.val_fraction))
+    val, train = sequences[:n_val], sequences[n_val:]
+    response_tokens = sum(len(s["tokens"]) - s["prompt_length"] for s in sequences)
+    log.info("%d sequences (%d response tokens); %d train / %d val", len(sequences), response_tokens, len(train), len(val))
+
+    drafter = DFlashDrafter(drafter_config)
+    copied = init_from_target_layers(drafter, target.model) if dcfg.init_from_target else []
+    module = DrafterModule(drafter, target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight,
+                           lr=dcfg.lr, weight_decay=dcfg.weight_decay, warmup_steps=dcfg.warmup_steps,
+                           max_steps=dcfg.trainer.max_steps, gamma=dcfg.gamma, eval_block_sizes=tuple(dcfg.eval_block_sizes))
+    train_ds = AnchorDataset(train, dcfg.anchors_per_seq, cfg.seed)
+    val_ds = AnchorDataset(val, dcfg.anchors_per_seq, cfg.seed + 1)
+    train_dl = DataLoader(train_ds, batch_size=dcfg.batch_size, shuffle=True, collate_fn=collate, num_workers=0)
+    val_dl = DataLoader(val_ds, batch_size=dcfg.batch_size, collate_fn=collate, num_workers=0)
+
+    run = init_wandb(cfg, job_type="draft")
+    loggers = []
+    if run is not None:
+        from lightning.pytorch.loggers import WandbLogger
+
+        loggers.append(WandbLogger(experiment=run))
+    trainer = L.Trainer(
+        max_steps=dcfg.trainer.max_steps, max_time=dcfg.trainer.get("max_time"), val_check_interval=dcfg.trainer.val_check_interval,
+        limit_val_batches=dcfg.trainer.limit_val_batches, accelerator=dcfg.trainer.accelerator, devices=1,
+        precision=dcfg.trainer.precision, gradient_clip_val=1.0, logger=loggers or False, enable_checkpointing=False,
+        default_root_dir=str(Path(cfg.paths.data) / "runs" / "draft"), log_every_n_steps=10, num_sanity_val_steps=0,
+    )
+    t_train = time.time()
+    trainer.fit(module, train_dl, val_dl)
+    train_seconds = time.time() - t_train
+    final = trainer.validate(module, val_dl, verbose=False)[0]
+    val_tau = {str(drafter.block_size): final.get("val/tau", float("nan"))}
+    val_tau.update({k.removeprefix("val/tau_b"): v for k, v in final.items() if k.startswith("val/tau_b")})
+
+    out = Path(resolve_path(dcfg.out) if not Path(dcfg.out).is_absolute() else dcfg.out)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent if out.parent.exists() else None))
+    drafter.save_pretrained(tmp, dtype=getattr(torch, dcfg.export_dtype))
+    stats = {
+        "target": cfg.model.target,
+        "training block size": drafter.block_size,
+        "draft layers": len(drafter.layers),
+        "parameters": num_parameters(drafter) - 0,
+        "initialised from target layers": copied or "random",
+        "target layer taps": layer_ids,
+        "training prompts": n_prompts,
+        "training sequences (train/val)": f"{len(train)}/{len(val)}",
+        "response tokens": response_tokens,
+        "optimizer steps": trainer.global_step,
+        "anchors per sequence x batch": f"{dcfg.anchors_per_seq} x {dcfg.batch_size}",
+        "data generation wall time (s)": round(t_data - t_start),
+        "training wall time (s)": round(train_seconds),
+        "hardware": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {cfg.model.device}",
+        "val_tau": val_tau,
+    }
+    write_model_card(tmp, cfg, stats)
+    (tmp / "training_stats.json").write_text(json.dumps(stats, indent=2, default=str))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    if run is not None:
+        run.summary.update({f"val_tau_b{k}": v for k, v in val_tau.items()})
+        run.finish()
+    log.info("drafter written to %s (val tau %s)", out, val_tau)
+    return out
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="draft")
+def main(cfg: DictConfig) -> None:
+    print(train_drafter(cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Training examples for the drafter: cached sequences -> random anchors -> padded batches.
+
+An anchor ``a`` is a response position whose token is known; its block is
+``[token_a, mask, ..., mask]`` at positions a..a+B-1, the context is every position < a, and the
+labels are ``token_{a+1..a+B-1}`` (DFlash training, Chen et al. 2026, Sec. 3).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from pipeline.drafting.responses import read_shard
+
+
+def load_sequences(dirs: list[str | Path], max_len: int | None = None) -> list[dict]:
+    """All cached sequences of the shard folders in ``dirs`` (``tokens``, ``features``, ``prompt_length``).
+
+    Sequences whose response is shorter than 2 tokens are dropped; ``max_len`` truncates from the right.
+    """
+    sequences = []
+    for d in dirs:
+        for path in sorted(Path(d).glob("shard-*.safetensors")):
+            for seq in read_shard(path):
+                if max_len is not None and len(seq["tokens"]) > max_len:
+                    seq = {"tokens": seq["tokens"][:max_len], "features": seq["features"][:max_len], "prompt_length": seq["prompt_length"]}
+                if len(seq["tokens"]) - seq["prompt_length"] >= 2:
+                    sequences.append(seq)
+    return sequences
+
+
+class AnchorDataset(Dataset):
+    """Each item is one sequence with up to ``anchors_per_seq`` random anchors in its response.
+
+    Anchors are drawn without replacement from response positions a with a + 1 < n (at least one
+    label); the draw depends on (seed, epoch, index) so runs are reproducible.
+    """
+
+    def __init__(self, sequences: list[dict], anchors_per_seq: int, seed: int = 0):
+        self.sequences = sequences
+        self.anchors_per_seq = anchors_per_seq
+        self.seed = seed
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def __getitem__(self, index: int) -> dict:
+        seq = self.sequences[index]
+        n, p = len(seq["tokens"]), seq["prompt_length"]
+        rng = random.Random((self.seed * 1_000_003 + self.epoch) * 1_000_003 + index)
+        positions = list(range(p, n - 1))
+        anchors = sorted(rng.sample(positions, min(self.anchors_per_seq, len(positions))))
+        return {**seq, "anchors": torch.tensor(anchors, dtype=torch.long)}
+
+
+def collate(items: list[dict]) -> dict:
+    """Pad a list of items into a batch.
+
+    Returns:
+        tokens [b, L] long, features [b, L, F] bf16, lengths [b], anchors [b, K] (padding -1).
+    """
+    b = len(items)
+    L = max(len(it["tokens"]) for it in items)
+    K = max(len(it["anchors"]) for it in items)
+    F = items[0]["features"].shape[-1]
+    tokens = torch.zeros(b, L, dtype=torch.long)
+    features = torch.zeros(b, L, F, dtype=items[0]["features"].dtype)
+    anchors = torch.full((b, K), -1, dtype=torch.long)
+    lengths = torch.zeros(b, dtype=torch.long)
+    for i, it in enumerate(items):
+        n = len(it["tokens"])
+        tokens[i, :n] = it["tokens"]
+        features[i, :n] = it["features"]
+        anchors[i, : len(it["anchors"])] = it["anchors"]
+        lengths[i] = n
+    return {"tokens": tokens, "features": features, "lengths": lengths, "anchors": anchors}
+
+
+def block_inputs(batch: dict, block_size: int, mask_token_id: int) -> dict:
+    """Block tokens, positions, labels and the block-sparse attention mask for a batch.
+
+    Returns:
+        block_ids [b, K*B]: anchor token then B-1 mask tokens per block;
+        position_ids [b, L + K*B]: context positions 0..L-1 then a_k + i;
+        attention_mask bool [b, 1, K*B, L + K*B]: block k sees context positions < a_k and its own block;
+        labels [b, K, B-1]: token_{a_k+i} (-100 where past the sequence or for padded anchors).
+    """
+    tokens, lengths, anchors = batch["tokens"], batch["lengths"], batch["anchors"]
+    b, L = tokens.shape
+    K, B = anchors.shape[1], block_size
+    valid = anchors >= 0
+    a = anchors.clamp(min=0)
+    offs = torch.arange(B)
+    pos = a[:, :, None] + offs  # [b, K, B]
+    block_ids = torch.full((b, K, B), mask_token_id, dtype=torch.long)
+    block_ids[:, :, 0] = tokens.gather(1, a)
+    label_pos = pos[:, :, 1:]
+    in_seq = (label_pos < lengths[:, None, None]) & valid[:, :, None]
+    labels = tokens.gather(1, label_pos.clamp(max=L - 1).reshape(b, -1)).reshape(b, K, B - 1)
+    labels = labels.masked_fill(~in_seq, -100)
+    ctx_pos = torch.arange(L)
+    ctx_visible = ctx_pos[None, None, :] < a[:, :, None]  # [b, K, L]
+    ctx_visible = ctx_visible[:, :, None, :].expand(b, K, B, L).reshape(b, K * B, L)
+    block_of = torch.arange(K).repeat_interleave(B)
+    same_block = block_of[:, None] == block_of[None, :]
+    noise_visible = same_block[None].expand(b, -1, -1) & valid.repeat_interleave(B, dim=1)[:, None, :]
+    mask = torch.cat([ctx_visible, noise_visible], dim=-1)
+    # padded anchors: let them see themselves so no attention row is empty
+    eye = torch.zeros(K * B, L + K * B, dtype=torch.bool)
+    eye[torch.arange(K * B), L + torch.arange(K * B)] = True
+    mask |= eye[None]
+    position_ids = torch.cat([ctx_pos[None].expand(b, L), pos.reshape(b, K * B)], dim=1)
+    return {
+        "block_ids": block_ids.reshape(b, K * B),
+        "position_ids": position_ids,
+        "attention_mask": mask[:, None],
+        "labels": labels,
+    }

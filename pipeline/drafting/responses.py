@@ -1,0 +1,149 @@
+"""Target-generated responses and their context features, the drafter's training data.
+
+The target answers every training prompt greedily, in left-padded batches. The same forward passes
+that generate the response also yield the hidden states of the tapped target layers, so the context
+features cost no extra target pass. Each batch is written as one safetensors shard (atomically);
+a rerun skips shards already written.
+
+Shard ``shard-XXXXX.safetensors`` holds, for the S sequences of one batch:
+  ``tokens``   int32 [T]       prompt + response tokens of all sequences, concatenated;
+  ``features`` bfloat16 [T, n_taps*H]  tapped hidden states at those tokens (the final token's row is
+               zero: it was never fed to the target);
+  ``offsets``  int64 [S+1]     sequence boundaries in ``tokens``;
+  ``prompt_lengths`` int64 [S] prompt tokens of each sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from pipeline.models.drafter import lm_head_logits
+from pipeline.models.target import Target
+from pipeline.prompts import Prompt, chat_input_ids
+
+log = logging.getLogger(__name__)
+
+
+@torch.inference_mode()
+def generate_batch(
+    target: Target, prompt_ids: list[torch.Tensor], layer_ids: list[int], max_new_tokens: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Greedy responses for a batch of prompts, with the tapped features of every fed token.
+
+    Rows that reach a stop token leave the batch (their cache rows are dropped), so stragglers do not
+    keep finished rows busy.
+
+    Args:
+        prompt_ids: S tensors [n_i] of prompt ids.
+        layer_ids: target decoder layers to tap (0-based).
+    Returns:
+        per sequence ``(tokens [n_i + r_i], features [n_i + r_i, n_taps*H] bf16)``; responses end at the
+        first stop token or after ``max_new_tokens``. The final token's feature row is zero (never fed).
+    """
+    model, base = target.model, target.model.base_model
+    device = model.device
+    stop = torch.tensor(target.stop_token_ids(), device=device)
+    lm_head = model.get_output_embeddings().weight
+    s, width = len(prompt_ids), max(len(p) for p in prompt_ids)
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    ids = torch.full((s, width), pad, dtype=torch.long, device=device)
+    mask = torch.zeros((s, width), dtype=torch.long, device=device)
+    for i, p in enumerate(prompt_ids):
+        ids[i, width - len(p):] = p
+        mask[i, width - len(p):] = 1
+    cache = DynamicCache(config=model.config)
+    rows = list(range(s))  # original index of each active batch row
+    tokens: list[list[torch.Tensor]] = [[p.to(device)] for p in prompt_ids]
+    feats: list[list[torch.Tensor]] = [[] for _ in range(s)]
+    step_ids = ids
+    for step in range(max_new_tokens):
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
+        out = base(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                   use_cache=True, output_hidden_states=True)
+        tapped = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.bfloat16)
+        nxt = lm_head_logits(out.last_hidden_state[:, -1], lm_head).argmax(-1)
+        finished = torch.isin(nxt, stop) | (step == max_new_tokens - 1)
+        for j, r in enumerate(rows):
+            n_real = len(prompt_ids[r]) if step == 0 else 1
+            feats[r].append(tapped[j, tapped.shape[1] - n_real:])
+            tokens[r].append(nxt[j : j + 1])
+        if bool(finished.all()):
+            break
+        keep = (~finished).nonzero().flatten()
+        if len(keep) < len(rows):
+            cache.batch_select_indices(keep)
+            mask = mask[keep]
+            nxt = nxt[keep]
+            rows = [rows[k] for k in keep.tolist()]
+        step_ids = nxt[:, None]
+        mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=device)], dim=1)
+    result = []
+    for r in range(s):
+        f = torch.cat(feats[r])
+        result.append((torch.cat(tokens[r]).cpu(), torch.cat([f, torch.zeros_like(f[:1])]).cpu()))
+    return result
+
+
+def write_shard(path: Path, sequences: list[tuple[torch.Tensor, torch.Tensor]], prompt_lengths: list[int]) -> None:
+    """Atomically write one shard (see the module docstring for its tensors)."""
+    tokens = torch.cat([t for t, _ in sequences]).to(torch.int32)
+    features = torch.cat([f for _, f in sequences])
+    offsets = torch.tensor([0] + [len(t) for t, _ in sequences]).cumsum(0)
+    tmp = path.with_suffix(".tmp")
+    save_file({"tokens": tokens, "features": features.contiguous(), "offsets": offsets,
+               "prompt_lengths": torch.tensor(prompt_lengths)}, tmp)
+    os.replace(tmp, path)
+
+
+def read_shard(path: Path) -> list[dict]:
+    """Sequences of one shard as dicts ``{tokens [n], features [n, F], prompt_length}``."""
+    data = load_file(path)
+    off = data["offsets"].tolist()
+    return [
+        {"tokens": data["tokens"][a:b].long(), "features": data["features"][a:b], "prompt_length": int(n)}
+        for a, b, n in zip(off[:-1], off[1:], data["prompt_lengths"].tolist())
+    ]
+
+
+def build_response_cache(
+    target: Target,
+    prompts: list[Prompt],
+    out_dir: str | Path,
+    layer_ids: list[int],
+    max_new_tokens: int = 256,
+    max_prompt_tokens: int = 384,
+    batch_size: int = 32,
+) -> list[Path]:
+    """Generate (or resume) the response cache for ``prompts``; returns the shard paths.
+
+    Prompts longer than ``max_prompt_tokens`` are skipped (logged). Prompts are sorted by length so
+    that batches need little padding; shard ``k`` always holds the same prompts, so reruns resume.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    encoded = []
+    for p in prompts:
+        ids = chat_input_ids(target.tokenizer, p.turns[:1])[0]
+        if len(ids) <= max_prompt_tokens:
+            encoded.append(ids)
+    skipped = len(prompts) - len(encoded)
+    if skipped:
+        log.info("skipped %d prompts longer than %d tokens", skipped, max_prompt_tokens)
+    encoded.sort(key=len)
+    batches = [encoded[i : i + batch_size] for i in range(0, len(encoded), batch_size)]
+    paths = []
+    for k, batch in enumerate(tqdm(batches, desc="target responses", unit="batch")):
+        path = out_dir / f"shard-{k:05d}.safetensors"
+        paths.append(path)
+        if path.exists():
+            continue
+        sequences = generate_batch(target, batch, layer_ids, max_new_tokens)
+        write_shard(path, sequences, [len(b) for b in batch])
+    return paths

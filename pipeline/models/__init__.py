@@ -1,0 +1,1 @@
+"""Targets (hub id, local dir, packaged GGUF) and the DFlash drafter."""

@@ -1,0 +1,319 @@
+"""The DFlash block-diffusion drafter, reading and writing the z-lab checkpoint layout.
+
+Follows z-lab/dflash ``dflash/model.py`` (DFlash, Chen et al. 2026): the hidden states of several
+target layers are concatenated, projected (``fc``) and normalised (``hidden_norm``) into context
+features that every draft layer sees as extra keys/values; the B positions of a block (the last
+verified token followed by B-1 mask tokens) attend to each other non-causally; the target's input
+embedding and LM head are reused, so the drafter owns only its layers.
+
+Checkpoint layout (a public ``z-lab/Qwen3-4B-DFlash-b16`` loads unchanged)::
+
+    config.json        Qwen3 config + block_size, num_target_layers,
+                       dflash_config.{target_layer_ids, mask_token_id}
+    model.safetensors  layers.*, fc.weight, hidden_norm.weight, norm.weight
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.nn import functional as F
+from transformers import DynamicCache, PretrainedConfig, Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> list[int]:
+    """Evenly spaced target layers from layer 1 to ``num_target_layers - 3`` (z-lab's spacing).
+
+    Example: 36 layers, 5 taps -> [1, 9, 17, 25, 33]; 30 layers -> [1, 8, 14, 20, 27].
+    """
+    start, end = 1, max(1, num_target_layers - 3)
+    if num_taps == 1:
+        return [(start + end) // 2]
+    return [int(round(start + i * (end - start) / (num_taps - 1))) for i in range(num_taps)]
+
+
+def make_drafter_config(
+    target_config: PretrainedConfig,
+    num_layers: int = 3,
+    block_size: int = 8,
+    target_layer_ids: list[int] | None = None,
+    mask_token_id: int = 0,
+    intermediate_size: int | None = None,
+) -> Qwen3Config:
+    """A drafter config matched to a target: same hidden size, heads, vocab and RoPE.
+
+    Args:
+        target_config: the target's config (Llama, Qwen3, ...).
+        num_layers: draft layers.
+        block_size: the training block size B (tokens per block, the anchor included).
+        target_layer_ids: which target layers feed the context features (0-based decoder layers).
+        mask_token_id: the token id placed at the B-1 positions to be drafted.
+    """
+    tc = target_config
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    rope = getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 10000.0)}
+    ids = target_layer_ids if target_layer_ids is not None else default_target_layer_ids(tc.num_hidden_layers)
+    config = Qwen3Config(
+        vocab_size=tc.vocab_size,
+        hidden_size=tc.hidden_size,
+        intermediate_size=intermediate_size or tc.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads,
+        head_dim=head_dim,
+        max_position_embeddings=tc.max_position_embeddings,
+        rms_norm_eps=tc.rms_norm_eps,
+        rope_parameters=dict(rope),
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["DFlashDraftModel"]
+    config.block_size = int(block_size)
+    config.num_target_layers = int(tc.num_hidden_layers)
+    config.dflash_config = {"target_layer_ids": [int(i) for i in ids], "mask_token_id": int(mask_token_id)}
+    return config
+
+
+def _apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE with queries at the last ``q_len`` positions of ``cos``/``sin`` and keys at all of them."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    q_len = q.shape[-2]
+    q = q * cos[..., -q_len:, :] + rotate_half(q) * sin[..., -q_len:, :]
+    k = k * cos + rotate_half(k) * sin
+    return q, k
+
+
+class DFlashAttention(nn.Module):
+    """Attention of one draft layer: block queries over [context features ; block] keys/values."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        context: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: DynamicCache | None,
+    ) -> torch.Tensor:
+        """hidden [b, q, H]; context [b, c, H]; cos/sin [b, c+q, d]; mask bool [b|1, 1, q, keys] or None."""
+        b, q_len, _ = hidden.shape
+        c_len = context.shape[1]
+        q = self.q_norm(self.q_proj(hidden).view(b, q_len, -1, self.head_dim)).transpose(1, 2)
+        kv_in = torch.cat([context, hidden], dim=1)
+        k = self.k_norm(self.k_proj(kv_in).view(b, c_len + q_len, -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(b, c_len + q_len, -1, self.head_dim).transpose(1, 2)
+        q, k = _apply_rotary(q, k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attention_mask, enable_gqa=self.num_heads != self.num_kv_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class DFlashLayer(nn.Module):
+    """Pre-norm transformer layer (Qwen3 shape) whose attention also reads the context features."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden, context, cos, sin, attention_mask, cache):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, cos, sin, attention_mask, cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash drafter: B-1 tokens per forward, conditioned on target hidden states.
+
+    Attributes:
+        config: the z-lab-layout ``Qwen3Config`` (``block_size``, ``dflash_config``...).
+        block_size: training block size B.
+        target_layer_ids: target decoder layers whose outputs form the context features.
+        mask_token_id: token id at the positions to be drafted.
+    """
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        dflash = getattr(config, "dflash_config", None) or {}
+        if "target_layer_ids" not in dflash:
+            raise ValueError("drafter config must define dflash_config.target_layer_ids")
+        self.config = config
+        self.block_size = int(getattr(config, "block_size", 16))
+        self.target_layer_ids = [int(i) for i in dflash["target_layer_ids"]]
+        self.mask_token_id = int(dflash.get("mask_token_id", 0))
+        self.layers = nn.ModuleList(DFlashLayer(config, i) for i in range(config.num_hidden_layers))
+        self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+
+    @property
+    def max_block_size(self) -> int:
+        """Largest inference block size accepted: twice the training block size (at least 16)."""
+        return max(16, 2 * self.block_size)
+
+    def extract_context(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Concatenate the tapped target layers.
+
+        Args:
+            hidden_states: the target's ``output_hidden_states`` tuple; entry 0 is the embedding output,
+                so decoder layer ``i`` is entry ``i + 1``. Each [b, t, H].
+        Returns:
+            [b, t, len(target_layer_ids) * H].
+        """
+        return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
+
+    def forward(
+        self,
+        noise_embedding: torch.Tensor,
+        target_features: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: DynamicCache | None = None,
+    ) -> torch.Tensor:
+        """Hidden states of the block positions.
+
+        Args:
+            noise_embedding: [b, q, H] target embeddings of the block tokens (anchor + mask tokens).
+            target_features: [b, c, n_taps*H] context features not yet in ``cache`` (c may be 0).
+            position_ids: [b, c + q] positions of the new context then of the block.
+            attention_mask: bool [b|1, 1, q, cached + c + q], True = may attend; None = all visible.
+            cache: a ``DynamicCache`` holding projected context keys/values; the caller crops it.
+        Returns:
+            [b, q, H], after the final norm; apply the target's LM head for logits.
+        """
+        context = self.hidden_norm(self.fc(target_features))
+        cos, sin = self.rotary_emb(noise_embedding, position_ids)
+        hidden = noise_embedding
+        for layer in self.layers:
+            hidden = layer(hidden, context, cos, sin, attention_mask, cache)
+        return self.norm(hidden)
+
+    # ----------------------------------------------------------------------------------------
+    # z-lab checkpoint layout
+    # ----------------------------------------------------------------------------------------
+    def save_pretrained(self, directory: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` (z-lab layout) into ``directory``."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items() if "rotary_emb" not in k}
+        save_file(state, directory / WEIGHTS_NAME, metadata={"format": "pt"})
+        config = self.config.to_dict()
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        return directory
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> "DFlashDrafter":
+        """Load a drafter from a local directory or a hub id (z-lab layout).
+
+        Raises:
+            FileNotFoundError: when neither a local directory nor a reachable hub id.
+            ValueError: when the checkpoint's weights do not match its config.
+        """
+        directory = Path(name_or_path)
+        if not directory.is_dir():
+            try:
+                from huggingface_hub import snapshot_download
+
+                directory = Path(snapshot_download(str(name_or_path), allow_patterns=["*.json", "*.safetensors"]))
+            except Exception as err:  # offline, unknown id, ...
+                raise FileNotFoundError(
+                    f"drafter {name_or_path!r} is neither a local directory nor a reachable hub id ({err}); "
+                    "pass a local path (model.drafter=/path/to/drafter)"
+                ) from err
+        config = Qwen3Config.from_pretrained(directory)
+        model = cls(config)
+        state = {}
+        for file in sorted(directory.glob("*.safetensors")):
+            state.update(load_file(file))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if "rotary_emb" not in k]
+        if missing or unexpected:
+            raise ValueError(f"drafter checkpoint {directory} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        return model.to(device=device, dtype=dtype).eval()
+
+
+def check_compatible(drafter: DFlashDrafter, target_config: PretrainedConfig) -> None:
+    """Raise a ``ValueError`` naming the fix when a drafter cannot serve a target.
+
+    Checks hidden size, vocabulary size and that every tapped layer exists in the target.
+    """
+    problems = []
+    if drafter.config.hidden_size != target_config.hidden_size:
+        problems.append(f"hidden size {drafter.config.hidden_size} != target's {target_config.hidden_size}")
+    if drafter.config.vocab_size != target_config.vocab_size:
+        problems.append(f"vocab size {drafter.config.vocab_size} != target's {target_config.vocab_size}")
+    bad = [i for i in drafter.target_layer_ids if not 0 <= i < target_config.num_hidden_layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} outside the target's {target_config.num_hidden_layers} layers")
+    if not 0 <= drafter.mask_token_id < target_config.vocab_size:
+        problems.append(f"mask_token_id {drafter.mask_token_id} outside the vocabulary")
+    if problems:
+        raise ValueError(
+            "drafter does not fit the target: " + "; ".join(problems)
+            + ". Use the drafter trained for this target (make draft model.target=...)."
+        )
+
+
+def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Logits ``hidden @ weight.T`` computed as ``(weight @ hidden.T).T``.
+
+    Same values as ``F.linear``; on CPU, MKL's small-M GEMM for the 49152-row LM head is ~2.5x slower
+    at 2-16 rows than the transposed product (measured: 8 rows 41 ms vs 16 ms, 1 row 15 ms both),
+    and this product dominates every draft and verify step.
+
+    Args:
+        hidden: [..., H]; weight: [V, H].
+    Returns:
+        [..., V] in ``hidden``'s dtype.
+    """
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if flat.device.type == "cpu" and flat.shape[0] <= 64:
+        logits = (weight @ flat.T).T
+    else:
+        logits = flat @ weight.T
+    return logits.reshape(*hidden.shape[:-1], weight.shape[0])
+
+
+def num_parameters(module: nn.Module) -> int:
+    """Number of parameters of ``module``."""
+    return sum(p.numel() for p in module.parameters())
+
+
+def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """Position-decayed loss weights exp(-(k-1)/gamma) for block positions k = 1..B-1 (DFlash). Shape [B-1]."""
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma) if gamma > 0 and math.isfinite(gamma) else torch.ones(block_size - 1)

@@ -1,0 +1,40 @@
+"""Build the target, drafter and decoder from the ``model`` config group."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline import PROJECT_ROOT
+from pipeline.decoding.speculative import SpeculativeDecoder
+from pipeline.models.drafter import DFlashDrafter
+from pipeline.models.target import Target, load_target, resolve_dtype
+
+
+def resolve_path(path: str | None) -> str | None:
+    """Relative paths in configs are relative to the project root (Hydra changes the cwd)."""
+    if path is None:
+        return None
+    candidate = PROJECT_ROOT / path
+    return str(candidate) if not Path(path).is_absolute() and candidate.exists() else str(path)
+
+
+def load_models(model_cfg) -> tuple[Target, DFlashDrafter | None]:
+    """Load ``model_cfg.target`` and ``model_cfg.drafter`` (null for none) on ``model_cfg.device``.
+
+    Raises:
+        ValueError: when the drafter does not fit the target.
+    """
+    target = load_target(resolve_path(model_cfg.target) if model_cfg.target != "smollm2-135m-instruct" else model_cfg.target,
+                         dtype=model_cfg.dtype, device=model_cfg.device,
+                         attn_implementation=model_cfg.get("attn_implementation", "sdpa"))
+    drafter = None
+    if model_cfg.get("drafter"):
+        drafter = DFlashDrafter.from_pretrained(resolve_path(model_cfg.drafter), dtype=resolve_dtype(model_cfg.dtype),
+                                                device=model_cfg.device)
+    return target, drafter
+
+
+def build_decoder(model_cfg) -> SpeculativeDecoder:
+    """A ``SpeculativeDecoder`` over the configured target and drafter."""
+    target, drafter = load_models(model_cfg)
+    return SpeculativeDecoder(target, drafter)

