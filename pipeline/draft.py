@@ -27,6 +27,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader
 
+from pipeline.drafting.corpus import build_corpus_cache
 from pipeline.drafting.data import AnchorDataset, collate, load_sequences
 from pipeline.drafting.module import DrafterModule, init_from_target_layers
 from pipeline.drafting.responses import build_response_cache
@@ -41,10 +42,21 @@ log = logging.getLogger(__name__)
 
 
 def training_prompts(set_cfg) -> list:
-    """Prompts of one configured training set (``source: stdlib`` builds the stdlib code prompts)."""
+    """Prompts of one configured training set (``source: stdlib`` builds the stdlib code prompts;
+    ``source: stdlib_source`` is handled by ``build_corpus_cache`` instead)."""
     if set_cfg.source == "stdlib":
         return stdlib_prompts(set_cfg.get("limit"), seed=0)
     return load_prompt_set(set_cfg.source, set_cfg.name, set_cfg.get("limit"), seed=0)
+
+
+def frequent_tokens(sequences: list[dict], target, size: int) -> torch.Tensor:
+    """The ``size`` most frequent token ids of the training sequences (stop tokens always included), sorted."""
+    vocab_size = target.model.config.vocab_size
+    counts = torch.zeros(vocab_size)
+    for seq in sequences:
+        counts += torch.bincount(seq["tokens"], minlength=vocab_size)[:vocab_size].float()
+    counts[target.stop_token_ids()] = float("inf")
+    return counts.argsort(descending=True)[: min(size, vocab_size)].sort().values
 
 
 def write_model_card(out: Path, cfg: DictConfig, stats: dict) -> None:
@@ -79,10 +91,14 @@ def train_drafter(cfg: DictConfig) -> Path:
     cache_root = Path(dcfg.cache_dir)
     dirs, n_prompts = [], 0
     for set_cfg in dcfg.sets:
-        prompts = training_prompts(set_cfg)
-        n_prompts += len(prompts)
         d = cache_root / set_cfg.name
-        build_response_cache(target, prompts, d, layer_ids, dcfg.max_new_tokens, dcfg.max_prompt_tokens, dcfg.gen_batch_size)
+        if set_cfg.source == "stdlib_source":  # teacher-forced text windows, no generation
+            build_corpus_cache(target, d, layer_ids, window=set_cfg.get("window", 384), limit=set_cfg.get("limit"))
+        else:
+            prompts = training_prompts(set_cfg)
+            n_prompts += len(prompts)
+            build_response_cache(target, prompts, d, layer_ids, dcfg.max_new_tokens, dcfg.max_prompt_tokens,
+                                 dcfg.gen_batch_size, set_cfg.get("max_batches"))
         dirs.append(d)
     t_data = time.time()
     sequences = load_sequences(dirs, dcfg.max_seq_len)
@@ -93,6 +109,8 @@ def train_drafter(cfg: DictConfig) -> Path:
     log.info("%d sequences (%d response tokens); %d train / %d val", len(sequences), response_tokens, len(train), len(val))
 
     drafter = DFlashDrafter(drafter_config)
+    if dcfg.get("draft_vocab_size"):
+        drafter.set_draft_vocab(frequent_tokens(sequences, target, int(dcfg.draft_vocab_size)))
     copied = init_from_target_layers(drafter, target.model) if dcfg.init_from_target else []
     module = DrafterModule(drafter, target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight,
                            lr=dcfg.lr, weight_decay=dcfg.weight_decay, warmup_steps=dcfg.warmup_steps,
@@ -128,7 +146,8 @@ def train_drafter(cfg: DictConfig) -> Path:
         "target": cfg.model.target,
         "training block size": drafter.block_size,
         "draft layers": len(drafter.layers),
-        "parameters": num_parameters(drafter) - 0,
+        "parameters": num_parameters(drafter),
+        "draft vocabulary": drafter.config.dflash_config.get("draft_vocab_size", "full"),
         "initialised from target layers": copied or "random",
         "target layer taps": layer_ids,
         "training prompts": n_prompts,

@@ -77,3 +77,39 @@ def make_tiny_drafter(target_dir: str | Path, directory: str | Path, block_size:
                                                 target_layer_ids=ids, mask_token_id=0))
     drafter.save_pretrained(directory, dtype=torch.float32)
     return Path(directory)
+
+
+def train_tiny_drafter(target_dir: str | Path, directory: str | Path, block_size: int = 4, steps: int = 60,
+                       num_prompts: int = 16, max_new_tokens: int = 48, seed: int = 0) -> Path:
+    """Train a tiny drafter on the tiny target's own greedy outputs (the real drafting code path).
+
+    A few dozen steps give tau well above 1 on the tiny target, so tests exercise accepted drafts.
+    """
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from pipeline.drafting.data import AnchorDataset, collate
+    from pipeline.drafting.module import DrafterModule
+    from pipeline.drafting.responses import generate_batch
+    from pipeline.models.target import load_target
+    from pipeline.prompts import chat_input_ids
+
+    target = load_target(str(target_dir))
+    L.seed_everything(seed, workers=False)
+    drafter = DFlashDrafter(make_drafter_config(target.model.config, num_layers=1, block_size=block_size,
+                                                target_layer_ids=[0, target.model.config.num_hidden_layers - 2], mask_token_id=0))
+    words = " ".join(_CORPUS).split()
+    prompts = [chat_input_ids(target.tokenizer, [" ".join(words[i : i + 3 + i % 5])])[0] for i in range(num_prompts)]
+    sequences = [
+        {"tokens": t, "features": f, "prompt_length": len(p)}
+        for (t, f), p in zip(generate_batch(target, prompts, drafter.target_layer_ids, max_new_tokens), prompts)
+        if len(t) - len(p) >= 2
+    ]
+    module = DrafterModule(drafter, target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight,
+                           lr=3e-3, warmup_steps=5, max_steps=steps, gamma=4.0)
+    loader = DataLoader(AnchorDataset(sequences, 8, seed), batch_size=8, shuffle=True, collate_fn=collate)
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, loader)
+    drafter.save_pretrained(directory, dtype=torch.float32)
+    return Path(directory)

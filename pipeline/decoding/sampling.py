@@ -42,15 +42,21 @@ class PositionKeyedSampler:
             self._noise[position] = noise
         return noise
 
-    def pick(self, logits: torch.Tensor, first_position: int) -> torch.Tensor:
+    def pick(self, logits: torch.Tensor, first_position: int, vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens for consecutive positions.
 
         Args:
-            logits: [n, V]; row i scores the token at absolute position ``first_position + i``.
+            logits: [n, V'] ; row i scores the token at absolute position ``first_position + i``.
+            vocab_ids: [V'] target token ids of the logits' columns when they cover a sub-vocabulary
+                (a drafter's draft vocabulary); None when V' = V.
         Returns:
             [n] token ids (long, on ``logits``' device).
         """
         if self.temperature == 0:
-            return logits.argmax(dim=-1)
-        noise = torch.stack([self.gumbel(first_position + i) for i in range(logits.shape[0])]).to(logits.device)
-        return (logits.float() / self.temperature + noise).argmax(dim=-1)
+            index = logits.argmax(dim=-1)
+        else:
+            noise = torch.stack([self.gumbel(first_position + i) for i in range(logits.shape[0])]).to(logits.device)
+            if vocab_ids is not None:
+                noise = noise[:, vocab_ids]
+            index = (logits.float() / self.temperature + noise).argmax(dim=-1)
+        return index if vocab_ids is None else vocab_ids[index]

@@ -140,8 +140,11 @@ class SpeculativeDecoder:
         self.lm_head = target.model.get_output_embeddings().weight
         self.embed = target.model.get_input_embeddings()
         self.drafter = drafter
+        self.draft_head = self.draft_vocab = None
         if drafter is not None:
             check_compatible(drafter, target.model.config)
+            self.draft_head = drafter.draft_head(self.lm_head)  # [N, H] rows the drafter scores
+            self.draft_vocab = drafter.draft_vocab
         self.max_context = int(getattr(target.model.config, "max_position_embeddings", 1 << 30))
         self.stop_ids = set(target.stop_token_ids())
 
@@ -255,8 +258,8 @@ class SpeculativeDecoder:
                 hidden = self.drafter(self.embed(block), features, positions, cache=draft_cache)
                 crop_to(draft_cache, start)  # keep context keys/values, drop the block's
                 features = features[:, :0]
-                draft_logits = lm_head_logits(hidden[0, 1:], self.lm_head).float()
-                block[0, 1:] = sampler.pick(draft_logits, start + 1)
+                draft_logits = lm_head_logits(hidden[0, 1:], self.draft_head).float()
+                block[0, 1:] = sampler.pick(draft_logits, start + 1, self.draft_vocab)
             logits, new_features = self._target_forward(block, cache, start, want_features=use_drafter)
             target_tokens = sampler.pick(logits, start + 1)  # token i is the target's choice at start+1+i
             matches = (block[0, 1:] == target_tokens[:-1]).int()

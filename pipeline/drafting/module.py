@@ -49,7 +49,12 @@ class DrafterModule(L.LightningModule):
         super().__init__()
         self.drafter = drafter
         self.register_buffer("embedding", embedding.detach(), persistent=False)
-        self.register_buffer("lm_head", lm_head.detach(), persistent=False)
+        self.register_buffer("lm_head", drafter.draft_head(lm_head.detach()).clone(), persistent=False)
+        # target token id -> row of the draft head (-100 for tokens outside the draft vocabulary)
+        to_draft = torch.full((lm_head.shape[0],), -100, dtype=torch.long)
+        vocab = drafter.draft_vocab if drafter.draft_vocab is not None else torch.arange(lm_head.shape[0])
+        to_draft[vocab.cpu()] = torch.arange(len(vocab))
+        self.register_buffer("to_draft", to_draft, persistent=False)
         self.lr, self.weight_decay = lr, weight_decay
         self.warmup_steps, self.max_steps, self.gamma = warmup_steps, max_steps, gamma
         self.eval_block_sizes = tuple(eval_block_sizes)
@@ -60,14 +65,19 @@ class DrafterModule(L.LightningModule):
         noise = F.embedding(inputs["block_ids"], self.embedding)
         features = batch["features"].to(self.device, noise.dtype)
         hidden = self.drafter(noise, features, inputs["position_ids"], inputs["attention_mask"])
-        b, K = inputs["labels"].shape[:2]
+        labels = inputs["labels"]
+        b, K = labels.shape[:2]
         hidden = hidden.view(b, K, block_size, -1)[:, :, 1:]
-        return hidden, inputs["labels"]
+        in_seq = labels >= 0
+        labels = torch.where(in_seq, self.to_draft[labels.clamp(min=0)], labels)
+        # out-of-draft-vocabulary targets: still count as a block position, never predictable
+        labels = torch.where(in_seq & (labels < 0), torch.full_like(labels, -1), labels)
+        return hidden, labels
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         B = self.drafter.block_size
         hidden, labels = self._logits(batch, B)
-        keep = labels >= 0
+        keep = labels >= 0  # in-sequence and inside the draft vocabulary
         weights = loss_weights(B, self.gamma).to(self.device)[None, None].expand_as(labels)[keep]
         logits = hidden[keep] @ self.lm_head.T
         ce = F.cross_entropy(logits.float(), labels[keep], reduction="none")
@@ -80,7 +90,7 @@ class DrafterModule(L.LightningModule):
     def teacher_forced_tau(self, batch: dict, block_size: int) -> tuple[float, int]:
         """(sum of per-block acceptance lengths, number of full blocks) for one batch at ``block_size``."""
         hidden, labels = self._logits(batch, block_size)
-        full = (labels >= 0).all(-1)
+        full = (labels != -100).all(-1)
         if not bool(full.any()):
             return 0.0, 0
         hidden, labels = hidden[full], labels[full]

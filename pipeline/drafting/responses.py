@@ -120,8 +120,11 @@ def build_response_cache(
     max_new_tokens: int = 256,
     max_prompt_tokens: int = 384,
     batch_size: int = 32,
+    max_batches: int | None = None,
 ) -> list[Path]:
     """Generate (or resume) the response cache for ``prompts``; returns the shard paths.
+
+    ``max_batches`` keeps only the first batches (the shortest prompts), to bound generation time.
 
     Prompts longer than ``max_prompt_tokens`` are skipped (logged). Prompts are sorted by length so
     that batches need little padding; shard ``k`` always holds the same prompts, so reruns resume.
@@ -137,7 +140,7 @@ def build_response_cache(
     if skipped:
         log.info("skipped %d prompts longer than %d tokens", skipped, max_prompt_tokens)
     encoded.sort(key=len)
-    batches = [encoded[i : i + batch_size] for i in range(0, len(encoded), batch_size)]
+    batches = [encoded[i : i + batch_size] for i in range(0, len(encoded), batch_size)][:max_batches]
     paths = []
     for k, batch in enumerate(tqdm(batches, desc="target responses", unit="batch")):
         path = out_dir / f"shard-{k:05d}.safetensors"

@@ -11,6 +11,12 @@ Checkpoint layout (a public ``z-lab/Qwen3-4B-DFlash-b16`` loads unchanged)::
     config.json        Qwen3 config + block_size, num_target_layers,
                        dflash_config.{target_layer_ids, mask_token_id}
     model.safetensors  layers.*, fc.weight, hidden_norm.weight, norm.weight
+
+Optional extension (absent from z-lab checkpoints, which then use the full vocabulary): a draft
+vocabulary, ``dflash_config.draft_vocab_size`` = N and tensor ``draft_vocab`` int64 [N] of target token
+ids, as in EAGLE-3's reduced draft head. The drafter then scores only those N rows of the target's LM
+head (49152 -> 8192 rows for SmolLM2: ~6x less LM-head work per draft and per training step) and can
+only propose those tokens; verification is unchanged, so decoding stays lossless.
 """
 
 from __future__ import annotations
@@ -171,6 +177,12 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+        n_draft_vocab = dflash.get("draft_vocab_size")
+        self.draft_vocab: torch.Tensor | None
+        if n_draft_vocab:
+            self.register_buffer("draft_vocab", torch.arange(int(n_draft_vocab), dtype=torch.long))
+        else:
+            self.draft_vocab = None
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -221,6 +233,24 @@ class DFlashDrafter(nn.Module):
             hidden = layer(hidden, context, cos, sin, attention_mask, cache)
         return self.norm(hidden)
 
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Restrict proposals to ``token_ids`` [N] (target vocabulary ids); records N in the config."""
+        token_ids = token_ids.to(torch.long).flatten()
+        self.config.dflash_config = {**self.config.dflash_config, "draft_vocab_size": int(token_ids.numel())}
+        if self.draft_vocab is None:
+            del self.draft_vocab
+            self.register_buffer("draft_vocab", token_ids.clone())
+        else:
+            self.draft_vocab = token_ids.clone().to(self.draft_vocab.device)
+
+    def draft_head(self, lm_head: torch.Tensor) -> torch.Tensor:
+        """The LM-head rows the drafter scores: ``lm_head[draft_vocab]`` [N, H], or the full [V, H]."""
+        return lm_head if self.draft_vocab is None else lm_head[self.draft_vocab]
+
+    def to_target_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Map argmax indices over ``draft_head`` rows to target token ids (identity without draft vocab)."""
+        return index if self.draft_vocab is None else self.draft_vocab[index]
+
     # ----------------------------------------------------------------------------------------
     # z-lab checkpoint layout
     # ----------------------------------------------------------------------------------------
@@ -228,7 +258,8 @@ class DFlashDrafter(nn.Module):
         """Write ``config.json`` and ``model.safetensors`` (z-lab layout) into ``directory``."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items() if "rotary_emb" not in k}
+        state = {k: (v.detach() if k == "draft_vocab" else v.detach().to(dtype)).contiguous()
+                 for k, v in self.state_dict().items() if "rotary_emb" not in k}
         save_file(state, directory / WEIGHTS_NAME, metadata={"format": "pt"})
         config = self.config.to_dict()
         config["dtype"] = str(dtype).removeprefix("torch.")
@@ -263,7 +294,8 @@ class DFlashDrafter(nn.Module):
         missing = [k for k in missing if "rotary_emb" not in k]
         if missing or unexpected:
             raise ValueError(f"drafter checkpoint {directory} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        return model.to(device=device, dtype=dtype).eval()
+        model = model.to(device=device, dtype=dtype).eval()
+        return model
 
 
 def check_compatible(drafter: DFlashDrafter, target_config: PretrainedConfig) -> None:
@@ -279,6 +311,8 @@ def check_compatible(drafter: DFlashDrafter, target_config: PretrainedConfig) ->
     bad = [i for i in drafter.target_layer_ids if not 0 <= i < target_config.num_hidden_layers]
     if bad:
         problems.append(f"target_layer_ids {bad} outside the target's {target_config.num_hidden_layers} layers")
+    if drafter.draft_vocab is not None and int(drafter.draft_vocab.max()) >= target_config.vocab_size:
+        problems.append("draft_vocab holds ids outside the target's vocabulary")
     if not 0 <= drafter.mask_token_id < target_config.vocab_size:
         problems.append(f"mask_token_id {drafter.mask_token_id} outside the vocabulary")
     if problems:
