@@ -13,6 +13,7 @@ Never point it at the benchmark sets used for evaluation.
 from __future__ import annotations
 
 import json
+from collections import Counter
 import logging
 import platform
 import random
@@ -33,7 +34,7 @@ from pipeline.drafting.module import DrafterModule, init_from_target_layers
 from pipeline.drafting.responses import build_response_cache
 from pipeline.drafting.stdlib_prompts import stdlib_prompts
 from pipeline.models.drafter import DFlashDrafter, make_drafter_config, num_parameters
-from pipeline.models.loading import resolve_path
+from pipeline import PROJECT_ROOT
 from pipeline.models.target import load_target
 from pipeline.prompts import load_prompt_set
 from pipeline.tracking import init_wandb
@@ -49,6 +50,20 @@ def training_prompts(set_cfg) -> list:
     return load_prompt_set(set_cfg.source, set_cfg.name, set_cfg.get("limit"), seed=0)
 
 
+class PrintProgress(L.Callback):
+    """One log line every ``every_n_steps`` optimizer steps (readable in files, unlike a progress bar)."""
+
+    def __init__(self, every_n_steps: int = 10):
+        self.every_n_steps = every_n_steps
+        self.t0 = time.time()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step
+        if step % self.every_n_steps == 0:
+            metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items()}
+            log.info("step %d  %.0f s  %s", step, time.time() - self.t0, metrics)
+
+
 def frequent_tokens(sequences: list[dict], target, size: int) -> torch.Tensor:
     """The ``size`` most frequent token ids of the training sequences (stop tokens always included), sorted."""
     vocab_size = target.model.config.vocab_size
@@ -59,10 +74,10 @@ def frequent_tokens(sequences: list[dict], target, size: int) -> torch.Tensor:
     return counts.argsort(descending=True)[: min(size, vocab_size)].sort().values
 
 
-def write_model_card(out: Path, cfg: DictConfig, stats: dict) -> None:
-    """A README.md next to the weights: data, steps, wall time, teacher-forced tau per B."""
+def write_model_card(out: Path, name: str, cfg: DictConfig, stats: dict) -> None:
+    """A README.md in ``out`` for drafter ``name``: data, steps, wall time, teacher-forced tau per B."""
     lines = [
-        f"# {out.name}",
+        f"# {name}",
         "",
         f"DFlash drafter for `{cfg.model.target}`, trained by `make draft` (pipeline/draft.py), seed {cfg.seed}.",
         "",
@@ -89,14 +104,13 @@ def train_drafter(cfg: DictConfig) -> Path:
                                          target_layer_ids=dcfg.get("target_layer_ids"), mask_token_id=dcfg.mask_token_id)
     layer_ids = drafter_config.dflash_config["target_layer_ids"]
     cache_root = Path(dcfg.cache_dir)
-    dirs, n_prompts = [], 0
+    dirs = []
     for set_cfg in dcfg.sets:
         d = cache_root / set_cfg.name
         if set_cfg.source == "stdlib_source":  # teacher-forced text windows, no generation
             build_corpus_cache(target, d, layer_ids, window=set_cfg.get("window", 384), limit=set_cfg.get("limit"))
         else:
             prompts = training_prompts(set_cfg)
-            n_prompts += len(prompts)
             build_response_cache(target, prompts, d, layer_ids, dcfg.max_new_tokens, dcfg.max_prompt_tokens,
                                  dcfg.gen_batch_size, set_cfg.get("max_batches"))
         dirs.append(d)
@@ -128,9 +142,11 @@ def train_drafter(cfg: DictConfig) -> Path:
         loggers.append(WandbLogger(experiment=run))
     trainer = L.Trainer(
         max_steps=dcfg.trainer.max_steps, max_time=dcfg.trainer.get("max_time"), val_check_interval=dcfg.trainer.val_check_interval,
+        check_val_every_n_epoch=None,
         limit_val_batches=dcfg.trainer.limit_val_batches, accelerator=dcfg.trainer.accelerator, devices=1,
         precision=dcfg.trainer.precision, gradient_clip_val=1.0, logger=loggers or False, enable_checkpointing=False,
         default_root_dir=str(Path(cfg.paths.data) / "runs" / "draft"), log_every_n_steps=10, num_sanity_val_steps=0,
+        callbacks=[PrintProgress(every_n_steps=10)],
     )
     t_train = time.time()
     trainer.fit(module, train_dl, val_dl)
@@ -139,8 +155,10 @@ def train_drafter(cfg: DictConfig) -> Path:
     val_tau = {str(drafter.block_size): final.get("val/tau", float("nan"))}
     val_tau.update({k.removeprefix("val/tau_b"): v for k, v in final.items() if k.startswith("val/tau_b")})
 
-    out = Path(resolve_path(dcfg.out) if not Path(dcfg.out).is_absolute() else dcfg.out)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent if out.parent.exists() else None))
+    out = Path(dcfg.out) if Path(dcfg.out).is_absolute() else PROJECT_ROOT / dcfg.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    tmp.chmod(0o755)
     drafter.save_pretrained(tmp, dtype=getattr(torch, dcfg.export_dtype))
     stats = {
         "target": cfg.model.target,
@@ -150,7 +168,7 @@ def train_drafter(cfg: DictConfig) -> Path:
         "draft vocabulary": drafter.config.dflash_config.get("draft_vocab_size", "full"),
         "initialised from target layers": copied or "random",
         "target layer taps": layer_ids,
-        "training prompts": n_prompts,
+        "training sequences per set": dict(Counter(s["set"] for s in sequences)),
         "training sequences (train/val)": f"{len(train)}/{len(val)}",
         "response tokens": response_tokens,
         "optimizer steps": trainer.global_step,
@@ -160,9 +178,8 @@ def train_drafter(cfg: DictConfig) -> Path:
         "hardware": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {cfg.model.device}",
         "val_tau": val_tau,
     }
-    write_model_card(tmp, cfg, stats)
+    write_model_card(tmp, out.name, cfg, stats)
     (tmp / "training_stats.json").write_text(json.dumps(stats, indent=2, default=str))
-    out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

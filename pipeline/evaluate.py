@@ -2,42 +2,263 @@
 
     python -m pipeline.evaluate data=humaneval data.limit=20 decode.max_new_tokens=128 \
         decode.block_size=8 eval.methods=[ar,fixed] eval.out=data/eval/humaneval.json
+    make eval    # python -m pipeline.evaluate run_name=<run> data=<the label stage's sets> \
+                 #   eval.methods=[ar,fixed,best_fixed,blockpilot,ema,oracle]   (+ full_vocab when trained)
 
-Methods: ``ar`` (B=1) and ``fixed`` (``decode.block_size``, default the training block size).
+Methods:
+  * ``ar`` (B=1) and ``fixed`` (``decode.block_size``, default the drafter's training block size);
+  * ``ema``: ``EMASchedule`` over ``model.candidates`` (per-step adaptive baseline);
+  * ``best_fixed``: the single candidate B with the best mean label (tau, or tokens/s with
+    ``eval.target=speed``) over the train split's prompts;
+  * ``oracle``: each prompt's own label B (``label_tau``, or ``label_speed``);
+  * ``blockpilot`` / ``full_vocab``: the trained predictors (``eval.predictor_dir/<eval.predictors[m]>``)
+    pick B once from the prefill logits of each request (each turn of a multi-turn prompt); their time is
+    part of the request (``schedule_ms``).
+``best_fixed`` and ``oracle`` read the label stage's rows (``eval.labels_dir``), the predictor methods
+read ``predictor.json`` + ``predictor.safetensors``, and ``eval.split`` (``auto``: ``test`` as soon as one
+of those four methods runs, else every configured prompt) takes the split's prompt ids from the dataset
+stage's DatasetDict (``eval.features_dir``); the prompts themselves come from ``data``.
+
 Every method decodes every prompt with the same decoder; prompts are interleaved across methods so
 machine noise hits all of them alike. Writes a JSON file with, per method, ``tau`` (mean acceptance
-length over all steps, tokens), ``tokens_per_s`` (new tokens over prefill + decode time),
+length over all steps, tokens), ``tokens_per_s`` (new tokens over prefill + schedule + decode time),
 ``speedup`` (vs ``ar`` in this run), ``tpot_ms``, ``lossless`` (every output token-identical to ``ar``),
-``n_prompts`` and per-prompt rows.
+``n_prompts``, ``overhead_ms`` (time choosing B per prompt, ms) and ``overhead_pct`` (its share of
+decode time, %), ``oracle_gain_share`` = (tau - tau_fixed) / (tau_oracle - tau_fixed) with a bootstrap
+95% interval over prompts ``oracle_gain_share_ci`` (null unless ``fixed`` and ``oracle`` ran), and
+per-prompt rows (``chosen_b``: the B picked for the first turn); ``per_set`` repeats the summary per
+source set. Beside it: ``results.md`` and PNG figures (``pipeline.reporting``), also logged to W&B.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import hydra
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from pipeline.decoding import DecodeConfig, FixedSchedule
+from pipeline.decoding import DecodeConfig, EMASchedule, FixedSchedule
 from pipeline.decoding.conversation import decode_prompt
 from pipeline.models.loading import build_decoder
-from pipeline.prompts import load_prompt_sets
+from pipeline.prompts import Prompt, load_prompt_sets
 from pipeline.tracking import init_wandb
 
 log = logging.getLogger(__name__)
 
+LABEL_METHODS = ("best_fixed", "oracle")
+PREDICTOR_METHODS = ("blockpilot", "full_vocab")
+SPLIT_METHODS = LABEL_METHODS + PREDICTOR_METHODS
 
-def method_schedules(cfg: DictConfig, decoder) -> dict[str, Callable[[], object]]:
-    """Schedule factories for the basic methods ``ar`` and ``fixed``."""
+
+class PerPrompt:
+    """A schedule factory that needs the prompt (e.g. the oracle): ``fn(prompt) -> schedule``."""
+
+    def __init__(self, fn: Callable[[Prompt], object]):
+        self.fn = fn
+
+    def bind(self, prompt: Prompt) -> Callable[[], object]:
+        return lambda: self.fn(prompt)
+
+
+class FirstChoice:
+    """Wraps a schedule and records the block size its ``first`` picked (``chosen``, tokens)."""
+
+    def __init__(self, schedule):
+        self.schedule = FixedSchedule(schedule) if isinstance(schedule, int) else schedule
+        self.max_block_size = self.schedule.max_block_size
+        self.chosen: int | None = None
+
+    def first(self, last_logits: torch.Tensor) -> int:
+        self.chosen = self.schedule.first(last_logits)
+        return self.chosen
+
+    def next(self, tau: int, block_size: int) -> int:
+        return self.schedule.next(tau, block_size)
+
+
+@dataclass
+class EvalInputs:
+    """What the label-based and predictor methods need (each None/empty when not needed).
+
+    Attributes:
+        labels: label rows (``pipeline.dataset.read_label_table``); label_meta: its ``meta.json``;
+        splits: ``{split: prompt ids}`` from the feature DatasetDict; predictors: ``{method: Predictor}``.
+    """
+
+    labels: object = None
+    label_meta: dict = field(default_factory=dict)
+    splits: dict[str, list[str]] | None = None
+    predictors: dict = field(default_factory=dict)
+
+    @property
+    def candidates(self) -> list[int] | None:
+        return [int(b) for b in self.labels["candidates"].iloc[0]] if self.labels is not None and len(self.labels) else None
+
+
+def resolve_split(cfg: DictConfig, methods: list[str]) -> str | None:
+    """The split whose prompts are decoded: None (every configured prompt) or train/validation/test.
+
+    Raises:
+        ValueError: for an unknown ``eval.split``.
+    """
+    split = str(cfg.eval.get("split", "auto") or "all")
+    if split == "auto":
+        return "test" if any(m in SPLIT_METHODS for m in methods) else None
+    if split == "all":
+        return None
+    if split not in ("train", "validation", "test"):
+        raise ValueError(f"eval.split must be auto, all, train, validation or test; got {split!r}")
+    return split
+
+
+def load_eval_inputs(cfg: DictConfig, methods: list[str], decoder=None) -> EvalInputs:
+    """Load the labels, split ids and predictors that ``methods`` need (labels also when merely present, for plots).
+
+    Raises:
+        FileNotFoundError: when a needed artifact is missing; the message names the stage to run.
+        ValueError: when a predictor does not fit the decoder (vocabulary, block-size limit).
+    """
+    from pipeline.dataset import read_label_table, split_prompt_ids
+
+    inputs = EvalInputs()
+    labels_dir = Path(cfg.eval.labels_dir)
+    need_labels = any(m in LABEL_METHODS for m in methods)
+    if need_labels or any(labels_dir.glob("shard-*.parquet")):
+        try:
+            inputs.labels, inputs.label_meta = read_label_table(labels_dir)
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"eval methods {[m for m in methods if m in LABEL_METHODS]} need labels: {err}") from err
+    split = resolve_split(cfg, methods)
+    if split is not None or "best_fixed" in methods:
+        try:
+            inputs.splits = split_prompt_ids(cfg.eval.features_dir)
+        except FileNotFoundError as err:
+            raise FileNotFoundError(f"eval.split={split} / best_fixed need the dataset stage's splits: {err}") from err
+    for method in methods:
+        if method in PREDICTOR_METHODS:
+            inputs.predictors[method] = load_method_predictor(cfg, method, decoder)
+    meta = inputs.label_meta
+    if meta:
+        for key, value in (("max_new_tokens", cfg.decode.max_new_tokens), ("temperature", cfg.decode.temperature)):
+            if key in meta and meta[key] != value:
+                log.warning("labels were made with %s=%s but decode.%s=%s: oracle/best_fixed B may not be optimal here",
+                            key, meta[key], key, value)
+    return inputs
+
+
+def load_method_predictor(cfg: DictConfig, method: str, decoder=None):
+    """The exported predictor of ``method`` (``eval.predictor_dir/<eval.predictors[method]>``), checked against the decoder."""
+    from pipeline.policy.export import load_predictor
+
+    name = cfg.eval.predictors[method]
+    directory = Path(cfg.eval.predictor_dir) / name
+    hint = "" if method == "blockpilot" else " predictor=full_vocab (after make dataset features=full_vocab, labels with label.store_full_logits=true)"
+    try:
+        predictor = load_predictor(directory, device=cfg.model.device)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"eval method {method!r} needs a trained predictor at {directory}; run the train stage: "
+                                f"make train (python -m pipeline.train run_name={cfg.run_name}{hint})") from err
+    if decoder is not None:
+        vocab = decoder.lm_head.shape[0]
+        spec_vocab = predictor.featurizer.spec.vocab_size
+        if spec_vocab and spec_vocab != vocab:
+            raise ValueError(f"predictor {directory} was trained on a vocabulary of {spec_vocab}, the target has {vocab}: "
+                             "train it on labels of this target")
+        limit = decoder.drafter.max_block_size if decoder.drafter is not None else 1
+        if max(predictor.candidates) > limit:
+            raise ValueError(f"predictor {directory} picks block sizes up to {max(predictor.candidates)}, beyond the drafter's "
+                             f"limit {limit}; use a predictor trained for this drafter")
+    return predictor
+
+
+def best_fixed_block_size(inputs: EvalInputs, target: str = "tau") -> int:
+    """The candidate B with the best mean tau (``target=tau``) or tokens/s (``speed``) over the train split's labels.
+
+    Raises:
+        ValueError: when no train-split prompt has a label.
+    """
+    column = "tau" if target == "tau" else "tokens_per_s"
+    train = set(inputs.splits["train"])
+    rows = inputs.labels[inputs.labels["id"].isin(train)]
+    if rows.empty:
+        raise ValueError("no train-split prompt has a label: rebuild the dataset (make dataset) from these labels")
+    mean = np.stack(rows[column].map(np.asarray).to_list()).astype(float).mean(0)
+    return inputs.candidates[int(np.argmax(mean))]  # first maximum: the smaller B on ties
+
+
+def method_schedules(cfg: DictConfig, decoder, inputs: EvalInputs | None = None) -> dict[str, Callable[[], object] | PerPrompt]:
+    """Schedule factories of every method available with ``inputs``.
+
+    ``ar``, ``fixed`` and ``ema`` need nothing; ``best_fixed``/``oracle`` need ``inputs.labels`` (and the
+    train split for ``best_fixed``); ``blockpilot``/``full_vocab`` need their loaded predictor.
+    """
+    from pipeline.policy.schedule import PredictorSchedule
+
     trained_b = decoder.drafter.block_size if decoder.drafter is not None else 1
     fixed_b = int(cfg.decode.block_size or trained_b)
-    return {"ar": lambda: FixedSchedule(1), "fixed": lambda: FixedSchedule(fixed_b)}
+    ema = cfg.eval.get("ema") or {}
+    candidates = list(cfg.model.candidates)
+    out: dict = {
+        "ar": lambda: FixedSchedule(1),
+        "fixed": lambda: FixedSchedule(fixed_b),
+        "ema": lambda: EMASchedule(candidates, ema.get("alpha", 0.5), ema.get("margin", 1.0), ema.get("start")),
+    }
+    if inputs is None:
+        return out
+    target = str(cfg.eval.get("target", "tau"))
+    if inputs.labels is not None:
+        label_col = "label_tau" if target == "tau" else "label_speed"
+        label_of = dict(zip(inputs.labels["id"].astype(str), inputs.labels[label_col].astype(int)))
+
+        def oracle(prompt: Prompt):
+            if prompt.id not in label_of:
+                raise ValueError(f"prompt {prompt.id!r} has no label in {cfg.eval.labels_dir}; label it (make label) or "
+                                 "evaluate the dataset's split (eval.split=test)")
+            return FixedSchedule(label_of[prompt.id])
+
+        out["oracle"] = PerPrompt(oracle)
+        if inputs.splits is not None:
+            best = best_fixed_block_size(inputs, target)
+            out["best_fixed"] = lambda: FixedSchedule(best)
+    for method, predictor in inputs.predictors.items():
+        out[method] = lambda p=predictor: PredictorSchedule(p)
+    return out
+
+
+def select_prompts(cfg: DictConfig, split: str | None, inputs: EvalInputs) -> list[Prompt]:
+    """The configured prompts, restricted to ``split``'s ids (then ``data.limit`` per set) when a split is used.
+
+    Raises:
+        ValueError: when none of the split's prompts is among the configured prompt sets.
+    """
+    if split is None:
+        return load_prompt_sets(cfg.data.sets, cfg.data.limit, cfg.data.seed)
+    wanted = set(inputs.splits[split])
+    prompts = [p for p in load_prompt_sets(cfg.data.sets, None, cfg.data.seed) if p.id in wanted]
+    if not prompts:
+        raise ValueError(f"none of the {len(wanted)} {split} prompts of {cfg.eval.features_dir} is in the configured prompt "
+                         "sets; pass the label stage's prompt sets (data=...)")
+    if len(prompts) < len(wanted):
+        log.warning("%d of the %d %s prompts are not in the configured prompt sets; evaluating %d",
+                    len(wanted) - len(prompts), len(wanted), split, len(prompts))
+    if cfg.data.limit:
+        kept: dict[str, int] = {}
+        limited = []
+        for p in prompts:
+            if kept.get(p.source_set, 0) < int(cfg.data.limit):
+                kept[p.source_set] = kept.get(p.source_set, 0) + 1
+                limited.append(p)
+        prompts = limited
+    return prompts
 
 
 def summarize(rows: list[dict], reference: dict[str, list[int]] | None) -> dict:
@@ -47,6 +268,7 @@ def summarize(rows: list[dict], reference: dict[str, list[int]] | None) -> dict:
     new_tokens = sum(r["new_tokens"] for r in rows)
     seconds = sum(r["prefill_ms"] + r["schedule_ms"] + r["decode_ms"] for r in rows) / 1e3
     decode_ms = sum(r["decode_ms"] for r in rows)
+    schedule_ms = sum(r["schedule_ms"] for r in rows)
     out = {
         "n_prompts": len(rows),
         "tau": accepted / steps if steps else 0.0,
@@ -54,7 +276,9 @@ def summarize(rows: list[dict], reference: dict[str, list[int]] | None) -> dict:
         "tokens_per_s": new_tokens / seconds if seconds else 0.0,
         "tpot_ms": decode_ms / max(1, new_tokens - len(rows)),
         "decode_ms": decode_ms,
-        "schedule_ms": sum(r["schedule_ms"] for r in rows),
+        "schedule_ms": schedule_ms,
+        "overhead_ms": schedule_ms / len(rows) if rows else 0.0,
+        "overhead_pct": 100.0 * schedule_ms / decode_ms if decode_ms else 0.0,
     }
     if reference is not None:
         out["lossless"] = all(r["output_ids"] == reference[r["id"]] for r in rows)
@@ -78,35 +302,108 @@ def merge_turns(prompt_id: str, source_set: str, stats: list) -> dict:
     }
 
 
-def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None) -> dict:
-    """Run the configured methods over the configured prompts and return the results dict."""
+def _finite(x: float) -> float | None:
+    return float(x) if x is not None and math.isfinite(x) else None
+
+
+def oracle_gain_share(rows: dict[str, list[dict]], method: str, samples: int = 1000, seed: int = 0) -> tuple[float | None, list]:
+    """(tau_method - tau_fixed) / (tau_oracle - tau_fixed) over the prompts all three decoded, with a
+    percentile bootstrap 95% interval over prompts (tau = accepted tokens / steps of the resampled prompts).
+
+    Returns:
+        (share or None when the oracle gains nothing over fixed, [low, high] or [None, None]).
+    """
+    by_id = {m: {r["id"]: r for r in rows[m]} for m in (method, "fixed", "oracle")}
+    ids = [i for i in by_id[method] if i in by_id["fixed"] and i in by_id["oracle"]]
+    if not ids:
+        return None, [None, None]
+    acc = np.array([[by_id[m][i]["tau"] * by_id[m][i]["steps"] for i in ids] for m in (method, "fixed", "oracle")])
+    steps = np.array([[by_id[m][i]["steps"] for i in ids] for m in (method, "fixed", "oracle")], dtype=float)
+
+    def share(a: np.ndarray, s: np.ndarray) -> np.ndarray:
+        tau = a / np.maximum(s, 1e-12)
+        gain = tau[2] - tau[1]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(gain > 1e-9, (tau[0] - tau[1]) / gain, np.nan)
+
+    point = float(share(acc.sum(1), steps.sum(1)))
+    idx = np.random.default_rng(seed).integers(0, len(ids), size=(samples, len(ids)))
+    boot = share(acc[:, idx].sum(-1), steps[:, idx].sum(-1))
+    boot = boot[np.isfinite(boot)]
+    ci = [_finite(np.percentile(boot, 2.5)), _finite(np.percentile(boot, 97.5))] if len(boot) else [None, None]
+    return _finite(point), ci
+
+
+def summarize_all(rows: dict[str, list[dict]], methods: list[str], reference: dict, boot: dict) -> dict[str, dict]:
+    """Summary of every method over ``rows`` (one source set or all): ``summarize`` + speedup + oracle gain share."""
+    block = {m: summarize(rows[m], reference) for m in methods}
+    ar_speed = block["ar"]["tokens_per_s"]
+    shares = "fixed" in rows and "oracle" in rows
+    for m in methods:
+        block[m]["speedup"] = block[m]["tokens_per_s"] / ar_speed if ar_speed else 0.0
+        share, ci = oracle_gain_share(rows, m, int(boot.get("samples", 1000)), int(boot.get("seed", 0))) if shares else (None, [None, None])
+        block[m]["oracle_gain_share"], block[m]["oracle_gain_share_ci"] = share, ci
+    return block
+
+
+def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, inputs: EvalInputs | None = None) -> dict:
+    """Run the configured methods over the configured prompts and return the results dict.
+
+    Args:
+        decoder: a ``SpeculativeDecoder`` (default: built from ``cfg.model``).
+        schedules: method -> schedule factory (default: ``method_schedules``); a factory is a zero-argument
+            callable or a ``PerPrompt``.
+        inputs: preloaded ``EvalInputs`` (default: ``load_eval_inputs``).
+    Raises:
+        ValueError: for an unknown method; FileNotFoundError: for a missing label/dataset/predictor artifact.
+    """
     torch.manual_seed(cfg.seed)
     decoder = decoder or build_decoder(cfg.model)
-    prompts = load_prompt_sets(cfg.data.sets, cfg.data.limit, cfg.data.seed)
-    available = schedules or method_schedules(cfg, decoder)
     methods = list(cfg.eval.methods)
+    inputs = inputs if inputs is not None else load_eval_inputs(cfg, methods, decoder)
+    available = schedules or method_schedules(cfg, decoder, inputs)
     unknown = [m for m in methods if m not in available]
     if unknown:
         raise ValueError(f"unknown eval.methods {unknown}; available: {sorted(available)}")
     if "ar" not in methods:
         methods = ["ar"] + methods  # speedup and losslessness are measured against ar in the same run
+    split = resolve_split(cfg, methods)
+    prompts = select_prompts(cfg, split, inputs)
     decode_cfg = DecodeConfig(cfg.decode.max_new_tokens, cfg.decode.temperature, cfg.decode.seed)
+
+    def factory(method: str, prompt: Prompt, chosen: list):
+        make = available[method].bind(prompt) if isinstance(available[method], PerPrompt) else available[method]
+
+        def build():
+            schedule = FirstChoice(make())
+            chosen.append(schedule)
+            return schedule
+
+        return build
+
     if cfg.eval.warmup and prompts:
         for m in methods:
-            decode_prompt(decoder, prompts[0], available[m], DecodeConfig(8, decode_cfg.temperature, decode_cfg.seed))
+            decode_prompt(decoder, prompts[0], factory(m, prompts[0], []), DecodeConfig(8, decode_cfg.temperature, decode_cfg.seed))
     rows: dict[str, list[dict]] = {m: [] for m in methods}
     for prompt in tqdm(prompts, desc="eval", unit="prompt"):
         for m in methods:
-            stats = decode_prompt(decoder, prompt, available[m], decode_cfg)
-            rows[m].append(merge_turns(prompt.id, prompt.source_set, stats))
+            chosen: list[FirstChoice] = []
+            stats = decode_prompt(decoder, prompt, factory(m, prompt, chosen), decode_cfg)
+            row = merge_turns(prompt.id, prompt.source_set, stats)
+            row["chosen_b"] = chosen[0].chosen if chosen else None
+            rows[m].append(row)
     reference = {r["id"]: r["output_ids"] for r in rows["ar"]}
-    results = {"config": OmegaConf.to_container(cfg.decode, resolve=True), "methods": {}}
+    boot = cfg.eval.get("bootstrap") or {}
+    results = {"config": OmegaConf.to_container(cfg.decode, resolve=True), "split": split,
+               "methods": summarize_all(rows, methods, reference, boot), "per_set": {}}
+    for source_set in sorted({p.source_set for p in prompts}):
+        subset = {m: [r for r in rows[m] if r["source_set"] == source_set] for m in methods}
+        results["per_set"][source_set] = summarize_all(subset, methods, reference, boot)
     for m in methods:
-        results["methods"][m] = summarize(rows[m], reference)
-    ar_speed = results["methods"]["ar"]["tokens_per_s"]
-    for m in methods:
-        results["methods"][m]["speedup"] = results["methods"][m]["tokens_per_s"] / ar_speed if ar_speed else 0.0
         results["methods"][m]["rows"] = [{k: v for k, v in r.items() if k != "output_ids"} for r in rows[m]]
+    if inputs.predictors:
+        results["predictors"] = {m: {k: p.meta.get(k) for k in ("arch", "num_parameters", "features", "candidates", "inference_ms")}
+                                 for m, p in inputs.predictors.items()}
     return results
 
 
@@ -120,16 +417,43 @@ def write_json(results: dict, out: str | Path) -> Path:
     return out
 
 
+def log_to_wandb(run, results: dict, report: dict[str, Path]) -> None:
+    """Summary scalars, the results table and the figures of one eval run."""
+    import wandb
+
+    from pipeline.reporting import results_frame
+
+    for m, r in results["methods"].items():
+        run.summary.update({f"{m}/{k}": v for k, v in r.items() if isinstance(v, (int, float, bool))})
+    for s, block in results.get("per_set", {}).items():
+        for m, r in block.items():
+            run.summary.update({f"{s}/{m}/{k}": v for k, v in r.items() if isinstance(v, (int, float, bool))})
+    frame = results_frame(results).astype(object).where(lambda f: f.notna(), None)
+    payload = {"eval/results": wandb.Table(dataframe=frame)}
+    payload.update({f"eval/{name}": wandb.Image(str(path)) for name, path in report.items() if path.suffix == ".png"})
+    run.log(payload)
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="evaluate")
 def main(cfg: DictConfig) -> None:
+    from pipeline.reporting import write_report
+
     run = init_wandb(cfg, job_type="eval")
-    results = evaluate(cfg)
+    decoder = build_decoder(cfg.model)
+    inputs = load_eval_inputs(cfg, list(cfg.eval.methods), decoder)
+    results = evaluate(cfg, decoder, inputs=inputs)
     out = write_json(results, cfg.eval.out)
+    report = {}
+    if cfg.eval.get("report", True):
+        label_col = "label_tau" if str(cfg.eval.get("target", "tau")) == "tau" else "label_speed"
+        report = write_report(results, out.parent, inputs.labels, label_col, table_name=out.with_suffix(".md").name)
     for m, r in results["methods"].items():
-        log.info("%-10s tau %.2f  tok/s %.2f  speedup %.2fx  lossless %s", m, r["tau"], r["tokens_per_s"], r["speedup"], r.get("lossless"))
-        if run is not None:
-            run.summary.update({f"{m}/{k}": v for k, v in r.items() if isinstance(v, (int, float, bool))})
+        share = r.get("oracle_gain_share")
+        log.info("%-10s tau %.2f  tok/s %.2f  speedup %.2fx  overhead %.3f ms (%.3f%%)  gain share %s  lossless %s", m, r["tau"],
+                 r["tokens_per_s"], r["speedup"], r["overhead_ms"], r["overhead_pct"],
+                 "-" if share is None else f"{share:.2f}", r.get("lossless"))
     if run is not None:
+        log_to_wandb(run, results, report)
         run.finish()
     print(out)
 

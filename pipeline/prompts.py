@@ -57,7 +57,7 @@ def jsonl_prompts(path: str | Path, name: str | None = None) -> list[Prompt]:
     """Prompts from a JSONL file of ``{"id", "turns"[, "source"]}`` rows.
 
     Raises:
-        FileNotFoundError: for a missing file; ValueError: for a row without ``id``/``turns``.
+        FileNotFoundError: for a missing file; ValueError: for a row without ``id``/``turns`` or whose ``turns`` is not a list.
     """
     path = Path(path)
     if not path.exists():
@@ -71,6 +71,8 @@ def jsonl_prompts(path: str | Path, name: str | None = None) -> list[Prompt]:
             row = json.loads(line)
             if "id" not in row or "turns" not in row:
                 raise ValueError(f"{path}:{lineno}: each row needs 'id' and 'turns'")
+            if not isinstance(row["turns"], list):
+                raise ValueError(f"{path}:{lineno}: 'turns' must be a list of strings, e.g. [\"<user prompt>\"]")
             prompts.append(Prompt(str(row["id"]), list(row["turns"]), name, {"source": row.get("source", "")}))
     return prompts
 

@@ -17,7 +17,8 @@ from pipeline.drafting.responses import read_shard
 
 
 def load_sequences(dirs: list[str | Path], max_len: int | None = None) -> list[dict]:
-    """All cached sequences of the shard folders in ``dirs`` (``tokens``, ``features``, ``prompt_length``).
+    """All cached sequences of the shard folders in ``dirs`` (``tokens``, ``features``, ``prompt_length``,
+    ``set`` = the folder's name).
 
     Sequences whose response is shorter than 2 tokens are dropped; ``max_len`` truncates from the right.
     """
@@ -25,8 +26,9 @@ def load_sequences(dirs: list[str | Path], max_len: int | None = None) -> list[d
     for d in dirs:
         for path in sorted(Path(d).glob("shard-*.safetensors")):
             for seq in read_shard(path):
+                seq["set"] = Path(d).name
                 if max_len is not None and len(seq["tokens"]) > max_len:
-                    seq = {"tokens": seq["tokens"][:max_len], "features": seq["features"][:max_len], "prompt_length": seq["prompt_length"]}
+                    seq = {**seq, "tokens": seq["tokens"][:max_len], "features": seq["features"][:max_len]}
                 if len(seq["tokens"]) - seq["prompt_length"] >= 2:
                     sequences.append(seq)
     return sequences

@@ -1,0 +1,14 @@
+"""The BlockPilot policy: features of the prefill distribution -> a small predictor -> one block size per request.
+
+Modules: ``features`` (featurizers shared by the dataset stage and the decoder), ``predictors`` (nets),
+``module`` (Lightning training), ``export`` (``predictor.safetensors`` + ``predictor.json``),
+``schedule`` (``PredictorSchedule``, the decoder-side ``BlockSizeSchedule``).
+"""
+
+from pipeline.policy.export import Predictor, export_predictor, load_predictor
+from pipeline.policy.features import Featurizer, FeatureSpec
+from pipeline.policy.predictors import FullVocabPredictor, MLPPredictor, build_predictor, num_parameters
+from pipeline.policy.schedule import PredictorSchedule
+
+__all__ = ["FeatureSpec", "Featurizer", "FullVocabPredictor", "MLPPredictor", "Predictor", "PredictorSchedule",
+           "build_predictor", "export_predictor", "load_predictor", "num_parameters"]

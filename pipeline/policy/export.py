@@ -1,0 +1,116 @@
+"""Predictor export format, read by the decoder's ``PredictorSchedule``.
+
+A predictor directory holds:
+  * ``predictor.safetensors``: the net's state dict (float32, normalisation buffers included);
+  * ``predictor.json``: ``format``/``version``, ``arch`` + ``arch_config`` (constructor arguments),
+    ``features`` (the ``FeatureSpec``), ``candidates`` (block sizes, class order), ``training_block_size``,
+    ``target``/``drafter`` ids, ``target_label`` (``tau``|``speed``), ``objective``, ``num_parameters``,
+    ``metrics`` and ``inference_ms`` (measured at export), plus anything else passed as ``meta``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from pipeline.policy.features import Featurizer, FeatureSpec
+from pipeline.policy.predictors import build_predictor, num_parameters
+
+FORMAT = "blockpilot-predictor"
+VERSION = 1
+WEIGHTS = "predictor.safetensors"
+CONFIG = "predictor.json"
+
+
+@dataclass
+class Predictor:
+    """A loaded predictor: featurizer + net + the candidate block sizes it chooses from.
+
+    Attributes:
+        net: the predictor net (eval mode); featurizer: turns a logits row into its input;
+        candidates: block sizes (tokens), in class order; meta: the parsed ``predictor.json``.
+    """
+
+    net: nn.Module
+    featurizer: Featurizer
+    candidates: list[int]
+    meta: dict
+
+    @property
+    def name(self) -> str:
+        return str(self.meta.get("name", self.meta.get("arch", "predictor")))
+
+    @torch.inference_mode()
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """Class scores [b, C] for target logits [V] or [b, V] (computed on the net's device)."""
+        device = next(self.net.parameters()).device
+        features = self.featurizer.from_logits(logits.to(device))
+        return self.net(features["x"], features.get("ids"), features.get("id_weights"))
+
+    def predict(self, logits: torch.Tensor) -> int:
+        """The chosen block size B (tokens) for one prefill logits row [V]."""
+        return self.candidates[int(self.scores(logits)[0].argmax())]
+
+    def predict_batch(self, logits: torch.Tensor) -> list[int]:
+        """Chosen block sizes for logits rows [b, V]."""
+        return [self.candidates[i] for i in self.scores(logits).argmax(-1).tolist()]
+
+
+def export_predictor(out: str | Path, net: nn.Module, spec: FeatureSpec, candidates: list[int], meta: dict | None = None) -> Path:
+    """Write ``predictor.safetensors`` + ``predictor.json`` into ``out`` atomically (a temp dir renamed into place).
+
+    Args:
+        net: a ``pipeline.policy.predictors`` model (has ``arch`` and ``config``).
+        spec: the features it was trained on (``vocab_size`` filled in).
+        candidates: block sizes in class order.
+        meta: extra JSON-ready fields (target, drafter, training_block_size, metrics, ...).
+    Returns:
+        ``out``.
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    state = {k: v.detach().float().cpu().contiguous() for k, v in net.state_dict().items()}
+    save_file(state, tmp / WEIGHTS, metadata={"format": "pt"})
+    config = {"format": FORMAT, "version": VERSION, "arch": net.arch, "arch_config": net.config,
+              "features": spec.to_dict(), "candidates": [int(c) for c in candidates],
+              "num_parameters": num_parameters(net), **(meta or {})}
+    (tmp / CONFIG).write_text(json.dumps(config, indent=2, default=float) + "\n")
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def load_predictor(directory: str | Path, device: str | torch.device = "cpu") -> Predictor:
+    """Load an exported predictor.
+
+    Raises:
+        FileNotFoundError: when ``directory`` lacks the two files (names ``make train``).
+        ValueError: for a file of another format or version.
+    """
+    directory = Path(directory)
+    if not (directory / CONFIG).exists() or not (directory / WEIGHTS).exists():
+        raise FileNotFoundError(f"no predictor at {directory} ({CONFIG} + {WEIGHTS}); run the train stage first: "
+                                "make train (python -m pipeline.train)")
+    meta = json.loads((directory / CONFIG).read_text())
+    if meta.get("format") != FORMAT or int(meta.get("version", -1)) != VERSION:
+        raise ValueError(f"{directory / CONFIG} is not a {FORMAT} v{VERSION} file; re-export it with make train")
+    cfg = dict(meta["arch_config"])
+    net = build_predictor(meta["arch"], cfg.pop("in_dim"), cfg.pop("num_classes"), **cfg)
+    net.load_state_dict(load_file(directory / WEIGHTS))
+    net.to(device).eval()
+    return Predictor(net, Featurizer(FeatureSpec.from_dict(meta["features"])), [int(c) for c in meta["candidates"]], meta)

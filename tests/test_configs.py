@@ -1,0 +1,115 @@
+"""Every top-level config in conf/ composes and resolves, with every option of the groups it uses;
+the launchers' plugins are installed; the eval config runs on a tiny target."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hydra.utils import get_class
+from omegaconf import OmegaConf
+
+from conftest import CONF_DIR, require, shared_data_dir
+from pipeline import PROJECT_ROOT
+
+TOP_LEVEL = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
+GROUPS = {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in CONF_DIR.iterdir() if d.is_dir() and d.name != "hydra"}
+
+
+def test_the_stage_configs_are_there():
+    assert {"draft", "evaluate"} <= set(TOP_LEVEL)
+
+
+def _tiny_overrides(cfg, tiny) -> list[str]:
+    overrides = []
+    if "model" in cfg:
+        overrides += [f"model.target={tiny.target_dir('llama')}", f"model.drafter={tiny.drafter_dir('llama')}"]
+    if "logger" in cfg:
+        overrides.append("logger.enabled=false")
+    return overrides
+
+
+@pytest.mark.parametrize("name", TOP_LEVEL)
+def test_top_level_config_composes_and_resolves(name, compose_config, tiny):
+    cfg = compose_config(name)
+    resolved = OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+    assert resolved["paths"]["root"] == str(PROJECT_ROOT) and resolved["paths"]["data"] == str(PROJECT_ROOT / "data")
+    assert isinstance(resolved.get("run_name"), str) and resolved["run_name"]
+    if "shared_data" in resolved:
+        assert Path(resolved["shared_data"]).resolve() == shared_data_dir().resolve()
+    if "logger" in resolved:
+        assert resolved["logger"]["mode"] == os.environ.get("WANDB_MODE", "offline")
+    # with tiny models and the logger off, as the tests run stages
+    tiny_cfg = compose_config(name, _tiny_overrides(cfg, tiny))
+    OmegaConf.to_container(tiny_cfg, resolve=True)
+    if "model" in tiny_cfg:
+        assert tiny_cfg.model.target == str(tiny.target_dir("llama"))
+
+
+@pytest.mark.parametrize("name", TOP_LEVEL)
+def test_every_option_of_the_groups_a_config_uses(name, compose_config):
+    cfg = compose_config(name)
+    tried = 0
+    for group, options in GROUPS.items():
+        if group not in cfg:
+            continue
+        for option in options:
+            composed_cfg = compose_config(name, [f"{group}={option}"])
+            OmegaConf.to_container(composed_cfg, resolve=True)
+            tried += 1
+    assert tried >= 1  # every stage config uses at least the paths group
+
+
+@pytest.mark.parametrize("launcher", ["joblib", "submitit_slurm"])
+def test_launcher_plugins_are_installed(launcher):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("evaluate", [f"hydra/launcher={launcher}"], return_hydra_config=True)
+    assert get_class(cfg.hydra.launcher._target_).__name__.endswith("Launcher")
+
+
+def test_model_presets(compose_config):
+    small = compose_config("evaluate").model
+    assert (small.target, small.device, small.dtype, small.training_block_size) == ("smollm2-135m-instruct", "cpu", "float32", 8)
+    large = compose_config("evaluate", ["model=qwen3_4b"]).model
+    assert (large.target, large.drafter, large.training_block_size, large.device) == (
+        "Qwen/Qwen3-4B", "z-lab/Qwen3-4B-DFlash-b16", 16, "cuda")
+    assert large.training_block_size in large.candidates
+    local = compose_config("evaluate", ["model=qwen3_4b", "model.target=/models/Qwen3-4B", "model.drafter=/models/d"]).model
+    assert (local.target, local.drafter) == ("/models/Qwen3-4B", "/models/d")
+
+
+@pytest.mark.parametrize("data", GROUPS["data"])
+def test_prompt_set_sources_exist(data, compose_config):
+    sets = OmegaConf.to_container(compose_config("evaluate", [f"data={data}"]).data.sets, resolve=True)
+    assert sets and all({"name", "source"} <= set(s) for s in sets)
+    for s in sets:
+        if s["source"].endswith(".jsonl"):
+            require(Path(s["source"]).exists(), f"{s['source']} not found (set BLOCKPILOT_SHARED_DATA)")
+
+
+def test_shared_data_env_override(compose_config, monkeypatch, tmp_path):
+    monkeypatch.setenv("BLOCKPILOT_SHARED_DATA", str(tmp_path))
+    cfg = compose_config("evaluate", ["data=gsm8k"])
+    assert OmegaConf.to_container(cfg.data.sets, resolve=True)[0]["source"] == f"{tmp_path}/gsm8k.jsonl"
+
+
+def test_eval_config_runs_on_a_tiny_target(compose_config, tiny, tmp_path):
+    from pipeline.evaluate import evaluate
+
+    prompt_file = tmp_path / "p.jsonl"
+    prompt_file.write_text('{"id": "a", "turns": ["def add(a, b):"]}\n{"id": "b", "turns": ["hello", "and more"]}\n')
+    cfg = compose_config("evaluate", [
+        f"model.target={tiny.target_dir('llama')}", f"model.drafter={tiny.drafter_dir('llama', 'trained')}",
+        "logger.enabled=false", f"paths.data={tmp_path}", f"data.sets=[{{name: mine, source: '{prompt_file}'}}]",
+        "decode.max_new_tokens=16", "eval.methods=[ar,fixed]", "eval.warmup=false",
+    ])
+    results = evaluate(cfg)
+    methods = results["methods"]
+    assert set(methods) >= {"ar", "fixed"}
+    assert methods["ar"]["speedup"] == pytest.approx(1.0) and methods["ar"]["tau"] == pytest.approx(1.0)
+    assert methods["fixed"]["lossless"] is True and methods["fixed"]["n_prompts"] == 2
+    assert methods["fixed"]["new_tokens"] == methods["ar"]["new_tokens"] == 2 * 16 + 16  # prompt b has two turns
+    assert methods["fixed"]["tau"] > 1.0  # the trained tiny drafter gets drafts accepted

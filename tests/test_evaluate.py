@@ -1,0 +1,219 @@
+"""The eval stage end to end on a tiny target + trained tiny drafter: every method, losslessness, the oracle
+bound, best_fixed from the train split, per-set blocks, the report, and the basic ar/fixed usage."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from hydra import compose, initialize_config_dir
+
+sys.path.insert(0, str(Path(__file__).parent))
+from policy_fixtures import ALL_METHODS, CANDIDATES, RUN, build_tiny_run, tiny_overrides  # noqa: E402
+
+from pipeline import PROJECT_ROOT  # noqa: E402
+from pipeline.decoding import DecodeConfig  # noqa: E402
+from pipeline.dataset import read_label_table, split_prompt_ids  # noqa: E402
+from pipeline.evaluate import evaluate, load_eval_inputs, oracle_gain_share  # noqa: E402
+from pipeline.models.loading import build_decoder  # noqa: E402
+from pipeline.policy import load_predictor  # noqa: E402
+from pipeline.prompts import chat_input_ids, load_prompt_sets  # noqa: E402
+from pipeline.reporting import confusion_counts, markdown_table  # noqa: E402
+
+CONF = str(PROJECT_ROOT / "conf")
+
+
+@pytest.fixture(scope="module")
+def run(tiny, tmp_path_factory) -> dict:
+    """labels -> dataset -> train -> eval of every method on the session's tiny target + trained drafter (built once)."""
+    return build_tiny_run(tmp_path_factory.getbasetemp() / "policy-run", tiny.target_dir("llama"), tiny.drafter_dir("llama", "trained"))
+
+
+@pytest.fixture(scope="module")
+def results(run) -> dict:
+    return json.loads(Path(run["results"]).read_text())
+
+
+@pytest.fixture(scope="module")
+def labels(run) -> pd.DataFrame:
+    return read_label_table(run["labels"])[0]
+
+
+def eval_cfg(run: dict, *overrides: str):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("evaluate", overrides=tiny_overrides(run) + list(overrides))
+
+
+def test_evaluate_config_composes():
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("evaluate", overrides=["run_name=r3"])
+    assert list(cfg.eval.methods) == ["ar", "fixed"] and cfg.eval.split == "auto"
+    assert cfg.eval.labels_dir.endswith("/labels/r3") and cfg.eval.features_dir.endswith("/features/r3/topk")
+    assert cfg.eval.predictor_dir.endswith("/predictors/r3") and dict(cfg.eval.predictors) == {"blockpilot": "mlp", "full_vocab": "full_vocab"}
+    assert cfg.eval.out.endswith("/eval/r3/results.json") and cfg.logger.group == "r3"
+
+
+def test_every_method_is_lossless_on_the_test_split(run, results):
+    test_ids = split_prompt_ids(Path(run["data"]) / "features" / RUN / "topk")["test"]
+    assert results["split"] == "test"
+    assert list(results["methods"]) == ALL_METHODS
+    for method, r in results["methods"].items():
+        assert r["lossless"] is True, method
+        assert sorted(row["id"] for row in r["rows"]) == sorted(test_ids), method
+        for key in ("tau", "tokens_per_s", "speedup", "tpot_ms", "n_prompts", "new_tokens", "decode_ms", "schedule_ms",
+                    "overhead_ms", "overhead_pct", "oracle_gain_share", "oracle_gain_share_ci"):
+            assert key in r, (method, key)
+    assert results["methods"]["ar"]["tau"] == 1.0 and results["methods"]["ar"]["speedup"] == 1.0
+    assert results["methods"]["fixed"]["tau"] > 1.0  # the trained tiny drafter gets drafts accepted
+
+
+def test_oracle_uses_labels_and_bounds_fixed(results, labels):
+    methods = results["methods"]
+    label_of = dict(zip(labels["id"], labels["label_tau"]))
+    assert all(row["chosen_b"] == label_of[row["id"]] for row in methods["oracle"]["rows"])
+    assert all(row["chosen_b"] == 8 for row in methods["fixed"]["rows"])  # the drafter's training block size
+    # per prompt and overall, the oracle's B (argmax of the recorded tau) is at least as good as any fixed B
+    for method in ("fixed", "best_fixed", "ema", "blockpilot", "full_vocab"):
+        assert methods["oracle"]["tau"] >= methods[method]["tau"] - 1e-9, method
+    fixed = {r["id"]: r["tau"] for r in methods["fixed"]["rows"]}
+    assert all(r["tau"] >= fixed[r["id"]] - 1e-9 for r in methods["oracle"]["rows"])
+    # the label stage's tau at the oracle's B is what the eval measured (same decoder, T=0)
+    tau_of = {r["id"]: dict(zip(r["candidates"], r["tau"])) for _, r in labels.iterrows()}
+    for row in methods["oracle"]["rows"]:
+        assert row["tau"] == pytest.approx(tau_of[row["id"]][row["chosen_b"]], rel=1e-9)
+
+
+def test_best_fixed_is_the_train_splits_best_candidate(run, results, labels):
+    train_ids = set(split_prompt_ids(Path(run["data"]) / "features" / RUN / "topk")["train"])
+    mean = np.mean([t for i, t in zip(labels["id"], labels["tau"]) if i in train_ids], axis=0)
+    best = CANDIDATES[int(np.argmax(mean))]
+    assert {row["chosen_b"] for row in results["methods"]["best_fixed"]["rows"]} == {best}
+
+
+def test_predictor_methods_pick_what_the_predictor_says(run, results):
+    decoder = build_decoder(eval_cfg(run).model)
+    prompts = {p.id: p for p in load_prompt_sets(run["sets"])}
+    for method, name in (("blockpilot", "mlp"), ("full_vocab", "full_vocab")):
+        predictor = load_predictor(Path(run["data"]) / "predictors" / RUN / name)
+        for row in results["methods"][method]["rows"]:
+            ids = chat_input_ids(decoder.target.tokenizer, prompts[row["id"]].turns)
+            logits = decoder.prefill(ids, DecodeConfig(16)).last_logits
+            assert row["chosen_b"] == predictor.predict(logits)
+        r = results["methods"][method]
+        assert r["overhead_ms"] > 0 and r["overhead_pct"] == pytest.approx(100 * r["schedule_ms"] / r["decode_ms"])
+    assert results["predictors"]["blockpilot"]["arch"] == "mlp" and results["predictors"]["full_vocab"]["arch"] == "full_vocab"
+
+
+def test_oracle_gain_share_and_per_set_blocks(results):
+    methods = results["methods"]
+    tau = {m: methods[m]["tau"] for m in methods}
+    gain = tau["oracle"] - tau["fixed"]
+    assert gain > 0.05  # the fixture's prompts gain from B != 8, so the share is defined
+    for m in methods:
+        share, ci = methods[m]["oracle_gain_share"], methods[m]["oracle_gain_share_ci"]
+        assert share == pytest.approx((tau[m] - tau["fixed"]) / gain)
+        assert ci[0] <= share + 1e-9 and share - 1e-9 <= ci[1], (m, share, ci)
+    assert methods["fixed"]["oracle_gain_share"] == 0.0 and methods["oracle"]["oracle_gain_share"] == pytest.approx(1.0)
+    assert methods["ar"]["oracle_gain_share"] < 0  # B=1 is worse than the fixed block
+    assert sorted(results["per_set"]) == ["code", "math"]
+    for name, block in results["per_set"].items():
+        assert list(block) == ALL_METHODS
+        n = block["ar"]["n_prompts"]
+        assert n == sum(r["source_set"] == name for r in methods["ar"]["rows"]) and n > 0
+        assert block["ar"]["speedup"] == 1.0 and all(block[m]["lossless"] for m in block)
+        assert block["oracle"]["tau"] >= block["fixed"]["tau"] - 1e-9
+        rows = [r for r in methods["blockpilot"]["rows"] if r["source_set"] == name]
+        steps = sum(r["steps"] for r in rows)
+        assert block["blockpilot"]["tau"] == pytest.approx(sum(r["tau"] * r["steps"] for r in rows) / steps)
+    total = sum(block["fixed"]["n_prompts"] for block in results["per_set"].values())
+    assert total == methods["fixed"]["n_prompts"]
+
+
+def test_oracle_gain_share_bootstrap_by_hand():
+    def rows(taus, steps):
+        return [{"id": f"p{i}", "tau": t, "steps": s} for i, (t, s) in enumerate(zip(taus, steps))]
+
+    data = {"fixed": rows([2.0, 2.0], [10, 10]), "oracle": rows([4.0, 3.0], [5, 10]), "m": rows([3.0, 2.0], [5, 10])}
+    # tau = accepted / steps: fixed 40/20 = 2, oracle (20+30)/15 = 3.33, m (15+20)/15 = 2.33
+    share, ci = oracle_gain_share(data, "m", samples=500, seed=0)
+    assert share == pytest.approx((35 / 15 - 2.0) / (50 / 15 - 2.0))
+    # resamples: both prompts (0.25, as above), p0 twice (1 / 2 = 0.5), p1 twice (0 / 1 = 0)
+    assert ci == pytest.approx([0.0, 0.5])
+    assert oracle_gain_share({"fixed": rows([2.0], [5]), "oracle": rows([2.0], [5]), "m": rows([2.0], [5])}, "m") == (None, [None, None])
+
+
+def test_report_files_and_table(run, results):
+    out = Path(run["results"]).parent
+    for name in ("results.md", "speedup.png", "tau_curves.png", "optimal_b_hist.png", "confusion_blockpilot.png",
+                 "confusion_full_vocab.png"):
+        assert (out / name).stat().st_size > 500, name
+    table = (out / "results.md").read_text()
+    assert table == markdown_table(results)
+    for m in ALL_METHODS:
+        assert f"| {m} |" in table
+    assert "Source set `code`" in table and "Source set `math`" in table
+    counts = confusion_counts([2, 6, 6, 9], [2, 6, 4, 2], [2, 4, 6])
+    assert counts.tolist() == [[1, 0, 0], [0, 0, 1], [0, 0, 1]]
+
+
+def test_missing_artifacts_name_the_stage(run, tmp_path):
+    decoder = None
+    cases = [
+        (["eval.methods=[ar,oracle]", f"eval.labels_dir={tmp_path}/none"], "make label"),
+        (["eval.methods=[ar,best_fixed]", f"eval.features_dir={tmp_path}/none"], "make dataset"),
+        (["eval.methods=[ar,blockpilot]", f"eval.predictor_dir={tmp_path}/none"], "make train"),
+        (["eval.methods=[ar,full_vocab]", f"eval.predictor_dir={tmp_path}/none"], "predictor=full_vocab"),
+    ]
+    for overrides, stage in cases:
+        cfg = eval_cfg(run, *overrides)
+        with pytest.raises(FileNotFoundError, match=stage):
+            load_eval_inputs(cfg, list(cfg.eval.methods), decoder)
+    cfg = eval_cfg(run, "eval.methods=[ar,beam]", "eval.split=all", "data.limit=1")
+    with pytest.raises(ValueError, match="unknown eval.methods"):
+        evaluate(cfg, build_decoder(cfg.model))
+
+
+def run_cli(monkeypatch, *args: str) -> None:
+    """``python -m pipeline.evaluate <args>`` in this process (Hydra's real command-line path, no re-import).
+
+    Imported, not run as ``__main__``, Hydra would look for a ``conf`` module: the config dir is passed explicitly.
+    """
+    from pipeline.evaluate import main
+
+    monkeypatch.setattr(sys, "argv", ["pipeline.evaluate", f"--config-path={CONF}", *args])
+    main()
+
+
+def test_cli_basic_usage_without_labels(run, tmp_path, monkeypatch):
+    """The documented basic usage: ar/fixed with no labels, dataset or predictor anywhere."""
+    basic = tmp_path / "basic.json"
+    run_cli(monkeypatch, "data=humaneval", "data.limit=1", "decode.max_new_tokens=6", "decode.block_size=3",
+            "eval.methods=[ar,fixed]", f"eval.out={basic}", f"model.target={run['target']}", f"model.drafter={run['drafter']}",
+            f"paths.data={tmp_path}/data", "logger.enabled=false", "eval.warmup=false")
+    res = json.loads(basic.read_text())
+    assert set(res["methods"]) == {"ar", "fixed"} and res["split"] is None and res["methods"]["ar"]["n_prompts"] == 1
+    assert res["methods"]["fixed"]["lossless"] and res["methods"]["fixed"]["oracle_gain_share"] is None
+    assert {r["chosen_b"] for r in res["methods"]["fixed"]["rows"]} == {3}
+    assert res["methods"]["fixed"]["rows"][0]["id"] == "HumanEval/0"
+    assert (tmp_path / "basic.md").exists() and (tmp_path / "speedup.png").exists()
+    assert not (tmp_path / "tau_curves.png").exists()  # no labels, no label figures
+
+
+def test_cli_full_run_logs_to_wandb_offline(run, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    full = tmp_path / "full" / "results.json"
+    run_cli(monkeypatch, *[o for o in tiny_overrides(run) if o != "logger.enabled=false"],
+            f"eval.methods=[{','.join(ALL_METHODS)}]", f"eval.out={full}", "logger.enabled=true",
+            f"logger.dir={tmp_path}/wandb", "eval.bootstrap.samples=200")
+    res = json.loads(full.read_text())
+    assert list(res["methods"]) == ALL_METHODS and all(r["lossless"] for r in res["methods"].values())
+    assert (full.parent / "confusion_blockpilot.png").exists() and (full.parent / "results.md").exists()
+    runs = list((tmp_path / "wandb" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+    media = list(runs[0].rglob("*.png"))
+    assert len(media) >= 5, media  # the figures, logged as wandb.Image
+    assert list(runs[0].rglob("*.table.json"))  # the results, logged as a wandb.Table

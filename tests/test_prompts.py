@@ -1,0 +1,136 @@
+"""Prompt sets: JSONL files, HumanEval from its package, hub specs, limits/seeds, chat templates."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import require, shared_data_dir
+from pipeline.prompts import HUMANEVAL_INSTRUCTION, Prompt, chat_input_ids, load_prompt_set, load_prompt_sets
+from pipeline.testing import make_tiny_tokenizer
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join((json.dumps(r) if not isinstance(r, str) else r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture
+def five_prompts(tmp_path) -> str:
+    rows = [{"id": f"p{i}", "turns": [f"question {i}"], "source": f"test@0:{i}"} for i in range(4)]
+    rows.insert(2, "   ")  # blank lines are skipped
+    rows.append({"id": 7, "turns": ["first turn", "second turn"]})
+    return write_jsonl(tmp_path / "mine.jsonl", rows)
+
+
+def test_jsonl_loading(five_prompts):
+    prompts = load_prompt_set(five_prompts)
+    assert [p.id for p in prompts] == ["p0", "p1", "p2", "p3", "7"]
+    assert prompts[0].turns == ["question 0"] and prompts[0].source_set == "mine"
+    assert prompts[0].meta == {"source": "test@0:0"}
+    assert prompts[-1].turns == ["first turn", "second turn"] and prompts[-1].meta == {"source": ""}
+    assert {p.source_set for p in load_prompt_set(five_prompts, name="custom")} == {"custom"}
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"turns": ["no id"]}, r"mine.jsonl:2: each row needs 'id' and 'turns'"),
+        ({"id": "x"}, r"mine.jsonl:2: each row needs 'id' and 'turns'"),
+        ({"id": "x", "turns": "not a list"}, r"mine.jsonl:2: 'turns' must be a list of strings"),
+        ({"id": "x", "turns": ["ok", "  "]}, r"prompt 'x' has an empty turn"),
+        ({"id": "x", "turns": []}, r"prompt 'x' has an empty turn"),
+    ],
+)
+def test_jsonl_errors(tmp_path, row, message):
+    path = write_jsonl(tmp_path / "mine.jsonl", [{"id": "fine", "turns": ["hello"]}, row])
+    with pytest.raises(ValueError, match=message):
+        load_prompt_set(path)
+
+
+def test_missing_file_names_the_shared_data(tmp_path):
+    with pytest.raises(FileNotFoundError, match="shared/data"):
+        load_prompt_set(str(tmp_path / "nope.jsonl"))
+
+
+def test_prompt_rejects_non_text_turns():
+    with pytest.raises(ValueError, match="empty turn"):
+        Prompt("x", ["fine", 3], "test")
+
+
+def test_humaneval_from_the_package():
+    prompts = load_prompt_set("humaneval")
+    assert len(prompts) == 164
+    assert [p.id for p in prompts] == [f"HumanEval/{i}" for i in range(164)]
+    first = prompts[0]
+    assert first.source_set == "humaneval" and first.meta["entry_point"] == "has_close_elements"
+    assert len(first.turns) == 1
+    assert first.turns[0].startswith(HUMANEVAL_INSTRUCTION.split("{prompt}")[0])
+    assert "def has_close_elements(numbers: List[float], threshold: float) -> bool:" in first.turns[0]
+
+
+def test_limit_and_seed():
+    first_five = load_prompt_set("humaneval", limit=5)
+    assert [p.id for p in first_five] == [f"HumanEval/{i}" for i in range(5)]
+    a = [p.id for p in load_prompt_set("humaneval", limit=10, seed=1)]
+    b = [p.id for p in load_prompt_set("humaneval", limit=10, seed=1)]
+    c = [p.id for p in load_prompt_set("humaneval", limit=10, seed=2)]
+    assert a == b and a != c and len(set(a)) == 10
+    assert a != [f"HumanEval/{i}" for i in range(10)]
+    shuffled = [p.id for p in load_prompt_set("humaneval", seed=1)]
+    assert shuffled[:10] == a and sorted(shuffled) == sorted(f"HumanEval/{i}" for i in range(164))
+
+
+def test_load_prompt_sets_with_per_set_limits(five_prompts):
+    sets = [{"name": "mine", "source": five_prompts, "limit": 2}, {"name": "he", "source": "humaneval"}]
+    prompts = load_prompt_sets(sets, limit_per_set=3)
+    assert [p.source_set for p in prompts] == ["mine", "mine", "he", "he", "he"]
+    assert [p.id for p in prompts] == ["p0", "p1", "HumanEval/0", "HumanEval/1", "HumanEval/2"]
+
+
+def test_hub_spec_is_parsed(monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(dataset_id, split):
+        calls.append((dataset_id, split))
+        return [{"question": "What is 2+2?"}, {"question": "Name a prime."}]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    prompts = load_prompt_set("hub:org/quiz:validation:question")
+    assert calls == [("org/quiz", "validation")]
+    assert [(p.id, p.turns, p.source_set) for p in prompts] == [
+        ("quiz-0", ["What is 2+2?"], "quiz"), ("quiz-1", ["Name a prime."], "quiz")]
+
+
+@pytest.mark.parametrize("name, rows, turns", [("gsm8k", 1319, 1), ("math500", 500, 1), ("mbpp", 427, 1), ("mt_bench", 80, 2)])
+def test_shared_prompt_sets(name, rows, turns):
+    path = shared_data_dir() / f"{name}.jsonl"
+    require(path.exists(), f"{path} not found (set BLOCKPILOT_SHARED_DATA)")
+    prompts = load_prompt_set(str(path))
+    assert len(prompts) == rows and len({p.id for p in prompts}) == rows
+    assert all(len(p.turns) == turns for p in prompts)
+    assert all(p.source_set == name for p in prompts)
+
+
+def test_chat_template_single_and_multi_turn():
+    tokenizer = make_tiny_tokenizer()
+    ids = chat_input_ids(tokenizer, ["Hi there"])
+    assert ids.ndim == 2 and ids.shape[0] == 1
+    assert tokenizer.decode(ids[0]) == "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    ids = chat_input_ids(tokenizer, ["Hi there", "And then?"], replies=["Hello!"])
+    assert tokenizer.decode(ids[0]) == (
+        "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
+        "<|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    # only the turns up to the next reply are used
+    assert chat_input_ids(tokenizer, ["Hi there", "And then?"]).tolist() == chat_input_ids(tokenizer, ["Hi there"]).tolist()
+
+
+def test_no_chat_template_uses_the_raw_text():
+    tokenizer = make_tiny_tokenizer()
+    tokenizer.chat_template = None
+    ids = chat_input_ids(tokenizer, ["def add(a, b):", "more"], replies=["return a + b"])
+    assert tokenizer.decode(ids[0]) == "def add(a, b):\n\nreturn a + b\n\nmore"

