@@ -35,6 +35,7 @@ from pipeline.drafting.responses import build_response_cache
 from pipeline.drafting.stdlib_prompts import stdlib_prompts
 from pipeline.models.drafter import DFlashDrafter, make_drafter_config, num_parameters
 from pipeline import PROJECT_ROOT
+from pipeline.models.loading import resolve_path as resolve_input
 from pipeline.models.target import load_target
 from pipeline.prompts import load_prompt_set
 from pipeline.tracking import init_wandb
@@ -122,10 +123,17 @@ def train_drafter(cfg: DictConfig) -> Path:
     response_tokens = sum(len(s["tokens"]) - s["prompt_length"] for s in sequences)
     log.info("%d sequences (%d response tokens); %d train / %d val", len(sequences), response_tokens, len(train), len(val))
 
-    drafter = DFlashDrafter(drafter_config)
-    if dcfg.get("draft_vocab_size"):
-        drafter.set_draft_vocab(frequent_tokens(sequences, target, int(dcfg.draft_vocab_size)))
-    copied = init_from_target_layers(drafter, target.model) if dcfg.init_from_target else []
+    if dcfg.get("init_from"):  # continue training an exported drafter (same shape and draft vocabulary)
+        drafter = DFlashDrafter.from_pretrained(resolve_input(dcfg.init_from)).train()
+        if drafter.target_layer_ids != layer_ids or drafter.block_size != dcfg.block_size:
+            raise ValueError(f"draft.init_from={dcfg.init_from} has taps {drafter.target_layer_ids} and B={drafter.block_size}; "
+                             f"this config asks for {layer_ids} and B={dcfg.block_size}")
+        copied = f"continued from {dcfg.init_from}"
+    else:
+        drafter = DFlashDrafter(drafter_config)
+        if dcfg.get("draft_vocab_size"):
+            drafter.set_draft_vocab(frequent_tokens(sequences, target, int(dcfg.draft_vocab_size)))
+        copied = init_from_target_layers(drafter, target.model) if dcfg.init_from_target else []
     module = DrafterModule(drafter, target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight,
                            lr=dcfg.lr, weight_decay=dcfg.weight_decay, warmup_steps=dcfg.warmup_steps,
                            max_steps=dcfg.trainer.max_steps, gamma=dcfg.gamma, eval_block_sizes=tuple(dcfg.eval_block_sizes))

@@ -1,0 +1,192 @@
+"""The label stage's loop: prompts of this shard -> one label row each, appended to the label store.
+
+Sharding: prompt i of the configured sets (deterministic order) belongs to shard ``i % num_shards``.
+``label.shard``/``label.num_shards`` come from Hydra (multirun, joblib or SLURM launchers); under
+``torchrun`` each rank further splits its shard (effective shard ``shard * WORLD_SIZE + RANK`` of
+``num_shards * WORLD_SIZE``) and uses GPU ``LOCAL_RANK``. All workers append to the same directory;
+``read_labels`` merges them. A rerun skips prompts already stored, so a killed run resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Mapping
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from pipeline.decoding.speculative import DecodeConfig, SpeculativeDecoder
+from pipeline.labeling.latency import LatencyModel, measure_latency
+from pipeline.labeling.oracle import LabelSettings, check_candidates, label_prompt
+from pipeline.labeling.store import LabelStore
+from pipeline.models.loading import build_decoder, resolve_path
+from pipeline.prompts import Prompt, chat_input_ids, load_prompt_sets
+from pipeline.tracking import init_wandb
+
+log = logging.getLogger(__name__)
+
+
+def effective_shard(shard: int, num_shards: int, env: Mapping[str, str] = os.environ) -> tuple[int, int]:
+    """(shard, num_shards) after splitting a Hydra shard across torchrun ranks (RANK / WORLD_SIZE).
+
+    Raises:
+        ValueError: unless 0 <= shard < num_shards and 0 <= RANK < WORLD_SIZE.
+    """
+    shard, num_shards = int(shard), int(num_shards)
+    if num_shards < 1 or not 0 <= shard < num_shards:
+        raise ValueError(f"need 0 <= label.shard < label.num_shards, got shard {shard} of {num_shards}")
+    world, rank = int(env.get("WORLD_SIZE", 1)), int(env.get("RANK", 0))
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"bad torchrun environment RANK={rank} WORLD_SIZE={world}")
+    return shard * world + rank, num_shards * world
+
+
+def shard_prompts(prompts: list[Prompt], shard: int, num_shards: int) -> list[Prompt]:
+    """Prompt i goes to shard ``i % num_shards`` (order kept).
+
+    Raises:
+        ValueError: for duplicate prompt ids (labels are keyed by id).
+    """
+    counts = Counter(p.id for p in prompts)
+    duplicates = [i for i, c in counts.items() if c > 1]
+    if duplicates:
+        raise ValueError(f"prompt ids must be unique across the configured sets; duplicated: {duplicates[:5]}")
+    return [p for i, p in enumerate(prompts) if i % num_shards == shard]
+
+
+def settings_from_cfg(cfg: DictConfig, decoder: SpeculativeDecoder) -> LabelSettings:
+    """``LabelSettings`` from the ``label`` and ``decode`` groups (candidates checked against the decoder)."""
+    return LabelSettings(
+        candidates=check_candidates(list(cfg.label.block_sizes), decoder),
+        mode=str(cfg.label.mode),
+        max_new_tokens=int(cfg.decode.max_new_tokens),
+        temperature=float(cfg.decode.temperature),
+        seed=int(cfg.decode.seed),
+        repeats=int(cfg.label.repeats),
+        topk=int(cfg.label.topk),
+        store_full_logits=bool(cfg.label.store_full_logits),
+        lm_head=str(cfg.label.lm_head),
+    )
+
+
+def load_latency(path: str | Path) -> LatencyModel:
+    """A latency model from a JSON file: a ``LatencyModel.to_dict`` or a label run's ``meta.json``.
+
+    Raises:
+        FileNotFoundError: for a missing file; ValueError: for a meta.json without a latency model.
+    """
+    path = Path(resolve_path(str(path)))
+    if not path.is_file():
+        raise FileNotFoundError(f"latency model {path} not found (label.latency.path)")
+    data = json.loads(path.read_text())
+    if "context_buckets" not in data:
+        data = data.get("latency_model")
+    if not data:
+        raise ValueError(f"{path} holds no latency model; point label.latency.path at a replay run's meta.json")
+    return LatencyModel.from_dict(data)
+
+
+def run_meta(cfg: DictConfig, settings: LabelSettings, decoder: SpeculativeDecoder) -> dict:
+    """The ``meta.json`` of this run (without the latency model)."""
+    drafter = decoder.drafter
+    return {
+        "target": str(cfg.model.target),
+        "drafter": str(cfg.model.drafter) if cfg.model.get("drafter") else None,
+        "training_block_size": int(drafter.block_size) if drafter is not None else None,
+        "candidates": list(settings.candidates),
+        "temperature": settings.temperature,
+        "repeats": len(settings.seeds),
+        "seed": settings.seed,
+        "max_new_tokens": settings.max_new_tokens,
+        "mode": settings.mode,
+        "topk": settings.topk,
+        "store_full_logits": settings.store_full_logits,
+        "latency_model": None,
+        "sets": [str(s["name"]) for s in cfg.data.sets],
+    }
+
+
+def run_label(cfg: DictConfig, decoder: SpeculativeDecoder | None = None,
+              on_prompt: Callable[[dict], None] | None = None) -> dict:
+    """Label this worker's prompts into ``cfg.label.out_dir`` (resumes; skips prompts already stored).
+
+    Args:
+        cfg: the composed ``conf/label.yaml``.
+        decoder: reuse a loaded decoder (tests); default: ``build_decoder(cfg.model)``.
+        on_prompt: called with each finished row (after it is queued for writing); an exception raised
+            there stops the run like a kill would, after the queued rows are written.
+    Returns:
+        {"out_dir", "shard", "num_shards", "labelled" (this call), "skipped" (already stored), "label_tau"
+        (counts of this call's labels)}.
+    """
+    torch.manual_seed(int(cfg.seed))
+    if cfg.label.get("num_threads"):
+        torch.set_num_threads(int(cfg.label.num_threads))
+    shard, num_shards = effective_shard(cfg.label.shard, cfg.label.num_shards)
+    if decoder is None:
+        model_cfg = cfg.model
+        if int(os.environ.get("WORLD_SIZE", 1)) > 1 and str(model_cfg.device) == "cuda":
+            model_cfg = OmegaConf.merge(model_cfg, {"device": f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"})
+        decoder = build_decoder(model_cfg)
+    settings = settings_from_cfg(cfg, decoder)
+    prompts = shard_prompts(load_prompt_sets(cfg.data.sets, cfg.data.limit, cfg.data.seed), shard, num_shards)
+
+    store = LabelStore(cfg.label.out_dir)
+    meta = run_meta(cfg, settings, decoder)
+    latency = None
+    if settings.mode == "replay":
+        stored = store.read_meta()
+        if stored is not None and stored.get("latency_model"):
+            latency = LatencyModel.from_dict(stored["latency_model"])
+        elif cfg.label.latency.get("path"):
+            latency = load_latency(cfg.label.latency.path)
+        else:
+            log.info("measuring the latency model (label.latency.context_buckets=%s)", list(cfg.label.latency.context_buckets))
+            latency = measure_latency(decoder, settings.candidates, list(cfg.label.latency.context_buckets),
+                                      int(cfg.label.latency.repeats), settings.temperature, int(cfg.seed))
+        meta["latency_model"] = latency.to_dict()
+    meta = store.ensure_meta(meta)
+    if settings.mode == "replay":
+        latency = LatencyModel.from_dict(meta["latency_model"])  # the first worker's model, for all workers
+
+    done = store.done_ids()
+    todo = [p for p in prompts if p.id not in done]
+    log.info("shard %d/%d: %d prompts, %d already labelled, %d to do -> %s",
+             shard, num_shards, len(prompts), len(prompts) - len(todo), len(todo), store.directory)
+    tokenizer = decoder.target.tokenizer
+    if todo and cfg.label.get("warmup", True):
+        decoder.generate(chat_input_ids(tokenizer, todo[0].turns[:1]), max(settings.candidates),
+                         DecodeConfig(min(8, settings.max_new_tokens), settings.temperature, settings.seed))
+    run = init_wandb(cfg, job_type="label")
+    flush_every = max(1, int(cfg.label.flush_every))
+    queued: list[dict] = []
+    labels: Counter = Counter()
+    try:
+        progress = tqdm(todo, desc=f"label {shard}/{num_shards}", unit="prompt", total=len(prompts),
+                        initial=len(prompts) - len(todo))
+        for count, prompt in enumerate(progress, 1):
+            result = label_prompt(decoder, chat_input_ids(tokenizer, prompt.turns[:1]), settings, latency)
+            row = {"id": prompt.id, "source_set": prompt.source_set, "shard": shard, "num_shards": num_shards,
+                   **result.row}
+            queued.append(row)
+            labels[row["label_tau"]] += 1
+            if run is not None:
+                run.log({"prompts": count, "label_tau": row["label_tau"], "label_speed": row["label_speed"],
+                         "entropy": row["entropy"], "best_tau": max(row["tau"])})
+            if on_prompt is not None:
+                on_prompt(row)
+            if len(queued) >= flush_every:
+                store.write(queued)
+                queued = []
+    finally:
+        store.write(queued)
+        if run is not None:
+            run.summary.update({"labelled": sum(labels.values()), **{f"label_tau/{b}": c for b, c in labels.items()}})
+            run.finish()
+    return {"out_dir": str(store.directory), "shard": shard, "num_shards": num_shards,
+            "labelled": sum(labels.values()), "skipped": len(prompts) - len(todo), "label_tau": dict(labels)}

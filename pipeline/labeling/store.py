@@ -1,0 +1,207 @@
+"""The label store: sharded Parquet files written atomically, plus one ``meta.json`` per run.
+
+Layout of ``data/labels/<run_name>/``::
+
+    meta.json            run settings (target, drafter, candidates, mode, latency model, ...)
+    shard-00000.parquet  rows of some prompts (one row per prompt, schema ``LABEL_SCHEMA``)
+    shard-00001.parquet  ...
+
+Every worker (a Hydra multirun job, a torchrun rank, a SLURM array task, or a resumed run) appends
+new ``shard-XXXXX.parquet`` files: a file is written under a hidden temporary name, then hard-linked
+to the first free ``shard-XXXXX`` name (``os.link`` fails when the name exists, so concurrent workers
+never overwrite each other) — a reader sees whole files or nothing. ``meta.json`` is written the same
+way, first writer wins, and later workers check that their settings match it.
+
+``read_labels`` merges every shard file of a directory (sorted by ``id``, de-duplicated), so the
+dataset of n workers equals the dataset of one; ``merge_labels`` consolidates several directories
+(e.g. one per machine) into one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from pathlib import Path
+from typing import Iterable
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+log = logging.getLogger(__name__)
+
+META_NAME = "meta.json"
+SHARD_GLOB = "shard-*.parquet"
+
+LABEL_SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("source_set", pa.string()),
+    ("prompt_tokens", pa.int64()),
+    ("candidates", pa.list_(pa.int64())),
+    ("tau", pa.list_(pa.float64())),
+    ("new_tokens", pa.list_(pa.float64())),
+    ("decode_ms", pa.list_(pa.float64())),
+    ("tokens_per_s", pa.list_(pa.float64())),
+    ("label_tau", pa.int64()),
+    ("label_speed", pa.int64()),
+    ("topk_ids", pa.list_(pa.int64())),
+    ("topk_logprobs", pa.list_(pa.float64())),
+    ("full_logits", pa.binary()),
+    ("vocab_size", pa.int64()),
+    ("entropy", pa.float64()),
+    ("prefill_ms", pa.float64()),
+    ("shard", pa.int64()),
+    ("num_shards", pa.int64()),
+])
+"""One row per prompt; see CONTEXT's label schema. ``prefill_ms`` (measured, ms) is an extra column."""
+
+# meta.json keys that must agree between workers writing the same directory
+META_KEYS = ("target", "drafter", "training_block_size", "candidates", "temperature", "repeats", "seed",
+             "max_new_tokens", "mode", "topk", "store_full_logits")
+
+
+def _publish(tmp: Path, directory: Path, pattern: str, start: int) -> Path:
+    """Hard-link ``tmp`` to the first free ``pattern.format(i)`` (i >= start) in ``directory``; remove ``tmp``."""
+    index = start
+    try:
+        while True:
+            final = directory / pattern.format(index)
+            try:
+                os.link(tmp, final)
+                return final
+            except FileExistsError:
+                index += 1
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class LabelStore:
+    """Reads and appends the shard files and ``meta.json`` of one label directory.
+
+    Args:
+        directory: ``data/labels/<run_name>``.
+        create: create the directory when missing (writers); readers pass False.
+    """
+
+    def __init__(self, directory: str | Path, create: bool = True):
+        self.directory = Path(directory)
+        if create:
+            self.directory.mkdir(parents=True, exist_ok=True)
+
+    # -- shards ----------------------------------------------------------------------------------
+    def shard_files(self) -> list[Path]:
+        """The published shard files, in name order."""
+        return sorted(self.directory.glob(SHARD_GLOB)) if self.directory.is_dir() else []
+
+    def done_ids(self) -> set[str]:
+        """Ids of every prompt already labelled in this directory (by any worker)."""
+        ids: set[str] = set()
+        for file in self.shard_files():
+            ids.update(pq.read_table(file, columns=["id"]).column("id").to_pylist())
+        return ids
+
+    def write(self, rows: list[dict]) -> Path | None:
+        """Write ``rows`` as one new shard file, atomically; returns its path (None for no rows).
+
+        Raises:
+            pyarrow.ArrowInvalid / ArrowTypeError: for a row that does not fit ``LABEL_SCHEMA``.
+        """
+        if not rows:
+            return None
+        table = pa.Table.from_pylist([{k: r.get(k) for k in LABEL_SCHEMA.names} for r in rows], schema=LABEL_SCHEMA)
+        tmp = self.directory / f".tmp-{os.getpid()}-{uuid.uuid4().hex}.parquet"
+        pq.write_table(table, tmp)
+        return _publish(tmp, self.directory, "shard-{:05d}.parquet", len(self.shard_files()))
+
+    # -- meta --------------------------------------------------------------------------------------
+    def read_meta(self) -> dict | None:
+        """``meta.json`` as a dict, or None before the first worker wrote it."""
+        path = self.directory / META_NAME
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def ensure_meta(self, meta: dict) -> dict:
+        """Write ``meta`` unless a ``meta.json`` exists (first writer wins); return the stored one.
+
+        Raises:
+            ValueError: when the stored meta disagrees with ``meta`` on a key of ``META_KEYS`` (the
+                directory holds labels made with other settings); the message names the fix.
+        """
+        stored = self.read_meta()
+        if stored is None:
+            tmp = self.directory / f".tmp-{os.getpid()}-{uuid.uuid4().hex}.json"
+            tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+            try:
+                os.link(tmp, self.directory / META_NAME)
+            except FileExistsError:
+                pass  # another worker was first
+            finally:
+                tmp.unlink(missing_ok=True)
+            stored = self.read_meta()
+        check_meta_compatible(stored, meta, str(self.directory))
+        return stored
+
+
+def check_meta_compatible(stored: dict, wanted: dict, where: str) -> None:
+    """Raise ``ValueError`` when two metas differ on a key of ``META_KEYS``."""
+    diff = {k: (stored.get(k), wanted.get(k)) for k in META_KEYS if stored.get(k) != wanted.get(k)}
+    if diff:
+        details = "; ".join(f"{k}: stored {a!r} vs now {b!r}" for k, (a, b) in diff.items())
+        raise ValueError(
+            f"labels in {where} were made with other settings ({details}). Use another run_name "
+            "(run_name=...) or label.out_dir, or delete that directory to start over."
+        )
+
+
+def read_labels(directory: str | Path) -> pd.DataFrame:
+    """All label rows of a directory as one DataFrame, sorted by ``id``, one row per id.
+
+    When two workers labelled the same prompt (e.g. a run restarted with a different sharding), the
+    row of the first shard file in name order is kept.
+
+    Raises:
+        FileNotFoundError: when the directory holds no shard file (run ``make label`` first).
+    """
+    files = LabelStore(directory, create=False).shard_files()
+    if not files:
+        raise FileNotFoundError(f"no {SHARD_GLOB} in {directory}; run the label stage first (make label)")
+    table = pa.concat_tables([pq.read_table(f).select(LABEL_SCHEMA.names).cast(LABEL_SCHEMA) for f in files])
+    frame = table.to_pandas()
+    frame = frame.drop_duplicates("id", keep="first").sort_values("id", kind="mergesort")
+    return frame.reset_index(drop=True)
+
+
+def merge_labels(sources: Iterable[str | Path], out: str | Path) -> Path:
+    """Consolidate the labels of several directories into ``out`` (one shard file + ``meta.json``).
+
+    Args:
+        sources: label directories with compatible metas (same ``META_KEYS``). The first source's meta
+            (its latency model included) is kept.
+        out: a new or empty directory.
+    Returns:
+        ``out``.
+    Raises:
+        ValueError: for incompatible metas or an ``out`` that already holds shard files.
+    """
+    sources = [Path(s) for s in sources]
+    if not sources:
+        raise ValueError("merge_labels needs at least one source directory")
+    metas = [LabelStore(s, create=False).read_meta() for s in sources]
+    if any(m is None for m in metas):
+        raise ValueError(f"every source needs a meta.json: {[str(s) for s, m in zip(sources, metas) if m is None]}")
+    for source, meta in zip(sources[1:], metas[1:]):
+        check_meta_compatible(metas[0], meta, str(source))
+        if meta.get("latency_model") != metas[0].get("latency_model"):
+            log.warning("%s has another latency model than %s; keeping the first", source, sources[0])
+    store = LabelStore(out)
+    if store.shard_files():
+        raise ValueError(f"{out} already holds shard files; merge into a new directory")
+    frames = [read_labels(s) for s in sources]
+    frame = pd.concat(frames).drop_duplicates("id", keep="first").sort_values("id", kind="mergesort")
+    table = pa.Table.from_pandas(frame[LABEL_SCHEMA.names], schema=LABEL_SCHEMA, preserve_index=False)
+    tmp = store.directory / f".tmp-{os.getpid()}-{uuid.uuid4().hex}.parquet"
+    pq.write_table(table, tmp)
+    _publish(tmp, store.directory, "shard-{:05d}.parquet", 0)
+    store.ensure_meta(metas[0])
+    return store.directory

@@ -1,0 +1,236 @@
+"""Replay labelling agrees exactly with brute force: the trace is the decoder's B=1 output, and replayed
+tau(B) equals what ``SpeculativeDecoder.decode`` records for every B, at T=0 and T>0, with the
+max_new_tokens cap and stop tokens; plus the packed drafter forward and the latency model."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+from pipeline.decoding import DecodeConfig
+from pipeline.decoding.speculative import crop_to
+from pipeline.labeling.brute import brute_force, reseed
+from pipeline.labeling.latency import LatencyModel, kendall, measure_latency, rank_agreement, spearman, steps_of
+from pipeline.labeling.replay import DrafterContext, first_divergence, replay, target_trace
+from pipeline.models.drafter import lm_head_logits
+from pipeline.prompts import chat_input_ids
+
+# in the tiny drafter's training distribution (long accepted runs) and outside it (tau ~ 1)
+PROMPTS = ["def add(a, b):", "Natalia sold clips to 48 of her friends", "Write a function that returns the sum",
+           "The quick brown fox"]
+ALL_B = list(range(1, 17))
+
+
+def ids_of(decoder, text: str) -> torch.Tensor:
+    return chat_input_ids(decoder.target.tokenizer, [text])
+
+
+def brute_and_replay(decoder, text: str, config: DecodeConfig, candidates=ALL_B, lm_head="auto", record_gaps=False):
+    prefill = decoder.prefill(ids_of(decoder, text), config)
+    brute = brute_force(decoder, prefill, candidates, config)
+    trace = target_trace(decoder, reseed(prefill, config), config, record_gaps=record_gaps)
+    return brute, trace, replay(decoder, trace, candidates, config, lm_head=lm_head, record_gaps=record_gaps)
+
+
+@pytest.mark.parametrize("temperature,seed", [(0.0, 0), (0.8, 1), (1.0, 7)])
+def test_trace_is_the_autoregressive_decode_with_features(trained_decoder, temperature, seed):
+    decoder = trained_decoder
+    for text in PROMPTS[:2]:
+        config = DecodeConfig(20, temperature, seed)
+        ids = ids_of(decoder, text)
+        expected = decoder.generate(ids, 1, config).output_ids
+        prefill = decoder.prefill(ids, config)
+        trace = target_trace(decoder, prefill, config)
+        assert trace.tokens == expected
+        n = ids.shape[1]
+        assert trace.prompt_tokens == n
+        assert trace.features.shape == (1, n + len(expected) - 1, prefill.features.shape[-1])
+        assert trace.stopped == (expected[-1] in decoder.stop_ids)
+        # the features of the fed tokens are the decoder's: a B=2 verify of y[0] returns the same row
+        cache = copy.deepcopy(decoder.prefill(ids, config).cache)
+        block = torch.tensor([[expected[0]]])
+        _, feats = decoder._target_forward(block, cache, n, want_features=True)
+        torch.testing.assert_close(trace.features[:, n], feats[:, 0])
+
+
+@pytest.mark.parametrize("temperature,seed", [(0.0, 0), (0.8, 1)])
+@pytest.mark.parametrize("max_new_tokens", [5, 24])
+def test_replay_equals_brute_force_for_every_block_size(trained_decoder, temperature, seed, max_new_tokens):
+    decoder = trained_decoder
+    accepted_drafts = 0
+    for text in PROMPTS[:3]:
+        config = DecodeConfig(max_new_tokens, temperature, seed)
+        brute, trace, replayed = brute_and_replay(decoder, text, config)
+        assert trace.tokens == brute.stats[1].output_ids
+        for b in ALL_B:
+            stats = brute.stats[b]
+            assert replayed[b].taus == stats.taus, (text, b)
+            assert replayed[b].block_sizes == stats.block_sizes, (text, b)
+            assert replayed[b].new_tokens == stats.new_tokens == len(trace.tokens)
+            assert replayed[b].tau == pytest.approx(stats.tau, abs=0)
+            widths, starts = steps_of(stats)
+            assert replayed[b].starts == starts
+            accepted_drafts += sum(t - 1 for t in stats.taus)
+    assert accepted_drafts >= max_new_tokens  # the trained drafter gets drafts accepted: the test is not vacuous
+
+
+def test_replay_honours_stop_tokens_like_the_decoder(trained_decoder):
+    decoder = trained_decoder
+    original = set(decoder.stop_ids)
+    try:
+        for temperature in (0.0, 0.8):
+            config = DecodeConfig(40, temperature, 0)
+            y = decoder.generate(ids_of(decoder, PROMPTS[0]), 1, config).output_ids
+            for k in (0, 6, 17, 39):  # stop as the first token, mid-output, inside long accepted runs, at the cap
+                decoder.stop_ids = original | {y[k]}
+                brute, trace, replayed = brute_and_replay(decoder, PROMPTS[0], config)
+                assert trace.stopped and trace.tokens == y[: y.index(y[k]) + 1]
+                for b in ALL_B:
+                    assert (replayed[b].taus, replayed[b].block_sizes) == (brute.stats[b].taus, brute.stats[b].block_sizes)
+                    assert replayed[b].new_tokens == brute.stats[b].new_tokens
+    finally:
+        decoder.stop_ids = original
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_lazy_and_full_lm_head_and_batching_agree(trained_decoder, monkeypatch, temperature):
+    import pipeline.labeling.replay as replay_module
+
+    decoder = trained_decoder
+    config = DecodeConfig(30, temperature, 3)
+    prefill = decoder.prefill(ids_of(decoder, PROMPTS[2]), config)
+    trace = target_trace(decoder, reseed(prefill, config), config)
+    assert trace.shortlist.shape == (len(trace.tokens), 32)
+    rows = []
+    real = replay_module.lm_head_logits
+    monkeypatch.setattr(replay_module, "lm_head_logits", lambda h, w: rows.append(h.shape[0]) or real(h, w))
+    lazy = replay(decoder, trace, ALL_B, config, lm_head="lazy")
+    lazy_rows, rows[:] = sum(rows), []
+    full = replay(decoder, trace, ALL_B, config, lm_head="full")
+    full_rows = sum(rows)
+    # proven rejections skip the full LM head: only (about) the accepted drafts pay for it
+    accepted = sum(t - 1 for r in full.values() for t in r.taus)
+    assert accepted <= lazy_rows < full_rows / 2
+    for b in ALL_B:
+        alone = replay(decoder, trace, [b], config, lm_head="full")[b]
+        assert lazy[b].taus == full[b].taus == alone.taus
+    with pytest.raises(ValueError, match="lm_head must be one of"):
+        replay(decoder, trace, [4], config, lm_head="fast")
+    with pytest.raises(ValueError, match="beyond this drafter's limit"):
+        replay(decoder, trace, [17], config)
+
+
+def test_packed_blocks_match_the_drafter_forward_with_a_cache(trained_decoder):
+    decoder = trained_decoder
+    drafter = decoder.drafter
+    torch.manual_seed(0)
+    features = torch.randn(1, 30, drafter.fc.in_features)
+    context = DrafterContext(drafter, features)
+    starts, sizes, anchors = [12, 30, 20], [4, 7, 1], [5, 9, 11]
+    with torch.inference_mode():
+        packed = context.block_hidden(decoder.embed, anchors, starts, sizes)
+        assert packed.shape == (sum(sizes), drafter.config.hidden_size)
+        for i, (start, size, anchor) in enumerate(zip(starts, sizes, anchors)):
+            block = torch.full((1, size), drafter.mask_token_id)
+            block[0, 0] = anchor
+            cache = DynamicCache()
+            # the decoder's incremental path: cache the first part of the context, then a step with the rest
+            drafter(decoder.embed(block), features[:, : start // 2], torch.arange(0, start // 2 + size)[None], cache=cache)
+            crop_to(cache, start // 2)
+            expected = drafter(decoder.embed(block), features[:, start // 2 : start],
+                               torch.arange(start // 2, start + size)[None], cache=cache)[0]
+            offset = sum(sizes[:i])
+            torch.testing.assert_close(packed[offset : offset + size], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_first_divergence_points_at_the_step_and_gaps(trained_decoder):
+    decoder = trained_decoder
+    config = DecodeConfig(24, 0.0, 0)
+    brute, trace, replayed = brute_and_replay(decoder, PROMPTS[0], config, candidates=[8], record_gaps=True)
+    result = replayed[8]
+    assert result.taus[0] >= 2  # drafts accepted at the first step
+    assert first_divergence(brute.stats[8].taus, result, trace) is None
+    assert len(trace.gaps) == len(trace.tokens) and all(g >= 0 for g in trace.gaps)
+    assert len(result.gaps) == len(result.taus)
+    # pretend brute force accepted one draft fewer at the first step
+    taus = list(result.taus)
+    taus[0] -= 1
+    where = first_divergence(taus, result, trace)
+    column = taus[0]
+    assert (where["step"], where["brute_tau"], where["replay_tau"]) == (0, taus[0], result.taus[0])
+    assert where["position"] == result.starts[0] + column
+    assert where["target_gap"] == trace.gaps[where["position"] - trace.prompt_tokens]
+    assert where["draft_gap"] == result.gaps[0][column]
+    # the draft gap is the drafter's own top-2 margin at that column
+    n = trace.prompt_tokens
+    with torch.inference_mode():
+        hidden = DrafterContext(decoder.drafter, trace.features).block_hidden(decoder.embed, [trace.tokens[0]], [n], [8])
+        top = lm_head_logits(hidden[column], decoder.lm_head).float().topk(2).values
+    assert where["draft_gap"] == pytest.approx(float(top[0] - top[1]), rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# latency model
+# ------------------------------------------------------------------------------------------------
+def synthetic_model(fit: str = "interp") -> LatencyModel:
+    return LatencyModel(context_buckets=[100, 300], block_sizes=[1, 2, 10],
+                        verify_ms={1: [10.0, 20.0], 2: [11.0, 21.0], 10: [20.0, 40.0]},
+                        draft_ms={2: [2.0, 4.0], 10: [4.0, 8.0]}, prefill_ms=[50.0, 150.0], noise_ms=0.5, fit=fit)
+
+
+def test_latency_model_interpolates_and_round_trips():
+    model = synthetic_model("interp")
+    assert model.step_ms(1, 100) == pytest.approx(10.0)
+    assert model.step_ms(2, 200) == pytest.approx(16.0 + 3.0)  # verify 16 + draft 3
+    assert model.step_ms(6, 100) == pytest.approx(15.5 + 3.0)  # halfway between b=2 and b=10
+    assert model.step_ms(1, 500) == pytest.approx(30.0)  # linear extrapolation past the last bucket
+    assert model.prefill(200) == pytest.approx(100.0)
+    assert model.decode_ms([2, 2], [100, 300], new_tokens=4, temperature=0.0) == pytest.approx(13.0 + 25.0)
+    assert model.decode_ms([2, 2], [100, 300], new_tokens=4, temperature=0.7) == pytest.approx(38.0 + 2.0)
+    assert model.tokens_per_s(100, [2, 2], [100, 300], 4, 0.0) == pytest.approx(4 / ((50 + 38) / 1e3))
+    again = LatencyModel.from_dict(json.loads(json.dumps(model.to_dict())))
+    assert again == model and again.step_ms(6, 150) == model.step_ms(6, 150)
+    with pytest.raises(ValueError, match="one value per context bucket"):
+        LatencyModel([1, 2], [1], {1: [1.0]}, {}, [1.0, 2.0])
+
+
+def test_latency_model_linear_fit_smooths_noise_over_b():
+    model = synthetic_model("linear")
+    # verify at ctx 100: the least-squares line through (1, 10), (2, 11), (10, 20)
+    widths, ys = [1, 2, 10], [10.0, 11.0, 20.0]
+    slope = np.polyfit(widths, ys, 1)[0]
+    intercept = np.polyfit(widths, ys, 1)[1]
+    draft = 2.0 + (4.0 - 2.0) * (6 - 2) / 8  # two points: the line through them
+    assert model.step_ms(6, 100) == pytest.approx(intercept + slope * 6 + draft)
+    # a noisy bump at one width does not make that width look cheaper than its neighbours
+    bumpy = LatencyModel([100], [1, 2, 3, 4, 5], {1: [10.0], 2: [11.0], 3: [30.0], 4: [13.0], 5: [14.0]}, {}, [1.0])
+    costs = [bumpy.step_ms(b, 100) for b in range(1, 6)]
+    assert costs == sorted(costs)
+
+
+def test_measure_latency_on_a_tiny_model(trained_decoder):
+    model = measure_latency(trained_decoder, [4, 8], [8, 32], repeats=1, temperature=0.5)
+    assert model.block_sizes == [1, 2, 4, 8] and model.context_buckets == [8, 32]
+    assert set(model.draft_ms) == {2, 4, 8} and set(model.verify_ms) == {1, 2, 4, 8}
+    assert all(len(v) == 2 and all(x > 0 for x in v) for v in [*model.verify_ms.values(), *model.draft_ms.values()])
+    assert model.noise_ms > 0 and model.info["device"] == "cpu"
+    with pytest.raises(ValueError, match="context_buckets"):
+        measure_latency(trained_decoder, [4], [10_000])
+
+
+def test_rank_agreement():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert math.isnan(spearman([1, 1, 1], [1, 2, 3]))
+    assert kendall([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)
+    result = rank_agreement([[1, 2, 3], [3, 2, 1]], [[1, 2, 3], [1, 2, 3]], [[4, 5, 6], [4, 5, 6]])
+    assert result["spearman"] == pytest.approx(0.0) and result["kendall"] == pytest.approx(0.0)
+    assert result["best_agreement"] == pytest.approx(0.5) and result["n_prompts"] == 2
+    with pytest.raises(ValueError, match="equal-length"):
+        rank_agreement([[1, 2]], [[1, 2, 3]])
