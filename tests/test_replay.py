@@ -234,3 +234,27 @@ def test_rank_agreement():
     assert result["best_agreement"] == pytest.approx(0.5) and result["n_prompts"] == 2
     with pytest.raises(ValueError, match="equal-length"):
         rank_agreement([[1, 2]], [[1, 2, 3]])
+
+
+@pytest.mark.parametrize("temperature,seed", [(0.0, 0), (0.8, 1)])
+def test_replay_equals_brute_force_with_a_draft_vocabulary(trained_decoder, temperature, seed):
+    """A drafter restricted to a draft vocabulary proposes argmax over those tokens only; replay must too."""
+    from pipeline.decoding import SpeculativeDecoder
+
+    drafter = copy.deepcopy(trained_decoder.drafter)
+    vocab_size = trained_decoder.lm_head.shape[0]
+    config = DecodeConfig(24, temperature, seed)
+    seen = set()
+    for text in PROMPTS[:3]:
+        seen |= set(trained_decoder.generate(ids_of(trained_decoder, text), 1, config).output_ids)
+    # half of the vocabulary, keeping only some of the tokens the target emits: drafts both hit and miss
+    keep = sorted(set(range(0, vocab_size, 2)) | set(sorted(seen)[::2]))
+    drafter.set_draft_vocab(torch.tensor(keep))
+    decoder = SpeculativeDecoder(trained_decoder.target, drafter)
+    accepted = 0
+    for text in PROMPTS[:3]:
+        brute, trace, replayed = brute_and_replay(decoder, text, config, candidates=[1, 2, 4, 8, 12])
+        for b in [1, 2, 4, 8, 12]:
+            assert replayed[b].taus == brute.stats[b].taus, (text, b)
+            accepted += sum(t - 1 for t in brute.stats[b].taus)
+    assert accepted > 0

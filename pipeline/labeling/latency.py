@@ -235,7 +235,7 @@ def measure_latency(decoder: SpeculativeDecoder, block_sizes: Sequence[int], con
                 hidden = drafter(decoder.embed(block), features[:, length - new : length],
                                  torch.arange(length - new, length + b, device=device)[None], cache=draft_cache)
                 crop_to(draft_cache, length - new)
-                sampler.pick(lm_head_logits(hidden[0, 1:], decoder.lm_head).float(), length + 1)
+                sampler.pick(lm_head_logits(hidden[0, 1:], decoder.draft_head).float(), length + 1, decoder.draft_vocab)
 
             draft[b].append(timed(draft_step))
 

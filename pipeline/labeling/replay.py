@@ -39,17 +39,21 @@ from pipeline.models.drafter import DFlashDrafter, lm_head_logits
 LM_HEAD_MODES = ("auto", "lazy", "full")
 
 
-def pick_scores(sampler: PositionKeyedSampler, logits: torch.Tensor, positions: list[int]) -> torch.Tensor:
+def pick_scores(sampler: PositionKeyedSampler, logits: torch.Tensor, positions: list[int],
+                vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The scores whose argmax ``sampler.pick`` takes: logits at T=0, ``logits/T + Gumbel(position)`` at T>0.
 
     Args:
-        logits: [R, V] float32; row r scores the token at absolute position ``positions[r]``.
+        logits: [R, V'] float32; row r scores the token at absolute position ``positions[r]``.
+        vocab_ids: [V'] target ids of the columns when they cover a draft vocabulary (None: V' = V).
     Returns:
-        [R, V] float32 (same device).
+        [R, V'] float32 (same device).
     """
     if sampler.temperature == 0:
         return logits
     noise = torch.stack([sampler.gumbel(p) for p in positions]).to(logits.device)
+    if vocab_ids is not None:
+        noise = noise[:, vocab_ids]
     return logits.float() / sampler.temperature + noise
 
 
@@ -274,17 +278,19 @@ def _proven_rejections(states: list[_State], hidden: list[torch.Tensor], trace: 
 
 
 def _accept(states: list[_State], hidden: list[torch.Tensor], trace: Trace, y: torch.Tensor, lm_head: torch.Tensor,
-            lazy: bool, record_gaps: bool) -> None:
+            lazy: bool, record_gaps: bool, draft_vocab: torch.Tensor | None = None) -> None:
     """Set ``state.accepted`` (leading draft tokens equal to y) for every drafting state.
 
     Draft column j (1..b-1) of a block starting at ``start`` proposes position ``start + j`` and is
     compared with ``y[start + j - n]``, the draft token being the argmax of the drafter's scores over
     the whole vocabulary (as in the decoder). In the lazy mode, columns from the first proven rejection
     on are never pushed through the LM head (see ``_proven_rejections``); the full mode and
-    ``record_gaps`` push every comparable column.
+    ``record_gaps`` push every comparable column. With a draft vocabulary (``draft_vocab`` [N], and
+    ``lm_head`` = the decoder's [N, H] draft head) the argmax runs over those N tokens, as in the
+    decoder, and the lazy shortlist is not used (the head is already small).
     """
     n = trace.prompt_tokens
-    if lazy and not record_gaps and trace.shortlist is not None:
+    if lazy and not record_gaps and trace.shortlist is not None and draft_vocab is None:
         checked = [first - 1 for first in _proven_rejections(states, hidden, trace, y, lm_head)]
     else:
         checked = [s.columns for s in states]  # columns 1..checked[i] go through the full LM head
@@ -297,8 +303,11 @@ def _accept(states: list[_State], hidden: list[torch.Tensor], trace: Trace, y: t
     matches, gaps = [], []
     if rows:
         logits = lm_head_logits(torch.cat(rows), lm_head).float()
-        scores = pick_scores(trace.sampler, logits, positions)
-        matches = (scores.argmax(dim=-1) == torch.cat(targets)).tolist()
+        scores = pick_scores(trace.sampler, logits, positions, draft_vocab)
+        proposed = scores.argmax(dim=-1)
+        if draft_vocab is not None:
+            proposed = draft_vocab[proposed]
+        matches = (proposed == torch.cat(targets)).tolist()
         gaps = top2_gap(scores) if record_gaps else []
     offset = 0
     for s, last in zip(states, checked):
@@ -354,7 +363,7 @@ def replay(decoder: SpeculativeDecoder, trace: Trace, candidates: list[int], con
             packed = context.block_hidden(decoder.embed, [trace.tokens[s.start - n] for s in drafting],
                                           [s.start for s in drafting], [s.width for s in drafting])
             hidden = list(torch.split(packed, [s.width for s in drafting]))
-            _accept(drafting, hidden, trace, y, decoder.lm_head, lazy, record_gaps)
+            _accept(drafting, hidden, trace, y, decoder.draft_head, lazy, record_gaps, decoder.draft_vocab)
         for s in active:
             index = s.start - n  # index in y of the step's first block token
             tau = s.accepted + 1
