@@ -28,10 +28,12 @@ PROFILE ?=
 ARGS ?=
 PYTEST_ARGS ?=
 
-# Overrides of the stages that decode (label, eval): target, prompt sets, decoding.
-DECODE_ARGS ?= data=mix
+# Overrides of the stages that decode (label, eval): target, prompt sets, decoding. The default profile
+# sizes the main job for a 2-core CPU: 60 prompts from each of the 5 sets (300: code, math, chat),
+# 64 new tokens, replay labelling, a 10% test split (estimated ~85 min; see README).
+DECODE_ARGS ?= data=mix data.limit=60 decode.max_new_tokens=64
 LABEL_ARGS ?=
-DATASET_ARGS ?=
+DATASET_ARGS ?= dataset.fractions.train=0.8 dataset.fractions.validation=0.1 dataset.fractions.test=0.1
 TRAIN_ARGS ?=
 EVAL_METHODS ?= [ar,fixed,best_fixed,blockpilot,ema,oracle]
 EVAL_ARGS ?= 'eval.methods=$(EVAL_METHODS)'
