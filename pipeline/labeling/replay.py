@@ -18,10 +18,12 @@ block sees the context before its own start).
 The LM head is the other cost (a [V, H] product per draft row). With ``lm_head="lazy"`` (CPU default)
 a rejection is first proven cheaply: the draft at position p is rejected as soon as some token v of a
 shortlist (the target's own top-k scores at p, kept by the trace) scores higher than y_p under the
-drafter (argmax picks the first maximum, so a tie with a smaller id also rejects). Only the columns
-before each block's first proven rejection go through the full LM head, where acceptance is decided
-exactly as the decoder does (argmax over the whole vocabulary). ``lm_head="full"`` (GPU default) pushes
-every draft column through the LM head in one product.
+drafter (argmax picks the first maximum, so a tie with a smaller id also rejects). Columns are walked
+in growing chunks (1, 2, 4, ...) and the drafter's last layer runs only for blocks not yet decided;
+only the columns before each block's first proven rejection go through the full LM head, where
+acceptance is decided exactly as the decoder does (argmax over the whole vocabulary). A drafter with a
+(small) draft vocabulary decides each chunk directly with its draft head. ``lm_head="full"`` (GPU
+default) runs every row and pushes every draft column through the head in one product.
 """
 
 from __future__ import annotations
@@ -162,50 +164,93 @@ class DrafterContext:
             self.keys.append(k * cos + rotate_half(k) * sin)
             self.values.append(v)
 
+    def blocks(self, embed: torch.nn.Module, anchors: list[int], starts: list[int], sizes: list[int]) -> "PackedBlocks":
+        """Several blocks in one drafter forward (packed along the sequence); see ``PackedBlocks``."""
+        return PackedBlocks(self, embed, anchors, starts, sizes)
+
     def block_hidden(self, embed: torch.nn.Module, anchors: list[int], starts: list[int], sizes: list[int]) -> torch.Tensor:
-        """Drafter hidden states of several blocks in one forward (blocks packed along the sequence).
+        """Final drafter hidden states of every row of several blocks: [sum(sizes), H] (see ``PackedBlocks``)."""
+        packed = self.blocks(embed, anchors, starts, sizes)
+        return packed.rows(list(range(packed.total)))
 
-        Block i is ``[anchors[i], mask, ..., mask]`` (``sizes[i]`` tokens) at positions
-        ``starts[i] .. starts[i]+sizes[i]-1``; it attends to the context positions ``< starts[i]`` and to
-        its own tokens (non-causally), as in ``DFlashDrafter.forward`` with a cache holding that context.
 
-        Returns:
-            [sum(sizes), H] after the final norm; rows of block i follow those of block i-1.
-        """
-        drafter = self.drafter
-        device = self.keys[0].device if self.keys else embed.weight.device
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class PackedBlocks:
+    """The drafter over several blocks at once; its last layer runs only for the rows asked for.
+
+    Block i is ``[anchors[i], mask, ..., mask]`` (``sizes[i]`` tokens) at positions
+    ``starts[i] .. starts[i]+sizes[i]-1``; it attends to the context positions ``< starts[i]`` and to its
+    own tokens (non-causally), as ``DFlashDrafter.forward`` with a cache holding that context does.
+    Every layer but the last runs for every row at construction (each row is a key of the next layer),
+    and so do the last layer's keys/values; its queries, output projection and MLP run in ``rows`` only,
+    so a block whose first draft is rejected costs one row there instead of ``sizes[i]``.
+
+    Attributes:
+        offsets: packed row of each block's first token; total: sum(sizes).
+    """
+
+    def __init__(self, context: DrafterContext, embed: torch.nn.Module, anchors: list[int], starts: list[int],
+                 sizes: list[int]):
+        drafter = self.drafter = context.drafter
+        device = self.device = context.keys[0].device
         sizes_t = torch.tensor(sizes, device=device)
         starts_t = torch.tensor(starts, device=device)
-        total = int(sizes_t.sum())
+        self.total = int(sum(sizes))
         segment = torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes_t)
         offsets = torch.cumsum(sizes_t, 0) - sizes_t
-        within = torch.arange(total, device=device) - offsets[segment]
-        ids = torch.full((total,), drafter.mask_token_id, dtype=torch.long, device=device)
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        within = torch.arange(self.total, device=device) - offsets[segment]
+        ids = torch.full((self.total,), drafter.mask_token_id, dtype=torch.long, device=device)
         ids[offsets] = torch.tensor(anchors, dtype=torch.long, device=device)
         positions = (starts_t[segment] + within)[None]
-        context_len = max(starts)
-        mask = torch.cat([
-            torch.arange(context_len, device=device)[None, :] < starts_t[segment][:, None],
+        self.context_len = max(starts)
+        self.mask = torch.cat([
+            torch.arange(self.context_len, device=device)[None, :] < starts_t[segment][:, None],
             segment[:, None] == segment[None, :],
-        ], dim=1)[None, None]
+        ], dim=1)[None, None]  # [1, 1, total, context_len + total]: True = may attend
         hidden = embed(ids)[None]
         cos, sin = drafter.rotary_emb(hidden, positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        for layer, ctx_k, ctx_v in zip(drafter.layers, self.keys, self.values):
-            attn = layer.self_attn
-            h = layer.input_layernorm(hidden)
-            q = attn.q_norm(attn.q_proj(h).view(1, total, -1, attn.head_dim)).transpose(1, 2)
-            k = attn.k_norm(attn.k_proj(h).view(1, total, -1, attn.head_dim)).transpose(1, 2)
-            v = attn.v_proj(h).view(1, total, -1, attn.head_dim).transpose(1, 2)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-            keys = torch.cat([ctx_k[:, :, :context_len], k], dim=2)
-            values = torch.cat([ctx_v[:, :, :context_len], v], dim=2)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                                 enable_gqa=attn.num_heads != attn.num_kv_heads)
-            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, total, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return drafter.norm(hidden)[0]
+        self.cos, self.sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        layers = list(zip(drafter.layers, context.keys, context.values))
+        for layer, ctx_k, ctx_v in layers[:-1]:
+            normed = layer.input_layernorm(hidden)
+            keys, values = self._keys_values(layer.self_attn, normed, ctx_k, ctx_v)
+            hidden = self._rest(layer, hidden, normed, keys, values, None)
+        self.last = layers[-1][0]
+        self.hidden = hidden  # [1, total, H]: input of the last layer
+        self.normed = self.last.input_layernorm(hidden)
+        self.keys, self.values = self._keys_values(self.last.self_attn, self.normed, layers[-1][1], layers[-1][2])
+
+    def _keys_values(self, attn, normed: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor):
+        """[context ; block] keys (with RoPE) and values of one layer: each [1, kv_heads, context_len + total, d]."""
+        k = attn.k_norm(attn.k_proj(normed).view(1, self.total, -1, attn.head_dim)).transpose(1, 2)
+        v = attn.v_proj(normed).view(1, self.total, -1, attn.head_dim).transpose(1, 2)
+        keys = torch.cat([ctx_k[:, :, : self.context_len], _rope(k, self.cos, self.sin)], dim=2)
+        return keys, torch.cat([ctx_v[:, :, : self.context_len], v], dim=2)
+
+    def _rest(self, layer, hidden: torch.Tensor, normed: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              index: torch.Tensor | None) -> torch.Tensor:
+        """The layer for the query rows ``index`` (None = all): attention, output projection, MLP, residuals."""
+        attn = layer.self_attn
+        cos, sin, mask = self.cos, self.sin, self.mask
+        if index is not None:
+            hidden, normed = hidden[:, index], normed[:, index]
+            cos, sin, mask = cos[:, :, index], sin[:, :, index], mask[:, :, index]
+        rows = hidden.shape[1]
+        q = _rope(attn.q_norm(attn.q_proj(normed).view(1, rows, -1, attn.head_dim)).transpose(1, 2), cos, sin)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                             enable_gqa=attn.num_heads != attn.num_kv_heads)
+        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, rows, -1))
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def rows(self, index: list[int]) -> torch.Tensor:
+        """Final hidden states (after the final norm) of the packed rows ``index`` -> [len(index), H]."""
+        index_t = torch.tensor(index, dtype=torch.long, device=self.device)
+        out = self._rest(self.last, self.hidden, self.normed, self.keys, self.values, index_t)
+        return self.drafter.norm(out)[0]
 
 
 @dataclass
@@ -247,78 +292,119 @@ class _State:
     step_gaps: dict = field(default_factory=dict)
 
 
-def _proven_rejections(states: list[_State], hidden: list[torch.Tensor], trace: Trace, y: torch.Tensor,
-                       lm_head: torch.Tensor) -> list[int]:
-    """Per state, the first draft column proven rejected by the shortlist (``columns + 1`` when none).
+def _shortlist_rejects(h: torch.Tensor, y_index: list[int], trace: Trace, y: torch.Tensor,
+                       head: torch.Tensor) -> list[bool]:
+    """Whether the drafts of rows ``h`` [R, H] (at y-indices ``y_index``) are proven rejected by the shortlist.
 
-    The draft at column j is rejected when a shortlist token v (the target's best-scoring ids at that
-    position) beats y under the drafter: ``score_v > score_y``, or equal with ``v < y`` (argmax returns
-    the first maximum). Costs (1 + k) dot products per column instead of V.
+    A draft is rejected when a shortlist token v (the target's best-scoring ids at that position)
+    beats ``y`` under the drafter: ``score_v > score_y``, or equal with ``v < y`` (argmax returns the
+    first maximum). Costs (1 + k) dot products per row instead of V. Full vocabulary heads only.
     """
     n = trace.prompt_tokens
-    rows, indices = [], []
-    for i, s in enumerate(states):
-        rows.append(hidden[i][1 : s.columns + 1])
-        indices += range(s.start + 1 - n, s.start + s.columns + 1 - n)
-    index = torch.tensor(indices, device=y.device)
+    index = torch.tensor(y_index, device=y.device)
     ids = torch.cat([y[index][:, None], trace.shortlist[index]], dim=1)  # [R, 1 + k], y first
-    h = torch.cat(rows)
-    logits = torch.bmm(lm_head[ids], h[:, :, None])[..., 0].float()  # [R, 1 + k]
+    scores = torch.bmm(head[ids], h[:, :, None])[..., 0].float()
     if trace.sampler.temperature > 0:
-        noise = torch.stack([trace.sampler.gumbel(i + n) for i in indices]).to(logits.device)
-        logits = logits / trace.sampler.temperature + noise.gather(1, ids)
-    beats = (logits[:, 1:] > logits[:, :1]) | ((logits[:, 1:] == logits[:, :1]) & (ids[:, 1:] < ids[:, :1]))
-    rejected = beats.any(dim=1).tolist()
-    firsts, offset = [], 0
-    for s in states:
-        flags = rejected[offset : offset + s.columns]
-        firsts.append(flags.index(True) + 1 if True in flags else s.columns + 1)
-        offset += s.columns
-    return firsts
+        noise = torch.stack([trace.sampler.gumbel(i + n) for i in y_index]).to(scores.device)
+        scores = scores / trace.sampler.temperature + noise.gather(1, ids)
+    beats = (scores[:, 1:] > scores[:, :1]) | ((scores[:, 1:] == scores[:, :1]) & (ids[:, 1:] < ids[:, :1]))
+    return beats.any(dim=1).tolist()
 
 
-def _accept(states: list[_State], hidden: list[torch.Tensor], trace: Trace, y: torch.Tensor, lm_head: torch.Tensor,
+def _drafts_match(h: torch.Tensor, positions: list[int], trace: Trace, y: torch.Tensor, head: torch.Tensor,
+                  draft_vocab: torch.Tensor | None, record_gaps: bool) -> tuple[list[bool], list[float]]:
+    """Whether the drafter's token (argmax over its whole head, as in the decoder) equals y, per row.
+
+    Args:
+        h: [R, H] final drafter hidden states of draft rows at absolute ``positions``.
+        head: the decoder's draft head ([V, H], or [N, H] over ``draft_vocab`` [N]).
+    Returns:
+        (matches, top-2 score gaps or [] without ``record_gaps``).
+    """
+    logits = lm_head_logits(h, head).float()
+    scores = pick_scores(trace.sampler, logits, positions, draft_vocab)
+    proposed = scores.argmax(dim=-1)
+    if draft_vocab is not None:
+        proposed = draft_vocab[proposed]
+    targets = y[torch.tensor(positions, device=y.device) - trace.prompt_tokens]
+    return (proposed == targets).tolist(), (top2_gap(scores) if record_gaps else [])
+
+
+def _accept(states: list[_State], packed: PackedBlocks, trace: Trace, y: torch.Tensor, head: torch.Tensor,
             lazy: bool, record_gaps: bool, draft_vocab: torch.Tensor | None = None) -> None:
     """Set ``state.accepted`` (leading draft tokens equal to y) for every drafting state.
 
-    Draft column j (1..b-1) of a block starting at ``start`` proposes position ``start + j`` and is
-    compared with ``y[start + j - n]``, the draft token being the argmax of the drafter's scores over
-    the whole vocabulary (as in the decoder). In the lazy mode, columns from the first proven rejection
-    on are never pushed through the LM head (see ``_proven_rejections``); the full mode and
-    ``record_gaps`` push every comparable column. With a draft vocabulary (``draft_vocab`` [N], and
-    ``lm_head`` = the decoder's [N, H] draft head) the argmax runs over those N tokens, as in the
-    decoder, and the lazy shortlist is not used (the head is already small).
+    Draft column j (1..b-1) of the block of ``states[i]`` (packed row ``packed.offsets[i] + j``) proposes
+    position ``start + j``; it is accepted iff the drafter's token there, the argmax over its whole head
+    (full vocabulary, or ``draft_vocab`` with ``head`` = the decoder's [N, H] draft head), equals
+    ``y[start + j - n]`` and every earlier column was accepted.
+
+    Full mode (and ``record_gaps``): every comparable column through the last layer and the head at once.
+    Lazy mode: columns in growing chunks (1, 2, 4, ...), only for blocks not yet decided. With a full
+    vocabulary head each chunk is screened by the shortlist (proven rejections end a block) and the
+    surviving columns go through the full head once at the end; with a (small) draft head each chunk
+    is decided exactly right away.
     """
-    n = trace.prompt_tokens
-    if lazy and not record_gaps and trace.shortlist is not None and draft_vocab is None:
-        checked = [first - 1 for first in _proven_rejections(states, hidden, trace, y, lm_head)]
-    else:
-        checked = [s.columns for s in states]  # columns 1..checked[i] go through the full LM head
-    rows, positions, targets = [], [], []
-    for i, (s, last) in enumerate(zip(states, checked)):
-        if last > 0:
-            rows.append(hidden[i][1 : last + 1])
-            positions += range(s.start + 1, s.start + last + 1)
-            targets.append(y[s.start + 1 - n : s.start + last + 1 - n])
-    matches, gaps = [], []
-    if rows:
-        logits = lm_head_logits(torch.cat(rows), lm_head).float()
-        scores = pick_scores(trace.sampler, logits, positions, draft_vocab)
-        proposed = scores.argmax(dim=-1)
-        if draft_vocab is not None:
-            proposed = draft_vocab[proposed]
-        matches = (proposed == torch.cat(targets)).tolist()
-        gaps = top2_gap(scores) if record_gaps else []
-    offset = 0
-    for s, last in zip(states, checked):
+    for s in states:
         s.accepted = 0
-        for j in range(last):
-            if record_gaps:
-                s.step_gaps[j + 1] = gaps[offset + j]
-            if not matches[offset + j]:
-                break
-            s.accepted += 1
-        offset += last
+    if not lazy or record_gaps:
+        spans = [(i, 1, s.columns) for i, s in enumerate(states) if s.columns > 0]
+        h, positions = _rows(packed, states, spans)
+        matches, gaps = _drafts_match(h, positions, trace, y, head, draft_vocab, record_gaps)
+        offset = 0
+        for i, lo, hi in spans:
+            for j in range(hi):
+                if record_gaps:
+                    states[i].step_gaps[j + 1] = gaps[offset + j]
+                if not matches[offset + j]:
+                    break
+                states[i].accepted += 1
+            offset += hi
+        return
+    screen = trace.shortlist is not None and draft_vocab is None
+    kept: list[list[torch.Tensor]] = [[] for _ in states]  # screened columns awaiting the full head
+    done = [0] * len(states)
+    open_states = [i for i, s in enumerate(states) if s.columns > 0]
+    chunk = 1
+    while open_states:
+        spans = [(i, done[i] + 1, min(done[i] + chunk, states[i].columns)) for i in open_states]
+        h, positions = _rows(packed, states, spans)
+        if screen:
+            y_index = [p - trace.prompt_tokens for p in positions]
+            passed = [not r for r in _shortlist_rejects(h, y_index, trace, y, head)]
+        else:
+            passed, _ = _drafts_match(h, positions, trace, y, head, draft_vocab, False)
+        offset, still_open = 0, []
+        for i, lo, hi in spans:
+            width = hi - lo + 1
+            ok = 0
+            while ok < width and passed[offset + ok]:
+                ok += 1
+            if screen:
+                kept[i].extend(h[offset : offset + ok])
+            else:
+                states[i].accepted += ok
+            done[i] = lo - 1 + ok
+            if ok == width and hi < states[i].columns:
+                still_open.append(i)
+            offset += width
+        open_states, chunk = still_open, chunk * 2
+    rows = [r for rs in kept for r in rs]
+    if rows:
+        positions = [s.start + j for s, rs in zip(states, kept) for j in range(1, len(rs) + 1)]
+        matches, _ = _drafts_match(torch.stack(rows), positions, trace, y, head, draft_vocab, False)
+        offset = 0
+        for s, rs in zip(states, kept):
+            while s.accepted < len(rs) and matches[offset + s.accepted]:
+                s.accepted += 1
+            offset += len(rs)
+
+
+def _rows(packed: PackedBlocks, states: list[_State], spans: list[tuple[int, int, int]]) -> tuple[torch.Tensor, list[int]]:
+    """Final hidden states of columns lo..hi of each (state index, lo, hi) span, and their absolute positions."""
+    index = [packed.offsets[i] + j for i, lo, hi in spans for j in range(lo, hi + 1)]
+    positions = [states[i].start + j for i, lo, hi in spans for j in range(lo, hi + 1)]
+    return packed.rows(index), positions
 
 
 @torch.inference_mode()
@@ -360,10 +446,9 @@ def replay(decoder: SpeculativeDecoder, trace: Trace, candidates: list[int], con
             s.accepted, s.step_gaps = 0, {}
         drafting = [s for s in active if s.width > 1]
         if drafting:
-            packed = context.block_hidden(decoder.embed, [trace.tokens[s.start - n] for s in drafting],
-                                          [s.start for s in drafting], [s.width for s in drafting])
-            hidden = list(torch.split(packed, [s.width for s in drafting]))
-            _accept(drafting, hidden, trace, y, decoder.draft_head, lazy, record_gaps, decoder.draft_vocab)
+            packed = context.blocks(decoder.embed, [trace.tokens[s.start - n] for s in drafting],
+                                    [s.start for s in drafting], [s.width for s in drafting])
+            _accept(drafting, packed, trace, y, decoder.draft_head, lazy, record_gaps, decoder.draft_vocab)
         for s in active:
             index = s.start - n  # index in y of the step's first block token
             tau = s.accepted + 1
