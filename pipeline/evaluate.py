@@ -20,7 +20,12 @@ of those four methods runs, else every configured prompt) takes the split's prom
 stage's DatasetDict (``eval.features_dir``); the prompts themselves come from ``data``.
 
 Every method decodes every prompt with the same decoder; prompts are interleaved across methods so
-machine noise hits all of them alike. Writes a JSON file with, per method, ``tau`` (mean acceptance
+machine noise hits all of them alike. With ``eval.share_decodes`` (default on) a request whose method
+keeps one B for the whole request (``ar``, ``fixed``, ``best_fixed``, ``oracle``, the predictors) runs its
+own prefill and its own choice of B, both timed, and then reuses the decode of that (request, B) when
+an earlier method of the same prompt already ran it: decoding is deterministic given (request, B,
+seed), so only the decode's wall time is shared, which also removes timing noise between methods
+that pick the same B. ``ema`` always decodes on its own. Writes a JSON file with, per method, ``tau`` (mean acceptance
 length over all steps, tokens), ``tokens_per_s`` (new tokens over prefill + schedule + decode time),
 ``speedup`` (vs ``ar`` in this run), ``tpot_ms``, ``lossless`` (every output token-identical to ``ar``),
 ``n_prompts``, ``overhead_ms`` (time choosing B per prompt, ms) and ``overhead_pct`` (its share of
@@ -32,6 +37,7 @@ source set. Beside it: ``results.md`` and PNG figures (``pipeline.reporting``), 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -47,6 +53,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from pipeline.decoding import DecodeConfig, EMASchedule, FixedSchedule
+from pipeline.decoding.speculative import RequestStats, _now
 from pipeline.decoding.conversation import decode_prompt
 from pipeline.models.loading import build_decoder
 from pipeline.prompts import Prompt, load_prompt_sets
@@ -83,6 +90,54 @@ class FirstChoice:
 
     def next(self, tau: int, block_size: int) -> int:
         return self.schedule.next(tau, block_size)
+
+    @property
+    def static(self) -> bool:
+        return bool(getattr(self.schedule, "static", False))
+
+
+class SharedDecodes:
+    """Decoder front end for the eval stage that runs each (request, B) decode once (see module docstring).
+
+    Quacks like ``SpeculativeDecoder`` for ``decode_prompt`` (``target``, ``generate``). For a schedule
+    with ``static = True`` it prefills, times ``schedule.first`` as ``schedule_ms``, and decodes with that
+    fixed B, or copies the stored decode of the same (request ids, B, decoding config) with this
+    request's own ``prefill_ms`` and ``schedule_ms``. Other schedules go straight to the decoder.
+    ``clear()`` forgets the stored decodes (called between prompts to bound memory).
+
+    Attributes:
+        decodes: decodes actually run; reused: requests served from a stored decode.
+    """
+
+    def __init__(self, decoder):
+        self.decoder = decoder
+        self.target = decoder.target
+        self.memo: dict[tuple, RequestStats] = {}
+        self.decodes = self.reused = 0
+
+    def clear(self) -> None:
+        self.memo.clear()
+
+    def generate(self, input_ids: torch.Tensor, schedule, config: DecodeConfig) -> RequestStats:
+        if not getattr(schedule, "static", False):
+            self.decodes += 1
+            return self.decoder.generate(input_ids, schedule, config)
+        prefill = self.decoder.prefill(input_ids, config, want_features=schedule.max_block_size > 1)
+        t0 = _now(self.decoder.device)
+        block_size = int(schedule.first(prefill.last_logits))
+        schedule_ms = (_now(self.decoder.device) - t0) * 1e3
+        key = (tuple(input_ids.flatten().tolist()), block_size, config.max_new_tokens, config.temperature, config.seed)
+        stored = self.memo.get(key)
+        if stored is None:
+            self.decodes += 1
+            if block_size > 1 and prefill.features is None:  # e.g. B=1 schedule object with a larger max
+                prefill = self.decoder.prefill(input_ids, config, want_features=True)
+            stored = self.memo[key] = self.decoder.decode(prefill, FixedSchedule(block_size), config)
+        else:
+            self.reused += 1
+        return dataclasses.replace(stored, output_ids=list(stored.output_ids), taus=list(stored.taus),
+                                   block_sizes=list(stored.block_sizes), prefill_ms=prefill.prefill_ms,
+                                   schedule_ms=schedule_ms)
 
 
 @dataclass
@@ -384,17 +439,23 @@ def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, input
     if cfg.eval.warmup and prompts:
         for m in methods:
             decode_prompt(decoder, prompts[0], factory(m, prompts[0], []), DecodeConfig(8, decode_cfg.temperature, decode_cfg.seed))
+    runner = SharedDecodes(decoder) if cfg.eval.get("share_decodes", True) else decoder
     rows: dict[str, list[dict]] = {m: [] for m in methods}
     for prompt in tqdm(prompts, desc="eval", unit="prompt"):
+        if isinstance(runner, SharedDecodes):
+            runner.clear()
         for m in methods:
             chosen: list[FirstChoice] = []
-            stats = decode_prompt(decoder, prompt, factory(m, prompt, chosen), decode_cfg)
+            stats = decode_prompt(runner, prompt, factory(m, prompt, chosen), decode_cfg)
             row = merge_turns(prompt.id, prompt.source_set, stats)
             row["chosen_b"] = chosen[0].chosen if chosen else None
             rows[m].append(row)
     reference = {r["id"]: r["output_ids"] for r in rows["ar"]}
     boot = cfg.eval.get("bootstrap") or {}
+    if isinstance(runner, SharedDecodes):
+        log.info("decodes run: %d, shared by methods picking the same B: %d", runner.decodes, runner.reused)
     results = {"config": OmegaConf.to_container(cfg.decode, resolve=True), "split": split,
+               "shared_decodes": runner.reused if isinstance(runner, SharedDecodes) else 0,
                "methods": summarize_all(rows, methods, reference, boot), "per_set": {}}
     for source_set in sorted({p.source_set for p in prompts}):
         subset = {m: [r for r in rows[m] if r["source_set"] == source_set] for m in methods}

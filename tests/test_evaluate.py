@@ -217,3 +217,33 @@ def test_cli_full_run_logs_to_wandb_offline(run, tmp_path, monkeypatch):
     media = list(runs[0].rglob("*.png"))
     assert len(media) >= 5, media  # the figures, logged as wandb.Image
     assert list(runs[0].rglob("*.table.json"))  # the results, logged as a wandb.Table
+
+
+def test_shared_decodes_equal_separate_decodes(tiny):
+    """A (request, B) decode shared between methods gives exactly what decoding it again gives; adaptive
+    schedules and other B are decoded on their own; prefill and schedule times stay per request."""
+    from pipeline.decoding import EMASchedule, FixedSchedule
+    from pipeline.evaluate import SharedDecodes
+    from pipeline.models.drafter import DFlashDrafter
+    from pipeline.models.target import load_target
+    from pipeline.decoding.speculative import SpeculativeDecoder
+
+    decoder = SpeculativeDecoder(load_target(tiny.target_dir("llama")), DFlashDrafter.from_pretrained(tiny.drafter_dir("llama", "trained")))
+    ids = chat_input_ids(decoder.target.tokenizer, ["def add(a, b):"])
+    for temperature in (0.0, 1.0):
+        config = DecodeConfig(24, temperature, 3)
+        shared = SharedDecodes(decoder)
+        first = shared.generate(ids, FixedSchedule(4), config)
+        again = shared.generate(ids, FixedSchedule(4), config)
+        assert (shared.decodes, shared.reused) == (1, 1)
+        fresh = decoder.generate(ids, 4, config)
+        for stats in (first, again):
+            assert stats.output_ids == fresh.output_ids and stats.taus == fresh.taus and stats.block_sizes == fresh.block_sizes
+        assert again.prefill_ms != first.prefill_ms or again.schedule_ms != first.schedule_ms  # measured per request
+        again.output_ids.append(-1)  # a caller's edit does not reach the stored decode
+        assert shared.generate(ids, FixedSchedule(4), config).output_ids == fresh.output_ids
+        other = shared.generate(ids, FixedSchedule(6), config)
+        assert other.block_sizes[0] == 6 and other.output_ids == fresh.output_ids  # lossless: same text for any B
+        ema = shared.generate(ids, EMASchedule([2, 4, 6]), config)
+        assert ema.output_ids == fresh.output_ids
+        assert (shared.decodes, shared.reused) == (3, 2)

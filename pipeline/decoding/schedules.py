@@ -1,7 +1,8 @@
 """Block-size schedules: how the decoder picks B for each draft-verify step.
 
 A schedule sees the target's last-token logits once after prefill (``first``) and the acceptance
-length of every step (``next``). ``FixedSchedule`` is the usual single-B decoder, the BlockPilot
+length of every step (``next``); one whose ``static`` attribute is true keeps ``first``'s B for the
+whole request. ``FixedSchedule`` is the usual single-B decoder, the BlockPilot
 predictor wraps a policy in ``first`` (see ``pipeline.policy``), and ``EMASchedule`` is the per-round
 adaptive baseline of the SGLang DFlash work.
 """
@@ -27,6 +28,8 @@ class BlockSizeSchedule(Protocol):
 
 class FixedSchedule:
     """One block size for the whole request."""
+
+    static = True  # B never changes after ``first`` (the eval stage may share such decodes)
 
     def __init__(self, block_size: int):
         self.block_size = self.max_block_size = int(block_size)

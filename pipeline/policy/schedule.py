@@ -28,6 +28,8 @@ class PredictorSchedule:
         block_size: the B chosen by the last ``first`` call (None before).
     """
 
+    static = True  # B is chosen once per request
+
     def __init__(self, predictor: Predictor):
         self.predictor = predictor
         self.max_block_size = max(predictor.candidates)
