@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 from pipeline.drafting.corpus import build_corpus_cache
 from pipeline.drafting.data import AnchorDataset, collate, load_sequences
 from pipeline.drafting.module import DrafterModule, init_from_target_layers
-from pipeline.drafting.responses import build_response_cache
+from pipeline.drafting.responses import build_response_cache, generation_seconds
 from pipeline.drafting.stdlib_prompts import stdlib_prompts
 from pipeline.models.drafter import DFlashDrafter, make_drafter_config, num_parameters
 from pipeline import PROJECT_ROOT
@@ -85,8 +85,8 @@ def write_model_card(out: Path, name: str, cfg: DictConfig, stats: dict) -> None
         "| item | value |", "|---|---|",
     ]
     for k, v in stats.items():
-        if not isinstance(v, dict):
-            lines.append(f"| {k} | {v} |")
+        if k != "val_tau":
+            lines.append(f"| {k} | {', '.join(f'{a}: {b}' for a, b in v.items()) if isinstance(v, dict) else v} |")
     lines += ["", "Teacher-forced acceptance length on held-out training-distribution sequences (not a benchmark):", "",
               "| B | tau |", "|---|---|"]
     for b, tau in sorted(stats.get("val_tau", {}).items(), key=lambda kv: int(kv[0])):
@@ -105,15 +105,17 @@ def train_drafter(cfg: DictConfig) -> Path:
                                          target_layer_ids=dcfg.get("target_layer_ids"), mask_token_id=dcfg.mask_token_id)
     layer_ids = drafter_config.dflash_config["target_layer_ids"]
     cache_root = Path(dcfg.cache_dir)
-    dirs = []
+    dirs, data_seconds = [], {}
     for set_cfg in dcfg.sets:
         d = cache_root / set_cfg.name
         if set_cfg.source == "stdlib_source":  # teacher-forced text windows, no generation
-            build_corpus_cache(target, d, layer_ids, window=set_cfg.get("window", 384), limit=set_cfg.get("limit"))
+            paths = build_corpus_cache(target, d, layer_ids, window=set_cfg.get("window", 384), limit=set_cfg.get("limit"))
         else:
             prompts = training_prompts(set_cfg)
-            build_response_cache(target, prompts, d, layer_ids, dcfg.max_new_tokens, dcfg.max_prompt_tokens,
-                                 dcfg.gen_batch_size, set_cfg.get("max_batches"))
+            paths = build_response_cache(target, prompts, d, layer_ids, dcfg.max_new_tokens, dcfg.max_prompt_tokens,
+                                         dcfg.gen_batch_size, set_cfg.get("max_batches"))
+        seconds, unknown = generation_seconds(paths)
+        data_seconds[set_cfg.name] = round(seconds) if not unknown else f"{round(seconds)} + {unknown} shards without a record"
         dirs.append(d)
     t_data = time.time()
     sequences = load_sequences(dirs, dcfg.max_seq_len)
@@ -181,7 +183,8 @@ def train_drafter(cfg: DictConfig) -> Path:
         "response tokens": response_tokens,
         "optimizer steps": trainer.global_step,
         "anchors per sequence x batch": f"{dcfg.anchors_per_seq} x {dcfg.batch_size}",
-        "data generation wall time (s)": round(t_data - t_start),
+        "data generation wall time per set (s, recorded in the cached shards)": data_seconds,
+        "this run's data stage wall time (s)": round(t_data - t_start),
         "training wall time (s)": round(train_seconds),
         "hardware": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {cfg.model.device}",
         "val_tau": val_tau,

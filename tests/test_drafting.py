@@ -127,6 +127,9 @@ def test_shard_round_trip(llama, prompt_ids, tmp_path):
         assert torch.equal(seq["tokens"], tokens) and seq["tokens"].dtype == torch.long
         assert torch.equal(seq["features"], features)
         assert seq["prompt_length"] == len(p)
+    assert responses.generation_seconds([path]) == (0.0, 1)  # written without a time: counted as unknown
+    write_shard(path, results, [len(p) for p in prompt_ids[:3]], seconds=2.5)
+    assert responses.generation_seconds([path, path]) == (5.0, 0)
 
 
 def test_response_cache_resumes_and_skips_long_prompts(llama, tmp_path, monkeypatch):
@@ -231,6 +234,8 @@ def test_draft_stage_end_to_end(tiny, compose_config, tmp_path):
     assert config["dflash_config"]["draft_vocab_size"] == 64 and config["dtype"] == "bfloat16"
     stats = json.loads((out / "training_stats.json").read_text())
     assert stats["optimizer steps"] == 4 and set(stats["val_tau"]) >= {"2", "4"}
+    seconds = stats["data generation wall time per set (s, recorded in the cached shards)"]
+    assert set(seconds) == {"mine", "src"} and all(isinstance(v, int) for v in seconds.values())
     assert (out / "README.md").read_text().startswith("# drafter")
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["mine", "src"]
     assert list((tmp_path / "cache" / "src").glob("shard-*.safetensors"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import sysconfig
+import time
 from pathlib import Path
 
 import torch
@@ -74,9 +75,10 @@ def build_corpus_cache(target: Target, out_dir: str | Path, layer_ids: list[int]
         paths.append(path)
         if path.exists():
             continue
+        t0 = time.perf_counter()
         sequences = []
         for i in range(0, len(group), batch_size):
             batch = group[i : i + batch_size]
             sequences += list(zip(batch, teacher_forced_features(target, batch, layer_ids)))
-        write_shard(path, sequences, [prefix] * len(sequences))
+        write_shard(path, sequences, [prefix] * len(sequences), time.perf_counter() - t0)
     return paths

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import DynamicCache
@@ -91,15 +93,31 @@ def generate_batch(
     return result
 
 
-def write_shard(path: Path, sequences: list[tuple[torch.Tensor, torch.Tensor]], prompt_lengths: list[int]) -> None:
-    """Atomically write one shard (see the module docstring for its tensors)."""
+def write_shard(path: Path, sequences: list[tuple[torch.Tensor, torch.Tensor]], prompt_lengths: list[int],
+                seconds: float | None = None) -> None:
+    """Atomically write one shard (see the module docstring for its tensors); ``seconds``, the wall time
+    that produced it, goes into the safetensors metadata (``generation_seconds``)."""
     tokens = torch.cat([t for t, _ in sequences]).to(torch.int32)
     features = torch.cat([f for _, f in sequences])
     offsets = torch.tensor([0] + [len(t) for t, _ in sequences]).cumsum(0)
     tmp = path.with_suffix(".tmp")
     save_file({"tokens": tokens, "features": features.contiguous(), "offsets": offsets,
-               "prompt_lengths": torch.tensor(prompt_lengths)}, tmp)
+               "prompt_lengths": torch.tensor(prompt_lengths)}, tmp,
+              metadata=None if seconds is None else {"generation_seconds": f"{seconds:.3f}"})
     os.replace(tmp, path)
+
+
+def generation_seconds(paths: list[Path]) -> tuple[float, int]:
+    """Recorded wall time (s) that produced the shards ``paths``, and how many shards carry no record."""
+    total, unknown = 0.0, 0
+    for path in paths:
+        with safe_open(str(path), framework="pt") as f:
+            value = (f.metadata() or {}).get("generation_seconds")
+        if value is None:
+            unknown += 1
+        else:
+            total += float(value)
+    return total, unknown
 
 
 def read_shard(path: Path) -> list[dict]:
@@ -147,6 +165,7 @@ def build_response_cache(
         paths.append(path)
         if path.exists():
             continue
+        t0 = time.perf_counter()
         sequences = generate_batch(target, batch, layer_ids, max_new_tokens)
-        write_shard(path, sequences, [len(b) for b in batch])
+        write_shard(path, sequences, [len(b) for b in batch], time.perf_counter() - t0)
     return paths
