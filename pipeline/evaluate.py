@@ -130,8 +130,6 @@ class SharedDecodes:
         stored = self.memo.get(key)
         if stored is None:
             self.decodes += 1
-            if block_size > 1 and prefill.features is None:  # e.g. B=1 schedule object with a larger max
-                prefill = self.decoder.prefill(input_ids, config, want_features=True)
             stored = self.memo[key] = self.decoder.decode(prefill, FixedSchedule(block_size), config)
         else:
             self.reused += 1
