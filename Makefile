@@ -33,7 +33,7 @@ PYTEST_ARGS ?=
 # 64 new tokens, replay labelling, a 20% test split (see README for the measured wall time).
 DECODE_ARGS ?= data=mix data.limit=60 decode.max_new_tokens=64
 LABEL_ARGS ?= label.store_full_logits=true
-DATASET_ARGS ?= dataset.fractions.train=0.7 dataset.fractions.validation=0.1 dataset.fractions.test=0.2
+DATASET_ARGS ?= dataset.fractions.train=0.7 dataset.fractions.validation=0.15 dataset.fractions.test=0.15
 TRAIN_ARGS ?=
 EVAL_METHODS ?= [ar,fixed,best_fixed,blockpilot,full_vocab,ema,oracle]
 EVAL_ARGS ?= 'eval.methods=$(EVAL_METHODS)'

@@ -31,7 +31,7 @@ length over all steps, tokens), ``tokens_per_s`` (new tokens over prefill + sche
 ``n_prompts``, ``overhead_ms`` (time choosing B per prompt, ms) and ``overhead_pct`` (its share of
 decode time, %), ``oracle_gain_share`` = (tau - tau_fixed) / (tau_oracle - tau_fixed) with a bootstrap
 95% interval over prompts ``oracle_gain_share_ci`` (null unless ``fixed`` and ``oracle`` ran), and
-per-prompt rows (``chosen_b``: the B picked for the first turn); ``per_set`` repeats the summary per
+per-prompt rows (``chosen_b``: the B picked for the first turn, ``chosen_bs``: for every turn); ``per_set`` repeats the summary per
 source set. Beside it: ``results.md`` and PNG figures (``pipeline.reporting``), also logged to W&B.
 """
 
@@ -446,7 +446,8 @@ def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, input
             chosen: list[FirstChoice] = []
             stats = decode_prompt(runner, prompt, factory(m, prompt, chosen), decode_cfg)
             row = merge_turns(prompt.id, prompt.source_set, stats)
-            row["chosen_b"] = chosen[0].chosen if chosen else None
+            row["chosen_b"] = chosen[0].chosen if chosen else None  # the first turn's B
+            row["chosen_bs"] = [c.chosen for c in chosen]           # every turn's B (one request per turn)
             rows[m].append(row)
     reference = {r["id"]: r["output_ids"] for r in rows["ar"]}
     boot = cfg.eval.get("bootstrap") or {}

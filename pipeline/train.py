@@ -6,8 +6,9 @@
 
 Reads ``data/features/<run_name>/<features.name>/`` (``pipeline.dataset``), trains a
 ``pipeline.policy.predictors`` net with ``pipeline.policy.module.PolicyModule`` (objective ``hard`` |
-``soft`` | ``reward``; early stopping and best-checkpoint selection on ``val/expected_tau``), measures
-the per-request inference time and exports ``predictor.safetensors`` + ``predictor.json`` to
+``soft`` | ``reward``; early stopping and best-checkpoint selection on ``val/expected_tau``), tunes
+the confidence fallback to the training block size on the validation split (``train.fallback``, see
+``pipeline.policy.fallback``), measures the per-request inference time and exports ``predictor.safetensors`` + ``predictor.json`` to
 ``data/predictors/<run_name>/<predictor.name>/``.
 """
 
@@ -26,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from pipeline.dataset import load_feature_dataset
 from pipeline.policy.export import Predictor, export_predictor
+from pipeline.policy.fallback import apply_fallback, tune_margin
 from pipeline.policy.features import Featurizer, FeatureSpec
 from pipeline.policy.module import PolicyModule, policy_metrics
 from pipeline.policy.predictors import build_predictor, num_parameters
@@ -149,14 +151,21 @@ def train_predictor(cfg: DictConfig) -> Path:
     best_fixed_index = int(data["train"]["tau"].mean(0).argmax())
     metrics: dict[str, dict] = {"epochs": trainer.current_epoch, "best_val_expected_tau": float(checkpoint.best_model_score)}
     with torch.no_grad():
-        for split in dd:
-            if len(dd[split]) == 0:
-                continue
-            d = data[split]
-            m = policy_metrics(net(d["x"], d.get("ids"), d.get("id_weights")), d["tau"], d["label"], fixed_index)
-            m["best_fixed_tau"] = float(d["tau"][:, best_fixed_index].mean())
-            metrics[split] = m
-    predictor = Predictor(net, featurizer, candidates, {})
+        scores = {s: net(data[s]["x"], data[s].get("ids"), data[s].get("id_weights")) for s in dd if len(dd[s])}
+    fallback = None
+    if tcfg.get("fallback") and fixed_index is not None:
+        margin, val_tau = tune_margin(scores["validation"], data["validation"]["tau"], fixed_index)
+        fallback = {"block_size": candidates[fixed_index], "margin": margin, "validation_pick_tau": val_tau}
+        log.info("confidence fallback to B=%d: margin %.4f (validation pick tau %.4f)", candidates[fixed_index], margin, val_tau)
+    for split, s in scores.items():
+        d = data[split]
+        pick = apply_fallback(s, fixed_index, fallback["margin"]) if fallback else None
+        m = policy_metrics(s, d["tau"], d["label"], fixed_index, pick)
+        m["best_fixed_tau"] = float(d["tau"][:, best_fixed_index].mean())
+        if fallback:
+            m["argmax_pick_tau"] = policy_metrics(s, d["tau"], d["label"], fixed_index)["pick_tau"]
+        metrics[split] = m
+    predictor = Predictor(net, featurizer, candidates, {"fallback": fallback} if fallback else {})
     overhead = measure_overhead_ms(predictor, tcfg.get("overhead_vocab_size") or spec.vocab_size, repeats=100)
     meta = {
         "name": str(cfg.predictor.name), "target": info.get("target"), "drafter": info.get("drafter"),
@@ -165,6 +174,8 @@ def train_predictor(cfg: DictConfig) -> Path:
         "features_dir": str(tcfg.features_dir), "metrics": metrics, "inference_ms": overhead,
         "seed": int(cfg.seed), "run_name": str(cfg.run_name),
     }
+    if fallback:
+        meta["fallback"] = fallback
     out = export_predictor(tcfg.out, net, spec, candidates, meta)
     log.info("%s predictor (%d params, %.3f ms/request) -> %s; test %s", cfg.predictor.name, n_params,
              overhead["median_ms"], out, metrics.get("test"))

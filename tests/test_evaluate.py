@@ -64,6 +64,7 @@ def test_every_method_is_lossless_on_the_test_split(run, results):
     for method, r in results["methods"].items():
         assert r["lossless"] is True, method
         assert sorted(row["id"] for row in r["rows"]) == sorted(test_ids), method
+        assert all(row["chosen_bs"] and row["chosen_bs"][0] == row["chosen_b"] for row in r["rows"]), method
         for key in ("tau", "tokens_per_s", "speedup", "tpot_ms", "n_prompts", "new_tokens", "decode_ms", "schedule_ms",
                     "overhead_ms", "overhead_pct", "oracle_gain_share", "oracle_gain_share_ci"):
             assert key in r, (method, key)

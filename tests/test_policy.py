@@ -16,8 +16,9 @@ from policy_fixtures import planted_labels  # noqa: E402
 
 from pipeline import PROJECT_ROOT  # noqa: E402
 from pipeline.dataset import build_dataset, load_feature_dataset  # noqa: E402
-from pipeline.policy import (FullVocabPredictor, MLPPredictor, PredictorSchedule, build_predictor,  # noqa: E402
-                             load_predictor, num_parameters)
+from pipeline.policy import (Featurizer, FeatureSpec, FullVocabPredictor, MLPPredictor, Predictor,  # noqa: E402
+                             PredictorSchedule, build_predictor, load_predictor, num_parameters)
+from pipeline.policy.fallback import ALWAYS_FALLBACK, apply_fallback, tune_margin  # noqa: E402
 from pipeline.policy.module import policy_loss, policy_metrics  # noqa: E402
 from pipeline.policy.schedule import measure_overhead_ms  # noqa: E402
 from pipeline.train import split_tensors, train_predictor  # noqa: E402
@@ -132,8 +133,8 @@ def test_export_roundtrip_and_schedule(planted):
     predictor = load_predictor(out)
     dd, _ = load_feature_dataset(planted["topk"])
     data = split_tensors(dd["test"])
-    with torch.no_grad():
-        offline = predictor.net(data["x"]).argmax(-1)
+    with torch.no_grad():  # the exported picks, confidence fallback included
+        offline = torch.tensor([predictor.candidates.index(b) for b in predictor.choose(predictor.net(data["x"]))])
     logits = torch.randn(4, 320) * torch.tensor([0.1, 1.0, 4.0, 9.0])[:, None]
     batch = predictor.predict_batch(logits)
     assert batch == [predictor.predict(row) for row in logits]
@@ -183,3 +184,27 @@ def test_mlp_embeds_ids_weighted_by_probability():
     torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="'ids' part"):
         net(x)
+
+
+def test_confidence_fallback_keeps_the_training_block_size_unless_sure():
+    # classes = B in (6, 8, 10), fallback = index 1 (B=8). Row 0: confidently 10 and right (tau 3 > 2);
+    # row 1: barely 6 and wrong (tau 1 < 2). The best margin keeps row 0's pick and drops row 1's.
+    scores = torch.tensor([[0.0, 0.0, 4.0], [0.3, 0.0, 0.0]])
+    tau = torch.tensor([[2.0, 2.0, 3.0], [1.0, 2.0, 2.0]])
+    probs = torch.softmax(scores, -1)
+    margin, mean = tune_margin(scores, tau, 1)
+    assert margin == pytest.approx(float(probs[0, 2] - probs[0, 1])) and mean == pytest.approx(2.5)
+    assert apply_fallback(scores, 1, margin).tolist() == [2, 1]
+    assert apply_fallback(scores, 1, 0.0).tolist() == [2, 0]  # margin 0: the plain argmax
+    # departures that never help: always keep the training block size
+    margin, mean = tune_margin(scores, torch.tensor([[1.0, 2.0, 1.0], [1.0, 2.0, 1.0]]), 1)
+    assert margin == ALWAYS_FALLBACK and mean == 2.0
+    assert apply_fallback(scores, 1, margin).tolist() == [1, 1]
+    # the exported predictor applies the rule
+    net = build_predictor("mlp", 4, 3, hidden=8, num_layers=1)
+    predictor = Predictor(net, Featurizer(FeatureSpec(k=2, vocab_size=16)), [6, 8, 10], {"fallback": {"block_size": 8, "margin": 0.5}})
+    assert predictor.choose(scores) == [10, 8]
+    predictor.meta["fallback"]["margin"] = 0.0
+    assert predictor.choose(scores) == [10, 6]
+    with pytest.raises(IndexError, match="fallback index"):
+        apply_fallback(scores, 3, 0.0)

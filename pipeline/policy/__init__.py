@@ -1,7 +1,7 @@
 """The BlockPilot policy: features of the prefill distribution -> a small predictor -> one block size per request.
 
 Modules: ``features`` (featurizers shared by the dataset stage and the decoder), ``predictors`` (nets),
-``module`` (Lightning training), ``export`` (``predictor.safetensors`` + ``predictor.json``),
+``module`` (Lightning training), ``fallback`` (the confidence fallback to the training block size), ``export`` (``predictor.safetensors`` + ``predictor.json``),
 ``schedule`` (``PredictorSchedule``, the decoder-side ``BlockSizeSchedule``).
 """
 

@@ -5,7 +5,8 @@ A predictor directory holds:
   * ``predictor.json``: ``format``/``version``, ``arch`` + ``arch_config`` (constructor arguments),
     ``features`` (the ``FeatureSpec``), ``candidates`` (block sizes, class order), ``training_block_size``,
     ``target``/``drafter`` ids, ``target_label`` (``tau``|``speed``), ``objective``, ``num_parameters``,
-    ``metrics`` and ``inference_ms`` (measured at export), plus anything else passed as ``meta``.
+    ``metrics`` and ``inference_ms`` (measured at export), ``fallback`` (``{"block_size", "margin"}``, the
+    confidence fallback of ``pipeline.policy.fallback``; absent = plain argmax), plus anything else passed as ``meta``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from pipeline.policy.fallback import apply_fallback
 from pipeline.policy.features import Featurizer, FeatureSpec
 from pipeline.policy.predictors import build_predictor, num_parameters
 
@@ -55,13 +57,23 @@ class Predictor:
         features = self.featurizer.from_logits(logits.to(device))
         return self.net(features["x"], features.get("ids"), features.get("id_weights"))
 
+    def choose(self, scores: torch.Tensor) -> list[int]:
+        """Block sizes (tokens) for scores [b, C]: the argmax, or with a ``fallback`` entry in ``meta``
+        (``{"block_size", "margin"}``, set by the train stage) the rule of ``pipeline.policy.fallback``."""
+        fallback = self.meta.get("fallback")
+        if fallback and int(fallback["block_size"]) in self.candidates:
+            index = apply_fallback(scores, self.candidates.index(int(fallback["block_size"])), float(fallback["margin"]))
+        else:
+            index = scores.argmax(-1)
+        return [self.candidates[i] for i in index.tolist()]
+
     def predict(self, logits: torch.Tensor) -> int:
         """The chosen block size B (tokens) for one prefill logits row [V]."""
-        return self.candidates[int(self.scores(logits)[0].argmax())]
+        return self.choose(self.scores(logits))[0]
 
     def predict_batch(self, logits: torch.Tensor) -> list[int]:
         """Chosen block sizes for logits rows [b, V]."""
-        return [self.candidates[i] for i in self.scores(logits).argmax(-1).tolist()]
+        return self.choose(self.scores(logits))
 
 
 def export_predictor(out: str | Path, net: nn.Module, spec: FeatureSpec, candidates: list[int], meta: dict | None = None) -> Path:

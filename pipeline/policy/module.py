@@ -41,22 +41,26 @@ def policy_loss(logits: torch.Tensor, batch: dict, objective: str, temperature: 
 
 
 @torch.no_grad()
-def policy_metrics(logits: torch.Tensor, tau: torch.Tensor, label: torch.Tensor, fixed_index: int | None = None) -> dict[str, float]:
+def policy_metrics(logits: torch.Tensor, tau: torch.Tensor, label: torch.Tensor, fixed_index: int | None = None,
+                   pick: torch.Tensor | None = None) -> dict[str, float]:
     """Offline quality of a policy over prompts.
 
     Args:
         logits: [n, C] predictor scores; tau: [n, C] recorded tau per candidate (tokens);
-        label: [n] best-candidate index; fixed_index: index of the training block size among the candidates.
+        label: [n] best-candidate index; fixed_index: index of the training block size among the candidates;
+        pick: [n] chosen class indices (default: the argmax of ``logits``; the train stage passes the
+        confidence-fallback picks).
     Returns:
         ``expected_tau`` (E_softmax[tau]), ``pick_tau`` (tau of the argmax), ``oracle_tau`` (row max),
         ``acc`` (argmax == label), and with ``fixed_index``: ``fixed_tau`` and ``oracle_gain_share``
         ((pick - fixed) / (oracle - fixed), NaN when the oracle gains nothing). Means over prompts.
     """
     tau = tau.float()
-    pick = logits.argmax(-1)
+    pick = logits.argmax(-1) if pick is None else pick
     out = {
         "expected_tau": float((torch.softmax(logits.float(), -1) * tau).sum(-1).mean()),
         "pick_tau": float(tau.gather(1, pick[:, None]).mean()),
+        "departure_rate": float((pick != fixed_index).float().mean()) if fixed_index is not None else float("nan"),
         "oracle_tau": float(tau.max(-1).values.mean()),
         "acc": float((pick == label).float().mean()),
     }

@@ -1,0 +1,62 @@
+"""Confidence fallback: leave the training block size only when the predictor is sure enough.
+
+Where tau(B) is nearly flat around the training block size (a weak drafter, or prompts whose optimum
+is the training B anyway), an argmax policy trades small, noisy gains for small, noisy losses. The
+fallback rule keeps the training block size B_train unless the predictor's softmax probability of its
+argmax exceeds that of B_train by at least ``margin``:
+
+    pick = argmax_c p(c)  if  p(argmax) - p(B_train) >= margin  else  B_train
+
+``margin = 0`` is the plain argmax; ``margin > 1`` always keeps B_train. The train stage tunes the margin
+on the validation split (``tune_margin``) and exports it; ``Predictor.predict`` applies it. This is the
+usual "fall back to the default" guard of adaptive speculation schedules (e.g. the SGLang DFlash PR's
+per-round schedule keeps B until recent acceptance moves it by a margin).
+"""
+
+from __future__ import annotations
+
+import torch
+
+ALWAYS_FALLBACK = 1.01  # above any probability difference
+
+
+def apply_fallback(scores: torch.Tensor, fallback_index: int, margin: float) -> torch.Tensor:
+    """Class indices [b] chosen from scores [b, C] under the fallback rule (module docstring).
+
+    Raises:
+        IndexError: when ``fallback_index`` is not a class index.
+    """
+    if not 0 <= fallback_index < scores.shape[-1]:
+        raise IndexError(f"fallback index {fallback_index} is not one of {scores.shape[-1]} classes")
+    probs = torch.softmax(scores.float(), dim=-1)
+    pick = probs.argmax(-1)
+    advantage = probs.gather(-1, pick[..., None])[..., 0] - probs[..., fallback_index]
+    return torch.where(advantage >= margin, pick, torch.full_like(pick, fallback_index))
+
+
+@torch.no_grad()
+def tune_margin(scores: torch.Tensor, tau: torch.Tensor, fallback_index: int) -> tuple[float, float]:
+    """The margin that maximises the mean tau of the picks on a (validation) split.
+
+    Args:
+        scores: [n, C] predictor scores; tau: [n, C] recorded tau per candidate (tokens);
+        fallback_index: class index of the training block size.
+    Returns:
+        ``(margin, mean_pick_tau)``. Only the observed advantages can change the picks, so they (and
+        ``ALWAYS_FALLBACK``) are the candidates searched; among equal means the largest margin wins
+        (the fewest departures from the training block size).
+    Raises:
+        ValueError: for an empty split or mismatched shapes.
+    """
+    if scores.shape != tau.shape or scores.shape[0] == 0:
+        raise ValueError(f"need matching non-empty [n, C] scores and tau, got {tuple(scores.shape)} and {tuple(tau.shape)}")
+    probs = torch.softmax(scores.float(), dim=-1)
+    pick = probs.argmax(-1)
+    advantage = probs.gather(-1, pick[:, None])[:, 0] - probs[:, fallback_index]
+    best = (float(tau[:, fallback_index].float().mean()), ALWAYS_FALLBACK)
+    for margin in sorted(set(advantage.tolist()) | {0.0}, reverse=True):
+        chosen = apply_fallback(scores, fallback_index, margin)
+        mean = float(tau.float().gather(1, chosen[:, None]).mean())
+        if mean > best[0] + 1e-9:
+            best = (mean, float(margin))
+    return best[1], best[0]
