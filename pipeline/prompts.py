@@ -61,7 +61,8 @@ def jsonl_prompts(path: str | Path, name: str | None = None) -> list[Prompt]:
     """
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"prompt file {path} not found (data sets live in ../shared/data/ or your own path)")
+        raise FileNotFoundError(f"prompt file {path} not found: the benchmark sets live in ../shared/data/ beside the repo; "
+                                "point BLOCKPILOT_SHARED_DATA at that folder, or give the set your own path")
     name = name or path.stem
     prompts = []
     with path.open() as f:
