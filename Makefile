@@ -30,7 +30,7 @@ PYTEST_ARGS ?=
 
 # Overrides of the stages that decode (label, eval): target, prompt sets, decoding. The default profile
 # sizes the main job for a 2-core CPU: 60 prompts from each of the 5 sets (300: code, math, chat),
-# 64 new tokens, replay labelling, a 20% test split (see README for the measured wall time).
+# 64 new tokens, replay labelling, a 70/15/15 train/validation/test split (see README for the measured wall time).
 DECODE_ARGS ?= data=mix data.limit=60 decode.max_new_tokens=64
 LABEL_ARGS ?= label.store_full_logits=true
 DATASET_ARGS ?= dataset.fractions.train=0.7 dataset.fractions.validation=0.15 dataset.fractions.test=0.15

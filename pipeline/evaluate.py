@@ -31,8 +31,8 @@ length over all steps, tokens), ``tokens_per_s`` (new tokens over prefill + sche
 ``n_prompts``, ``overhead_ms`` (time choosing B per prompt, ms) and ``overhead_pct`` (its share of
 decode time, %), ``oracle_gain_share`` = (tau - tau_fixed) / (tau_oracle - tau_fixed) with a bootstrap
 95% interval over prompts ``oracle_gain_share_ci`` (null unless ``fixed`` and ``oracle`` ran), and
-per-prompt rows (``chosen_b``: the B picked for the first turn, ``chosen_bs``: for every turn); ``per_set`` repeats the summary per
-source set. Beside it: ``results.md`` and PNG figures (``pipeline.reporting``), also logged to W&B.
+per-prompt rows (``chosen_b``: the B picked for the first turn, ``chosen_bs``: for every turn);
+``per_set`` repeats the summary per source set. Beside it: ``results.md`` and PNG figures (``pipeline.reporting``), also logged to W&B.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ Reads ``data/features/<run_name>/<features.name>/`` (``pipeline.dataset``), trai
 ``pipeline.policy.predictors`` net with ``pipeline.policy.module.PolicyModule`` (objective ``hard`` |
 ``soft`` | ``reward``; early stopping and best-checkpoint selection on ``val/expected_tau``), tunes
 the confidence fallback to the training block size on the validation split (``train.fallback``, see
-``pipeline.policy.fallback``), measures the per-request inference time and exports ``predictor.safetensors`` + ``predictor.json`` to
-``data/predictors/<run_name>/<predictor.name>/``.
+``pipeline.policy.fallback``), measures the per-request inference time and exports
+``predictor.safetensors`` + ``predictor.json`` to ``data/predictors/<run_name>/<predictor.name>/``.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def train_predictor(cfg: DictConfig) -> Path:
         if fallback:
             m["argmax_pick_tau"] = policy_metrics(s, d["tau"], d["label"], fixed_index)["pick_tau"]
         metrics[split] = m
-    predictor = Predictor(net, featurizer, candidates, {"fallback": fallback} if fallback else {})
+    predictor = Predictor(net, featurizer, candidates, {"fallback": fallback})  # timed with the rule it exports
     overhead = measure_overhead_ms(predictor, tcfg.get("overhead_vocab_size") or spec.vocab_size, repeats=100)
     meta = {
         "name": str(cfg.predictor.name), "target": info.get("target"), "drafter": info.get("drafter"),

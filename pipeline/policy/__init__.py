@@ -1,8 +1,8 @@
 """The BlockPilot policy: features of the prefill distribution -> a small predictor -> one block size per request.
 
 Modules: ``features`` (featurizers shared by the dataset stage and the decoder), ``predictors`` (nets),
-``module`` (Lightning training), ``fallback`` (the confidence fallback to the training block size), ``export`` (``predictor.safetensors`` + ``predictor.json``),
-``schedule`` (``PredictorSchedule``, the decoder-side ``BlockSizeSchedule``).
+``module`` (Lightning training), ``fallback`` (the confidence fallback to the training block size),
+``export`` (``predictor.safetensors`` + ``predictor.json``), ``schedule`` (``PredictorSchedule``, the decoder-side ``BlockSizeSchedule``).
 """
 
 from pipeline.policy.export import Predictor, export_predictor, load_predictor

@@ -6,7 +6,8 @@ A predictor directory holds:
     ``features`` (the ``FeatureSpec``), ``candidates`` (block sizes, class order), ``training_block_size``,
     ``target``/``drafter`` ids, ``target_label`` (``tau``|``speed``), ``objective``, ``num_parameters``,
     ``metrics`` and ``inference_ms`` (measured at export), ``fallback`` (``{"block_size", "margin"}``, the
-    confidence fallback of ``pipeline.policy.fallback``; absent = plain argmax), plus anything else passed as ``meta``.
+    confidence fallback of ``pipeline.policy.fallback``; absent or null = plain argmax), plus anything else
+    passed as ``meta``.
 """
 
 from __future__ import annotations

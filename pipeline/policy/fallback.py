@@ -26,12 +26,21 @@ def apply_fallback(scores: torch.Tensor, fallback_index: int, margin: float) -> 
     Raises:
         IndexError: when ``fallback_index`` is not a class index.
     """
+    pick, advantage = argmax_advantage(scores, fallback_index)
+    return torch.where(advantage >= margin, pick, torch.full_like(pick, fallback_index))
+
+
+def argmax_advantage(scores: torch.Tensor, fallback_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The argmax class [b] of scores [b, C] and its softmax-probability lead over ``fallback_index`` [b].
+
+    Raises:
+        IndexError: when ``fallback_index`` is not a class index.
+    """
     if not 0 <= fallback_index < scores.shape[-1]:
         raise IndexError(f"fallback index {fallback_index} is not one of {scores.shape[-1]} classes")
     probs = torch.softmax(scores.float(), dim=-1)
     pick = probs.argmax(-1)
-    advantage = probs.gather(-1, pick[..., None])[..., 0] - probs[..., fallback_index]
-    return torch.where(advantage >= margin, pick, torch.full_like(pick, fallback_index))
+    return pick, probs.gather(-1, pick[..., None])[..., 0] - probs[..., fallback_index]
 
 
 @torch.no_grad()
@@ -50,9 +59,7 @@ def tune_margin(scores: torch.Tensor, tau: torch.Tensor, fallback_index: int) ->
     """
     if scores.shape != tau.shape or scores.shape[0] == 0:
         raise ValueError(f"need matching non-empty [n, C] scores and tau, got {tuple(scores.shape)} and {tuple(tau.shape)}")
-    probs = torch.softmax(scores.float(), dim=-1)
-    pick = probs.argmax(-1)
-    advantage = probs.gather(-1, pick[:, None])[:, 0] - probs[:, fallback_index]
+    _, advantage = argmax_advantage(scores, fallback_index)
     best = (float(tau[:, fallback_index].float().mean()), ALWAYS_FALLBACK)
     for margin in sorted(set(advantage.tolist()) | {0.0}, reverse=True):
         chosen = apply_fallback(scores, fallback_index, margin)

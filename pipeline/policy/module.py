@@ -51,9 +51,10 @@ def policy_metrics(logits: torch.Tensor, tau: torch.Tensor, label: torch.Tensor,
         pick: [n] chosen class indices (default: the argmax of ``logits``; the train stage passes the
         confidence-fallback picks).
     Returns:
-        ``expected_tau`` (E_softmax[tau]), ``pick_tau`` (tau of the argmax), ``oracle_tau`` (row max),
-        ``acc`` (argmax == label), and with ``fixed_index``: ``fixed_tau`` and ``oracle_gain_share``
-        ((pick - fixed) / (oracle - fixed), NaN when the oracle gains nothing). Means over prompts.
+        ``expected_tau`` (E_softmax[tau]), ``pick_tau`` (tau of the pick), ``oracle_tau`` (row max),
+        ``acc`` (pick == label), ``departure_rate`` (pick != ``fixed_index``; NaN without it), and with
+        ``fixed_index``: ``fixed_tau`` and ``oracle_gain_share`` ((pick - fixed) / (oracle - fixed), NaN
+        when the oracle gains nothing). Means over prompts.
     """
     tau = tau.float()
     pick = logits.argmax(-1) if pick is None else pick
