@@ -49,7 +49,7 @@ def bench_label(cfg: DictConfig, decoder=None) -> dict:
     decoder = decoder or build_decoder(cfg.model)
     if decoder.drafter is None:
         raise ValueError("bench_label needs a drafter (model.drafter=...)")
-    prompts = load_prompt_sets(cfg.data.sets, cfg.data.limit, cfg.data.seed)
+    prompts = load_prompt_sets(cfg.data.sets, cfg.data.limit, cfg.data.seed, cfg.data.get("offset", 0))
     prompts = prompts[: cfg.num_prompts] if cfg.get("num_prompts") else prompts
     if not prompts:
         raise ValueError("no prompts: check data.sets / data.limit / num_prompts")

@@ -14,7 +14,8 @@ Columns: ``id``, ``source_set``, ``prompt_tokens``, ``x`` (float32 [dim]), for i
 ``label_tau``/``label_speed`` (block sizes, tokens) and ``label_tau_idx``/``label_speed_idx`` (class
 indices), ``entropy`` (nats).
 
-Splits are by prompt id, stratified by source set: every set's ids are shuffled with a generator
+One row per request (every labelled turn of a prompt). Splits are by prompt id (all turns of a prompt
+in one split), stratified by source set: every set's prompt ids are shuffled with a generator
 seeded by (``dataset.seed``, set name) and cut by ``dataset.fractions``; the output depends only on the
 labels and the config. With ``dataset.holdout_set=<name>`` that set goes entirely to ``test`` and the
 other sets are split between ``train`` and ``validation`` only.
@@ -38,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from pipeline.policy.features import Featurizer, FeatureSpec
+from pipeline.prompts import prompt_id_of
 from pipeline.tracking import init_wandb
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,7 @@ def read_label_table(labels_dir: str | Path) -> tuple[pd.DataFrame, dict]:
     Uses ``pipeline.labeling.store.read_labels`` when present, else reads the Parquet shards directly.
 
     Returns:
-        (one row per prompt, sorted by id; the parsed ``meta.json``, ``{}`` when absent).
+        (one row per request, i.e. per labelled turn of a prompt, sorted by id; the parsed ``meta.json``, ``{}`` when absent).
     Raises:
         FileNotFoundError: when ``labels_dir`` holds no shards (run the label stage).
         ValueError: when required columns are missing.
@@ -101,15 +103,18 @@ def label_candidates(df: pd.DataFrame, meta: dict) -> list[int]:
 
 # -- splits -------------------------------------------------------------------------------------------
 def split_ids(df: pd.DataFrame, seed: int, fractions: dict[str, float], holdout_set: str | None = None) -> dict[str, list[str]]:
-    """Assign prompt ids to train/validation/test, stratified by ``source_set``.
+    """Assign label rows to train/validation/test by prompt, stratified by ``source_set``.
+
+    Every turn of a prompt (request ids ``<id>``, ``<id>#turn2``, ...; ``pipeline.prompts.request_id``) goes
+    to the same split, so no conversation is split between training and test.
 
     Args:
-        df: label rows with ``id`` and ``source_set``.
+        df: label rows with ``id`` (request ids) and ``source_set``.
         seed: split seed; the assignment depends only on it, the ids and the fractions.
         fractions: ``{"train", "validation", "test"}`` shares summing to 1.
         holdout_set: a source set sent entirely to test (the others then fill train/validation only).
     Returns:
-        ``{split: sorted ids}``.
+        ``{split: sorted request ids}``.
     Raises:
         ValueError: for bad fractions or an unknown ``holdout_set``.
     """
@@ -121,9 +126,13 @@ def split_ids(df: pd.DataFrame, seed: int, fractions: dict[str, float], holdout_
         raise ValueError(f"dataset.holdout_set={holdout_set!r} is not a labelled source set; choose one of {sets}")
     out: dict[str, list[str]] = {s: [] for s in SPLITS}
     for name in sets:
-        ids = sorted(df.loc[df["source_set"] == name, "id"].astype(str).unique())
+        requests = sorted(df.loc[df["source_set"] == name, "id"].astype(str).unique())
+        turns_of: dict[str, list[str]] = {}
+        for rid in requests:  # the turns of one prompt stay in one split
+            turns_of.setdefault(prompt_id_of(rid), []).append(rid)
+        ids = sorted(turns_of)
         if name == holdout_set:
-            out["test"] += ids
+            out["test"] += requests
             continue
         random.Random(f"{seed}:{name}").shuffle(ids)
         shares = dict(fr)
@@ -137,9 +146,8 @@ def split_ids(df: pd.DataFrame, seed: int, fractions: dict[str, float], holdout_
             n_val = max(n_val, 1 if shares["validation"] > 0 else 0)
             n_test = max(n_test, 1 if shares["test"] > 0 else 0)
         n_val, n_test = min(n_val, n), min(n_test, max(0, n - n_val))
-        out["test"] += ids[:n_test]
-        out["validation"] += ids[n_test : n_test + n_val]
-        out["train"] += ids[n_test + n_val :]
+        for split, part in (("test", ids[:n_test]), ("validation", ids[n_test : n_test + n_val]), ("train", ids[n_test + n_val :])):
+            out[split] += [rid for pid in part for rid in turns_of[pid]]
     return {s: sorted(v) for s, v in out.items()}
 
 
@@ -266,7 +274,7 @@ def load_feature_dataset(directory: str | Path):
 
 
 def split_prompt_ids(directory: str | Path) -> dict[str, list[str]]:
-    """``{split: ids}`` of a feature dataset (used by the eval stage to pick the test prompts)."""
+    """``{split: request ids}`` of a feature dataset (the eval stage maps them to prompts with ``prompt_id_of``)."""
     dd, _ = load_feature_dataset(directory)
     return {s: list(dd[s]["id"]) for s in dd}
 

@@ -9,8 +9,9 @@ Methods:
   * ``ar`` (B=1) and ``fixed`` (``decode.block_size``, default the drafter's training block size);
   * ``ema``: ``EMASchedule`` over ``model.candidates`` (per-step adaptive baseline);
   * ``best_fixed``: the single candidate B with the best mean label (tau, or tokens/s with
-    ``eval.target=speed``) over the train split's prompts;
-  * ``oracle``: each prompt's own label B (``label_tau``, or ``label_speed``);
+    ``eval.target=speed``) over the train split's requests;
+  * ``oracle``: each request's own label B (``label_tau``, or ``label_speed``; every turn of a multi-turn
+    prompt is a request with its own label, ``pipeline.prompts.request_id``);
   * ``blockpilot`` / ``full_vocab``: the trained predictors (``eval.predictor_dir/<eval.predictors[m]>``)
     pick B once from the prefill logits of each request (each turn of a multi-turn prompt); their time is
     part of the request (``schedule_ms``).
@@ -56,7 +57,7 @@ from pipeline.decoding import DecodeConfig, EMASchedule, FixedSchedule
 from pipeline.decoding.speculative import RequestStats, _now
 from pipeline.decoding.conversation import decode_prompt
 from pipeline.models.loading import build_decoder
-from pipeline.prompts import Prompt, load_prompt_sets
+from pipeline.prompts import Prompt, load_prompt_sets, prompt_id_of, request_id
 from pipeline.tracking import init_wandb
 
 log = logging.getLogger(__name__)
@@ -67,13 +68,15 @@ SPLIT_METHODS = LABEL_METHODS + PREDICTOR_METHODS
 
 
 class PerPrompt:
-    """A schedule factory that needs the prompt (e.g. the oracle): ``fn(prompt) -> schedule``."""
+    """A schedule factory that needs the request (e.g. the oracle): ``fn(prompt, turn) -> schedule``."""
 
-    def __init__(self, fn: Callable[[Prompt], object]):
+    def __init__(self, fn: Callable[[Prompt, int], object]):
         self.fn = fn
 
     def bind(self, prompt: Prompt) -> Callable[[], object]:
-        return lambda: self.fn(prompt)
+        """A zero-argument factory for ``decode_prompt``: its k-th call builds the schedule of turn k (0-based)."""
+        turn = iter(range(len(prompt.turns)))
+        return lambda: self.fn(prompt, next(turn))
 
 
 class FirstChoice:
@@ -272,11 +275,15 @@ def method_schedules(cfg: DictConfig, decoder, inputs: EvalInputs | None = None)
         label_col = "label_tau" if target == "tau" else "label_speed"
         label_of = dict(zip(inputs.labels["id"].astype(str), inputs.labels[label_col].astype(int)))
 
-        def oracle(prompt: Prompt):
+        def oracle(prompt: Prompt, turn: int):
             if prompt.id not in label_of:
                 raise ValueError(f"prompt {prompt.id!r} has no label in {cfg.eval.labels_dir}; label it (make label) or "
                                  "evaluate the dataset's split (eval.split=test)")
-            return FixedSchedule(label_of[prompt.id])
+            rid = request_id(prompt.id, turn)
+            if rid not in label_of:  # labels made with label.turns=first: the first turn's label for every turn
+                log.warning("no label for request %r (labels of first turns only?); the oracle uses %r's", rid, prompt.id)
+                rid = prompt.id
+            return FixedSchedule(label_of[rid])
 
         out["oracle"] = PerPrompt(oracle)
         if inputs.splits is not None:
@@ -294,8 +301,8 @@ def select_prompts(cfg: DictConfig, split: str | None, inputs: EvalInputs) -> li
         ValueError: when none of the split's prompts is among the configured prompt sets.
     """
     if split is None:
-        return load_prompt_sets(cfg.data.sets, cfg.data.limit, cfg.data.seed)
-    wanted = set(inputs.splits[split])
+        return load_prompt_sets(cfg.data.sets, cfg.data.limit, cfg.data.seed, cfg.data.get("offset", 0))
+    wanted = {prompt_id_of(i) for i in inputs.splits[split]}
     prompts = [p for p in load_prompt_sets(cfg.data.sets, None, cfg.data.seed) if p.id in wanted]
     if not prompts:
         raise ValueError(f"none of the {len(wanted)} {split} prompts of {cfg.eval.features_dir} is in the configured prompt "

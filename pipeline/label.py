@@ -1,4 +1,4 @@
-"""``label`` stage: oracle block sizes per prompt, written as sharded Parquet under data/labels/<run_name>/.
+"""``label`` stage: oracle block sizes per request (each labelled turn of a prompt), written as sharded Parquet under data/labels/<run_name>/.
 
     python -m pipeline.label data=mix data.limit=50                       # one worker
     python -m pipeline.label -m label.shard=0,1 label.num_shards=2 hydra/launcher=joblib

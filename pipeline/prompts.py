@@ -18,6 +18,9 @@ from typing import Iterable, Sequence
 
 import torch
 
+TURN_SEPARATOR = "#turn"
+"""Request ids: turn 0 of prompt ``p`` is request ``p``; turn k >= 1 is ``p#turn<k+1>`` (e.g. ``mt_bench-81#turn2``)."""
+
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the whole function in one Python code block.\n\n```python\n{prompt}```"
 
 
@@ -33,6 +36,24 @@ class Prompt:
     def __post_init__(self) -> None:
         if not self.turns or any(not isinstance(t, str) or not t.strip() for t in self.turns):
             raise ValueError(f"prompt {self.id!r} has an empty turn; every turn needs text")
+
+
+def request_id(prompt_id: str, turn: int) -> str:
+    """The id of the request answering ``turn`` (0-based) of a prompt: the prompt id for turn 0, else ``<id>#turn<turn+1>``.
+
+    Each turn of a multi-turn prompt is its own request (own prefill, own block size), as in a serving engine.
+    Raises:
+        ValueError: for a negative turn.
+    """
+    if turn < 0:
+        raise ValueError(f"turn must be >= 0, got {turn}")
+    return str(prompt_id) if turn == 0 else f"{prompt_id}{TURN_SEPARATOR}{turn + 1}"
+
+
+def prompt_id_of(request: str) -> str:
+    """The prompt id of a request id (inverse of ``request_id`` on the prompt part)."""
+    head, sep, tail = str(request).rpartition(TURN_SEPARATOR)
+    return head if sep and tail.isdigit() else str(request)
 
 
 def humaneval_prompts() -> list[Prompt]:
@@ -89,15 +110,22 @@ def hub_prompts(spec: str) -> list[Prompt]:
     return [Prompt(f"{name}-{i}", [str(row[column])], name) for i, row in enumerate(ds)]
 
 
-def load_prompt_set(source: str, name: str | None = None, limit: int | None = None, seed: int | None = None) -> list[Prompt]:
+def load_prompt_set(source: str, name: str | None = None, limit: int | None = None, seed: int | None = None,
+                    offset: int = 0) -> list[Prompt]:
     """Load one prompt set.
 
     Args:
         source: ``humaneval``, a ``.jsonl`` path, or ``hub:<id>[:<split>[:<field>]]``.
         name: the set's name in reports (default: derived from the source).
-        limit: keep at most this many prompts (after shuffling when ``seed`` is given).
-        seed: shuffle with this seed before ``limit``; None keeps file order.
+        limit: keep at most this many prompts (after shuffling when ``seed`` is given, and after ``offset``).
+        seed: shuffle with this seed before ``offset``/``limit``; None keeps file order.
+        offset: skip this many prompts first (``data.offset``): with the same seed, ``offset=60 limit=9`` gives
+            9 prompts that a ``limit=60`` run never saw, e.g. a fresh held-out set.
+    Raises:
+        ValueError: for a negative offset.
     """
+    if offset < 0:
+        raise ValueError(f"data.offset must be >= 0, got {offset}")
     if source == "humaneval":
         prompts = humaneval_prompts()
     elif source.startswith("hub:"):
@@ -109,14 +137,16 @@ def load_prompt_set(source: str, name: str | None = None, limit: int | None = No
             p.source_set = name
     if seed is not None:
         random.Random(seed).shuffle(prompts)
+    prompts = prompts[offset:]
     return prompts[:limit] if limit else prompts
 
 
-def load_prompt_sets(sets: Iterable[dict], limit_per_set: int | None = None, seed: int | None = None) -> list[Prompt]:
-    """Concatenate several sets, each given as ``{"name", "source"[, "limit"]}``."""
+def load_prompt_sets(sets: Iterable[dict], limit_per_set: int | None = None, seed: int | None = None,
+                     offset: int = 0) -> list[Prompt]:
+    """Concatenate several sets, each given as ``{"name", "source"[, "limit"]}`` (``offset``: see ``load_prompt_set``)."""
     prompts: list[Prompt] = []
     for s in sets:
-        prompts += load_prompt_set(s["source"], s.get("name"), s.get("limit") or limit_per_set, seed)
+        prompts += load_prompt_set(s["source"], s.get("name"), s.get("limit") or limit_per_set, seed, int(offset or 0))
     return prompts
 
 

@@ -164,10 +164,19 @@ def speedup_bars(results: dict) -> Figure:
 
 
 def predicted_vs_label(results: dict, labels: pd.DataFrame, method: str, column: str = "label_tau") -> tuple[list[int], list[int]]:
-    """(chosen B of ``method`` on its first turn, label B) over the evaluated prompts that have a label."""
+    """(chosen B of ``method``, label B) over the evaluated requests (every turn of a prompt) that have a label."""
+    from pipeline.prompts import request_id
+
     label_of = dict(zip(labels["id"], labels[column]))
-    rows = [r for r in results["methods"].get(method, {}).get("rows", []) if r.get("chosen_b") is not None and r["id"] in label_of]
-    return [int(r["chosen_b"]) for r in rows], [int(label_of[r["id"]]) for r in rows]
+    predicted, label = [], []
+    for row in results["methods"].get(method, {}).get("rows", []):
+        chosen = row.get("chosen_bs") or [row.get("chosen_b")]
+        for turn, b in enumerate(chosen):
+            rid = request_id(row["id"], turn)
+            if b is not None and rid in label_of:
+                predicted.append(int(b))
+                label.append(int(label_of[rid]))
+    return predicted, label
 
 
 def write_report(results: dict, out_dir: str | Path, labels: pd.DataFrame | None = None, label_column: str = "label_tau",

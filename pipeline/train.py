@@ -7,7 +7,8 @@
 Reads ``data/features/<run_name>/<features.name>/`` (``pipeline.dataset``), trains a
 ``pipeline.policy.predictors`` net with ``pipeline.policy.module.PolicyModule`` (objective ``hard`` |
 ``soft`` | ``reward``; early stopping and best-checkpoint selection on ``val/expected_tau``), tunes
-the confidence fallback to the training block size on the validation split (``train.fallback``, see
+the confidence fallback to the training block size on the validation split (``train.fallback``, kept
+only when its validation gain passes a bootstrap lower-bound check, ``train.fallback_confidence``; see
 ``pipeline.policy.fallback``), measures the per-request inference time and exports
 ``predictor.safetensors`` + ``predictor.json`` to ``data/predictors/<run_name>/<predictor.name>/``.
 """
@@ -27,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from pipeline.dataset import load_feature_dataset
 from pipeline.policy.export import Predictor, export_predictor
-from pipeline.policy.fallback import apply_fallback, tune_margin
+from pipeline.policy.fallback import ALWAYS_FALLBACK, apply_fallback, departure_gain, tune_margin
 from pipeline.policy.features import Featurizer, FeatureSpec
 from pipeline.policy.module import PolicyModule, policy_metrics
 from pipeline.policy.predictors import build_predictor, num_parameters
@@ -156,7 +157,19 @@ def train_predictor(cfg: DictConfig) -> Path:
     if tcfg.get("fallback") and fixed_index is not None:
         margin, val_tau = tune_margin(scores["validation"], data["validation"]["tau"], fixed_index)
         fallback = {"block_size": candidates[fixed_index], "margin": margin, "validation_pick_tau": val_tau}
-        log.info("confidence fallback to B=%d: margin %.4f (validation pick tau %.4f)", candidates[fixed_index], margin, val_tau)
+        confidence = tcfg.get("fallback_confidence")
+        if confidence is not None and margin < ALWAYS_FALLBACK:
+            check = departure_gain(scores["validation"], data["validation"]["tau"], fixed_index, margin, float(confidence),
+                                   seed=int(cfg.seed))
+            fallback.update({"tuned_margin": margin, "validation_gain": check})
+            if check["lower_bound"] <= 0.0:
+                fallback["margin"] = ALWAYS_FALLBACK
+                fallback["validation_pick_tau"] = float(data["validation"]["tau"][:, fixed_index].mean())
+                log.info("tuned margin %.4f departs on %d validation requests for a mean gain of %.5f tokens, but its "
+                         "%.0f%% lower bound is %.5f <= 0: always keeping B=%d", margin, check["departures"],
+                         check["mean_gain"], 100 * check["confidence"], check["lower_bound"], candidates[fixed_index])
+        log.info("confidence fallback to B=%d: margin %.4f (validation pick tau %.4f)", candidates[fixed_index],
+                 fallback["margin"], fallback["validation_pick_tau"])
     for split, s in scores.items():
         d = data[split]
         pick = apply_fallback(s, fixed_index, fallback["margin"]) if fallback else None

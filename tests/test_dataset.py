@@ -136,6 +136,20 @@ def test_split_ids_edge_cases():
         split_ids(df, 0, {"train": 0.8, "validation": 0.1, "test": 0.3})
 
 
+def test_split_ids_keep_every_turn_of_a_prompt_together():
+    ids = [f"q{i}" for i in range(10)] + [f"q{i}#turn2" for i in range(0, 10, 2)]
+    df = pd.DataFrame({"id": ids, "source_set": ["chat"] * len(ids)})
+    out = split_ids(df, 3, {"train": 0.6, "validation": 0.2, "test": 0.2})
+    assert sorted(sum(out.values(), [])) == sorted(ids)  # every request once
+    for split, members in out.items():
+        for rid in members:
+            if rid.endswith("#turn2"):
+                assert rid.removesuffix("#turn2") in members, (split, rid)
+    # the prompt-level assignment is the one of first-turn-only labels
+    first_only = split_ids(df[~df["id"].str.contains("#")], 3, {"train": 0.6, "validation": 0.2, "test": 0.2})
+    assert {s: [i for i in v if "#" not in i] for s, v in out.items()} == first_only
+
+
 def test_bad_inputs_name_the_fix(labels, tmp_path):
     with pytest.raises(FileNotFoundError, match="make label"):
         build_dataset(dataset_cfg(tmp_path / "nothing", tmp_path / "o"))

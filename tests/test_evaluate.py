@@ -248,3 +248,26 @@ def test_shared_decodes_equal_separate_decodes(tiny):
         ema = shared.generate(ids, EMASchedule([2, 4, 6]), config)
         assert ema.output_ids == fresh.output_ids
         assert (shared.decodes, shared.reused) == (3, 2)
+
+
+def test_oracle_picks_each_turns_own_label():
+    """Every turn of a multi-turn prompt is a request with its own label; labels of first turns only fall back."""
+    from types import SimpleNamespace
+
+    from pipeline.evaluate import EvalInputs, method_schedules
+    from pipeline.prompts import Prompt
+
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("evaluate")
+    decoder = SimpleNamespace(drafter=SimpleNamespace(block_size=8))
+    chat = Prompt("chat-1", ["first", "second"], "chat")
+
+    def oracle_bs(ids, label_taus):
+        labels = pd.DataFrame({"id": ids, "label_tau": label_taus, "candidates": [[6, 8, 10]] * len(ids)})
+        make = method_schedules(cfg, decoder, EvalInputs(labels=labels))["oracle"].bind(chat)
+        return [make().block_size for _ in chat.turns]
+
+    assert oracle_bs(["chat-1", "chat-1#turn2"], [6, 10]) == [6, 10]
+    assert oracle_bs(["chat-1"], [6]) == [6, 6]
+    with pytest.raises(ValueError, match="no label"):
+        oracle_bs(["other"], [8])

@@ -24,7 +24,7 @@ from pipeline.labeling.oracle import (LabelSettings, candidate_window, decode_fu
                                       label_prompt, pick_label)
 from pipeline.labeling.runner import effective_shard, run_label, shard_prompts
 from pipeline.labeling.store import LabelStore, merge_labels, read_labels
-from pipeline.prompts import Prompt, chat_input_ids
+from pipeline.prompts import Prompt, chat_input_ids, request_id
 
 TEXTS = ["def add(a, b):", "Natalia sold clips to 48 of her friends", "Write a function that returns the sum",
          "The quick brown fox", "for i in range(10): print(i)"]
@@ -273,6 +273,39 @@ def test_resume_after_a_kill(label_setup, trained_decoder, tmp_path):
     # another configuration in the same directory is refused
     with pytest.raises(ValueError, match="other settings"):
         run(label_setup(out, "label.block_sizes=[2,4]"), trained_decoder)
+
+
+def test_every_turn_of_a_multi_turn_prompt_is_a_request_with_its_own_label(label_setup, trained_decoder, tmp_path):
+    """label.turns=all: turn 2 is labelled on turn 1 + the target's own reply + turn 2; a first-turns-only run
+    resumes into the same rows as a clean all-turns run."""
+    prompts = tmp_path / "chat.jsonl"
+    prompts.write_text(json.dumps({"id": "chat-0", "turns": [TEXTS[1], TEXTS[2]]}) + "\n"
+                       + json.dumps({"id": "solo-0", "turns": [TEXTS[0]]}) + "\n")
+
+    def overrides(out, *extra):
+        return label_setup(out, f"data.sets=[{{name:chat,source:'{prompts}'}}]", *extra)
+
+    partial = tmp_path / "first-then-all"
+    assert run(overrides(partial, "label.turns=first"), trained_decoder)["labelled"] == 2
+    assert LabelStore(partial).done_ids() == {"chat-0", "solo-0"}
+    summary = run(overrides(partial), trained_decoder)  # turns=all (default): only the second turn is new
+    assert (summary["labelled"], summary["skipped"]) == (1, 2)
+    run(overrides(tmp_path / "all"), trained_decoder)
+    resumed, clean = read_labels(partial), read_labels(tmp_path / "all")
+    assert clean["id"].tolist() == ["chat-0", "chat-0#turn2", "solo-0"]
+    pd.testing.assert_frame_equal(comparable(resumed), comparable(clean))
+    # the second request is the conversation a serving engine would see after the target's first reply
+    tokenizer = trained_decoder.target.tokenizer
+    first = chat_input_ids(tokenizer, [TEXTS[1], TEXTS[2]])
+    reply = trained_decoder.generate(first, 1, LabelSettings(CANDIDATES, max_new_tokens=24).decode_config(0)).output_ids
+    second = chat_input_ids(tokenizer, [TEXTS[1], TEXTS[2]], [tokenizer.decode(reply, skip_special_tokens=True)])
+    row = clean.set_index("id").loc[request_id("chat-0", 1)]
+    assert row["prompt_tokens"] == second.shape[1] > first.shape[1]
+    again = label_prompt(trained_decoder, second, LabelSettings(CANDIDATES, max_new_tokens=24),
+                         LatencyModel.from_dict(LabelStore(partial).read_meta()["latency_model"]))
+    assert again.row["tau"] == row["tau"].tolist() and again.row["label_tau"] == row["label_tau"]
+    with pytest.raises(ValueError, match="label.turns"):
+        run(overrides(tmp_path / "bad", "label.turns=second"), trained_decoder)
 
 
 def test_rank_sharding_merges_to_one_worker(label_setup, trained_decoder, tmp_path, monkeypatch):

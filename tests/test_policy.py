@@ -18,7 +18,7 @@ from pipeline import PROJECT_ROOT  # noqa: E402
 from pipeline.dataset import build_dataset, load_feature_dataset  # noqa: E402
 from pipeline.policy import (Featurizer, FeatureSpec, FullVocabPredictor, MLPPredictor, Predictor,  # noqa: E402
                              PredictorSchedule, build_predictor, load_predictor, num_parameters)
-from pipeline.policy.fallback import ALWAYS_FALLBACK, apply_fallback, tune_margin  # noqa: E402
+from pipeline.policy.fallback import ALWAYS_FALLBACK, apply_fallback, departure_gain, tune_margin  # noqa: E402
 from pipeline.policy.module import policy_loss, policy_metrics  # noqa: E402
 from pipeline.policy.schedule import measure_overhead_ms  # noqa: E402
 from pipeline.train import split_tensors, train_predictor  # noqa: E402
@@ -208,3 +208,24 @@ def test_confidence_fallback_keeps_the_training_block_size_unless_sure():
     assert predictor.choose(scores) == [10, 6]
     with pytest.raises(IndexError, match="fallback index"):
         apply_fallback(scores, 3, 0.0)
+
+
+def test_departure_gain_lower_bound_needs_consistent_wins():
+    # 20 requests, classes B in (6, 8, 10), fallback B=8 (index 1); the predictor leaves B=8 where scores say 10
+    def case(gains):
+        scores = torch.zeros(20, 3)
+        tau = torch.full((20, 3), 2.0)
+        for row, g in enumerate(gains):
+            scores[row, 2] = 5.0
+            tau[row, 2] = 2.0 + g
+        return departure_gain(scores, tau, 1, margin=0.5, confidence=0.95, resamples=4000, seed=0)
+
+    once = case([0.1])  # one lucky request: resamples miss it in (19/20)^20 = 36% of cases
+    assert once["departures"] == 1 and once["mean_gain"] == pytest.approx(0.005) and once["lower_bound"] == 0.0
+    steady = case([0.5] * 10)  # half the requests gain 0.5 tokens each
+    assert steady["departures"] == 10 and steady["mean_gain"] == pytest.approx(0.25) and 0.1 < steady["lower_bound"] < 0.25
+    mixed = case([1.0, -1.0] * 5)  # wins and losses cancel
+    assert mixed["mean_gain"] == pytest.approx(0.0) and mixed["lower_bound"] < 0
+    assert case([0.5] * 10) == steady  # seeded: deterministic
+    with pytest.raises(ValueError, match="fallback_confidence"):
+        departure_gain(torch.zeros(2, 3), torch.zeros(2, 3), 1, 0.5, confidence=1.0)

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from conftest import require, shared_data_dir
-from pipeline.prompts import HUMANEVAL_INSTRUCTION, Prompt, chat_input_ids, load_prompt_set, load_prompt_sets
+from pipeline.prompts import (HUMANEVAL_INSTRUCTION, Prompt, chat_input_ids, load_prompt_set, load_prompt_sets, prompt_id_of,
+                              request_id)
 from pipeline.testing import make_tiny_tokenizer
 
 
@@ -134,3 +135,21 @@ def test_no_chat_template_uses_the_raw_text():
     tokenizer.chat_template = None
     ids = chat_input_ids(tokenizer, ["def add(a, b):", "more"], replies=["return a + b"])
     assert tokenizer.decode(ids[0]) == "def add(a, b):\n\nreturn a + b\n\nmore"
+
+
+def test_request_ids_name_each_turn():
+    assert request_id("HumanEval/3", 0) == "HumanEval/3" and request_id("mt_bench-81", 1) == "mt_bench-81#turn2"
+    for pid in ("HumanEval/3", "mt_bench-81", "a#turnx", "a#turn"):
+        assert [prompt_id_of(request_id(pid, t)) for t in range(3)] == [pid] * 3
+    with pytest.raises(ValueError, match="turn"):
+        request_id("p", -1)
+
+
+def test_offset_gives_prompts_a_limited_run_never_saw(five_prompts):
+    first = load_prompt_set(five_prompts, limit=3, seed=1)
+    rest = load_prompt_set(five_prompts, limit=3, seed=1, offset=3)
+    every = load_prompt_set(five_prompts, seed=1)
+    assert [p.id for p in first + rest] == [p.id for p in every] and len(rest) == 2
+    assert [p.id for p in load_prompt_sets([{"source": five_prompts}], 1, 1, offset=4)] == [every[4].id]
+    with pytest.raises(ValueError, match="data.offset"):
+        load_prompt_set(five_prompts, offset=-1)

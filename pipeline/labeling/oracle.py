@@ -148,10 +148,13 @@ class PromptLabel:
     Attributes:
         row: the label-schema fields computed here (see ``pipeline.labeling.store.LABEL_SCHEMA``).
         runs: per seed, ``BruteResult`` (brute) or ``(Trace, {B: ReplayResult})`` (replay), when kept.
+        reply_ids: the target's reply under the first seed (``settings.seed``), token ids: the same for every
+            B (lossless decoding), so it is the assistant turn that the prompt's next request builds on.
     """
 
     row: dict
     runs: list = field(default_factory=list)
+    reply_ids: list[int] = field(default_factory=list)
 
 
 @torch.inference_mode()
@@ -179,18 +182,23 @@ def label_prompt(decoder: SpeculativeDecoder, input_ids: torch.Tensor, settings:
            **distribution_features(prefill.last_logits, settings.topk, settings.store_full_logits)}
     per_b = {b: {"tau": [], "new_tokens": [], "decode_ms": []} for b in candidates}
     runs = []
+    reply_ids: list[int] = []
     seeds = settings.seeds
     for r, seed in enumerate(seeds):
         config = settings.decode_config(seed)
         last = r == len(seeds) - 1
         if settings.mode == "brute":
             result = brute_force(decoder, prefill, candidates, config, consume=last)
+            if r == 0:
+                reply_ids = list(result.stats[candidates[0]].output_ids)
             for b, stats in result.stats.items():
                 per_b[b]["tau"].append(stats.tau)
                 per_b[b]["new_tokens"].append(stats.new_tokens)
                 per_b[b]["decode_ms"].append(stats.decode_ms)
         else:
             trace = target_trace(decoder, reseed(prefill, config, copy_cache=not last), config, record_gaps)
+            if r == 0:
+                reply_ids = list(trace.tokens)
             result = replay(decoder, trace, candidates, config, settings.lm_head, record_gaps)
             for b, res in result.items():
                 per_b[b]["tau"].append(res.tau)
@@ -208,7 +216,7 @@ def label_prompt(decoder: SpeculativeDecoder, input_ids: torch.Tensor, settings:
                            for tokens, ms in zip(row["new_tokens"], row["decode_ms"])]
     row["label_tau"] = pick_label(candidates, row["tau"])
     row["label_speed"] = pick_label(candidates, row["tokens_per_s"])
-    return PromptLabel(row, runs)
+    return PromptLabel(row, runs, reply_ids)
 
 
 def predicted_tokens_per_s(latency: LatencyModel, stats_by_b: dict, temperature: float) -> dict[int, float]:

@@ -1,4 +1,9 @@
-"""The label stage's loop: prompts of this shard -> one label row each, appended to the label store.
+"""The label stage's loop: prompts of this shard -> one label row per request, appended to the label store.
+
+A request is one turn of a prompt (``pipeline.prompts.request_id``: the prompt id for the first turn,
+``<id>#turn2`` for the second, ...). With ``label.turns=all`` (default) turn k is labelled on the
+conversation a serving engine would see: the earlier user turns and the target's own replies to them
+(the first seed's reply at T>0, identical whatever B). ``label.turns=first`` labels first turns only.
 
 Sharding: prompt i of the configured sets (deterministic order) belongs to shard ``i % num_shards``.
 ``label.shard``/``label.num_shards`` come from Hydra (multirun, joblib or SLURM launchers); under
@@ -25,7 +30,7 @@ from pipeline.labeling.latency import LatencyModel, measure_latency
 from pipeline.labeling.oracle import LabelSettings, check_candidates, label_prompt
 from pipeline.labeling.store import LabelStore
 from pipeline.models.loading import build_decoder, resolve_path
-from pipeline.prompts import Prompt, chat_input_ids, load_prompt_sets
+from pipeline.prompts import Prompt, chat_input_ids, load_prompt_sets, request_id
 from pipeline.tracking import init_wandb
 
 log = logging.getLogger(__name__)
@@ -57,6 +62,11 @@ def shard_prompts(prompts: list[Prompt], shard: int, num_shards: int) -> list[Pr
     if duplicates:
         raise ValueError(f"prompt ids must be unique across the configured sets; duplicated: {duplicates[:5]}")
     return [p for i, p in enumerate(prompts) if i % num_shards == shard]
+
+
+def label_turns(prompt: Prompt, all_turns: bool = True) -> list[int]:
+    """The 0-based turns of ``prompt`` that get a label row: every turn (``label.turns=all``) or the first."""
+    return list(range(len(prompt.turns))) if all_turns else [0]
 
 
 def settings_from_cfg(cfg: DictConfig, decoder: SpeculativeDecoder) -> LabelSettings:
@@ -113,16 +123,16 @@ def run_meta(cfg: DictConfig, settings: LabelSettings, decoder: SpeculativeDecod
 
 def run_label(cfg: DictConfig, decoder: SpeculativeDecoder | None = None,
               on_prompt: Callable[[dict], None] | None = None) -> dict:
-    """Label this worker's prompts into ``cfg.label.out_dir`` (resumes; skips prompts already stored).
+    """Label this worker's prompts into ``cfg.label.out_dir``, one row per request (resumes; skips requests already stored).
 
     Args:
         cfg: the composed ``conf/label.yaml``.
         decoder: reuse a loaded decoder (tests); default: ``build_decoder(cfg.model)``.
-        on_prompt: called with each finished row (after it is queued for writing); an exception raised
+        on_prompt: called with each finished request's row (after it is queued for writing); an exception raised
             there stops the run like a kill would, after the queued rows are written.
     Returns:
-        {"out_dir", "shard", "num_shards", "labelled" (this call), "skipped" (already stored), "label_tau"
-        (counts of this call's labels)}.
+        {"out_dir", "shard", "num_shards", "labelled" (requests, this call), "skipped" (requests already stored),
+        "label_tau" (counts of this call's labels)}.
     """
     torch.manual_seed(int(cfg.seed))
     if cfg.label.get("num_threads"):
@@ -134,7 +144,8 @@ def run_label(cfg: DictConfig, decoder: SpeculativeDecoder | None = None,
             model_cfg = OmegaConf.merge(model_cfg, {"device": f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"})
         decoder = build_decoder(model_cfg)
     settings = settings_from_cfg(cfg, decoder)
-    prompts = shard_prompts(load_prompt_sets(cfg.data.sets, cfg.data.limit, cfg.data.seed), shard, num_shards)
+    prompts = load_prompt_sets(cfg.data.sets, cfg.data.limit, cfg.data.seed, cfg.data.get("offset", 0))
+    prompts = shard_prompts(prompts, shard, num_shards)
 
     store = LabelStore(cfg.label.out_dir)
     meta = run_meta(cfg, settings, decoder)
@@ -155,9 +166,17 @@ def run_label(cfg: DictConfig, decoder: SpeculativeDecoder | None = None,
         latency = LatencyModel.from_dict(meta["latency_model"])  # the first worker's model, for all workers
 
     done = store.done_ids()
-    todo = [p for p in prompts if p.id not in done]
-    log.info("shard %d/%d: %d prompts, %d already labelled, %d to do -> %s",
-             shard, num_shards, len(prompts), len(prompts) - len(todo), len(todo), store.directory)
+    turns_mode = str(cfg.label.get("turns", "all"))
+    if turns_mode not in ("all", "first"):
+        raise ValueError(f"label.turns must be 'all' or 'first', got {turns_mode!r}")
+    all_turns = turns_mode == "all"
+    requests = {p.id: label_turns(p, all_turns) for p in prompts}
+    todo = [p for p in prompts if any(request_id(p.id, t) not in done for t in requests[p.id])]
+    total = sum(len(t) for t in requests.values())
+    pending = sum(request_id(p.id, t) not in done for p in todo for t in requests[p.id])
+    log.info("shard %d/%d: %d prompts (%d requests, turns=%s), %d requests already labelled, %d to do -> %s",
+             shard, num_shards, len(prompts), total, turns_mode, total - pending, pending,
+             store.directory)
     tokenizer = decoder.target.tokenizer
     if todo and cfg.label.get("warmup", True):
         decoder.generate(chat_input_ids(tokenizer, todo[0].turns[:1]), max(settings.candidates),
@@ -167,26 +186,38 @@ def run_label(cfg: DictConfig, decoder: SpeculativeDecoder | None = None,
     queued: list[dict] = []
     labels: Counter = Counter()
     try:
-        progress = tqdm(todo, desc=f"label {shard}/{num_shards}", unit="prompt", total=len(prompts),
-                        initial=len(prompts) - len(todo))
-        for count, prompt in enumerate(progress, 1):
-            result = label_prompt(decoder, chat_input_ids(tokenizer, prompt.turns[:1]), settings, latency)
-            row = {"id": prompt.id, "source_set": prompt.source_set, "shard": shard, "num_shards": num_shards,
-                   **result.row}
-            queued.append(row)
-            labels[row["label_tau"]] += 1
-            if run is not None:
-                run.log({"prompts": count, "label_tau": row["label_tau"], "label_speed": row["label_speed"],
-                         "entropy": row["entropy"], "best_tau": max(row["tau"])})
-            if on_prompt is not None:
-                on_prompt(row)
-            if len(queued) >= flush_every:
-                store.write(queued)
-                queued = []
+        progress = tqdm(total=total, initial=total - pending, desc=f"label {shard}/{num_shards}", unit="request")
+        for prompt in todo:
+            replies: list[str] = []
+            turns = requests[prompt.id]
+            for turn in turns:
+                rid = request_id(prompt.id, turn)
+                input_ids = chat_input_ids(tokenizer, prompt.turns, replies)
+                if rid in done:  # labelled by an earlier run: only its reply is needed, for the next turn
+                    if turn < turns[-1]:
+                        reply_ids = decoder.generate(input_ids, 1, settings.decode_config(settings.seed)).output_ids
+                        replies.append(tokenizer.decode(reply_ids, skip_special_tokens=True))
+                    continue
+                result = label_prompt(decoder, input_ids, settings, latency)
+                replies.append(tokenizer.decode(result.reply_ids, skip_special_tokens=True))
+                row = {"id": rid, "source_set": prompt.source_set, "shard": shard, "num_shards": num_shards,
+                       **result.row}
+                queued.append(row)
+                labels[row["label_tau"]] += 1
+                progress.update(1)
+                if run is not None:
+                    run.log({"requests": sum(labels.values()), "label_tau": row["label_tau"],
+                             "label_speed": row["label_speed"], "entropy": row["entropy"], "best_tau": max(row["tau"])})
+                if on_prompt is not None:
+                    on_prompt(row)
+                if len(queued) >= flush_every:
+                    store.write(queued)
+                    queued = []
+        progress.close()
     finally:
         store.write(queued)
         if run is not None:
             run.summary.update({"labelled": sum(labels.values()), **{f"label_tau/{b}": c for b, c in labels.items()}})
             run.finish()
     return {"out_dir": str(store.directory), "shard": shard, "num_shards": num_shards,
-            "labelled": sum(labels.values()), "skipped": len(prompts) - len(todo), "label_tau": dict(labels)}
+            "labelled": sum(labels.values()), "skipped": total - pending, "label_tau": dict(labels)}

@@ -3,7 +3,7 @@
 Layout of ``data/labels/<run_name>/``::
 
     meta.json            run settings (target, drafter, candidates, mode, latency model, ...)
-    shard-00000.parquet  rows of some prompts (one row per prompt, schema ``LABEL_SCHEMA``)
+    shard-00000.parquet  rows of some requests (one row per request, schema ``LABEL_SCHEMA``)
     shard-00001.parquet  ...
 
 Every worker (a Hydra multirun job, a torchrun rank, a SLURM array task, or a resumed run) appends
@@ -55,7 +55,10 @@ LABEL_SCHEMA = pa.schema([
     ("shard", pa.int64()),
     ("num_shards", pa.int64()),
 ])
-"""One row per prompt; see CONTEXT's label schema. ``prefill_ms`` (measured, ms) is an extra column."""
+"""One row per request (``id``: ``pipeline.prompts.request_id``). Per candidate B (lists in ``candidates`` order):
+``tau`` (mean acceptance length, tokens), ``new_tokens``, ``decode_ms``, ``tokens_per_s``; the labels ``label_tau`` /
+``label_speed`` (block sizes); the prefill's last-token distribution (``topk_ids``/``topk_logprobs``, ``full_logits``
+as float16 bytes when kept, ``entropy`` in nats); ``prompt_tokens``, ``prefill_ms`` (ms) and the writing shard."""
 
 # meta.json keys that must agree between workers writing the same directory
 META_KEYS = ("target", "drafter", "training_block_size", "candidates", "temperature", "repeats", "seed",

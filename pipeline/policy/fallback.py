@@ -8,7 +8,15 @@ argmax exceeds that of B_train by at least ``margin``:
     pick = argmax_c p(c)  if  p(argmax) - p(B_train) >= margin  else  B_train
 
 ``margin = 0`` is the plain argmax; ``margin > 1`` always keeps B_train. The train stage tunes the margin
-on the validation split (``tune_margin``) and exports it; ``Predictor.predict`` applies it. This is the
+on the validation split (``tune_margin``) and exports it; ``Predictor.predict`` applies it.
+
+The margin that maximises the validation mean is an in-sample maximum over many thresholds, so it
+finds a "gain" even where the predictor knows nothing (one validation request that happens to gain
+0.002 tokens is enough). ``departure_gain`` guards against that: the tuned margin is kept only when
+the one-sided bootstrap lower confidence bound (``train.fallback_confidence``, default 95%) of the
+validation gain over B_train is above zero, i.e. when the departures win consistently, not once;
+otherwise the predictor always keeps B_train. This is the safety test of high-confidence policy
+improvement (Thomas et al., ICML 2015), with a percentile bootstrap in place of a concentration bound. This is the
 usual "fall back to the default" guard of adaptive speculation schedules (e.g. the SGLang DFlash PR's
 per-round schedule keeps B until recent acceptance moves it by a margin).
 """
@@ -67,3 +75,33 @@ def tune_margin(scores: torch.Tensor, tau: torch.Tensor, fallback_index: int) ->
         if mean > best[0] + 1e-9:
             best = (mean, float(margin))
     return best[1], best[0]
+
+
+@torch.no_grad()
+def departure_gain(scores: torch.Tensor, tau: torch.Tensor, fallback_index: int, margin: float,
+                   confidence: float = 0.95, resamples: int = 2000, seed: int = 0) -> dict:
+    """How much the picks under ``margin`` gain over always keeping the training block size, with a lower bound.
+
+    Args:
+        scores: [n, C] predictor scores; tau: [n, C] recorded tau per candidate (tokens).
+        fallback_index: class index of the training block size; margin: the fallback margin.
+        confidence: level of the one-sided percentile-bootstrap lower bound (resampling requests).
+        resamples, seed: bootstrap size and generator seed (the bound is deterministic given them).
+    Returns:
+        {"departures": requests leaving B_train, "mean_gain": mean tau gain per request (tokens),
+        "lower_bound": its bootstrap lower confidence bound (tokens), "confidence"}.
+    Raises:
+        ValueError: for mismatched or empty inputs, or ``confidence`` outside (0, 1).
+    """
+    if scores.shape != tau.shape or scores.shape[0] == 0:
+        raise ValueError(f"need matching non-empty [n, C] scores and tau, got {tuple(scores.shape)} and {tuple(tau.shape)}")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"train.fallback_confidence must be in (0, 1), got {confidence}")
+    chosen = apply_fallback(scores, fallback_index, margin)
+    tau = tau.double()
+    gain = tau.gather(1, chosen[:, None])[:, 0] - tau[:, fallback_index]
+    generator = torch.Generator().manual_seed(int(seed))
+    rows = torch.randint(0, gain.shape[0], (int(resamples), gain.shape[0]), generator=generator)
+    means = gain[rows].mean(1)
+    return {"departures": int((chosen != fallback_index).sum()), "mean_gain": float(gain.mean()),
+            "lower_bound": float(torch.quantile(means, 1.0 - confidence)), "confidence": float(confidence)}
