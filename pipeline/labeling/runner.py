@@ -134,6 +134,9 @@ def run_label(cfg: DictConfig, decoder: SpeculativeDecoder | None = None,
         {"out_dir", "shard", "num_shards", "labelled" (requests, this call), "skipped" (requests already stored),
         "label_tau" (counts of this call's labels)}.
     """
+    turns_mode = str(cfg.label.get("turns", "all"))
+    if turns_mode not in ("all", "first"):
+        raise ValueError(f"label.turns must be 'all' or 'first', got {turns_mode!r}")
     torch.manual_seed(int(cfg.seed))
     if cfg.label.get("num_threads"):
         torch.set_num_threads(int(cfg.label.num_threads))
@@ -166,9 +169,6 @@ def run_label(cfg: DictConfig, decoder: SpeculativeDecoder | None = None,
         latency = LatencyModel.from_dict(meta["latency_model"])  # the first worker's model, for all workers
 
     done = store.done_ids()
-    turns_mode = str(cfg.label.get("turns", "all"))
-    if turns_mode not in ("all", "first"):
-        raise ValueError(f"label.turns must be 'all' or 'first', got {turns_mode!r}")
     all_turns = turns_mode == "all"
     requests = {p.id: label_turns(p, all_turns) for p in prompts}
     todo = [p for p in prompts if any(request_id(p.id, t) not in done for t in requests[p.id])]
