@@ -3,7 +3,8 @@
 #
 #   make all                      main job: label -> dataset -> train -> eval; prints results.json's path last
 #   make test                     the test suite (CPU, tiny models + one SmolLM2 smoke test)
-#   make draft                    train the drafter for the embedded target (shipped in data/drafters/)
+#   make draft                    train the drafter for the embedded target on this CPU (~45 min); the
+#                                 shipped one in data/drafters/ came from scripts/gpu_draft.sh (one GPU, 6 min)
 #   make label|dataset|train|eval one stage; Hydra overrides go in ARGS="key=value ..."
 #   make bench-label              labelling speed benchmark
 #   make notebook                 execute notebooks/*.ipynb in place (on RUN's labels and results)

@@ -75,12 +75,28 @@ def frequent_tokens(sequences: list[dict], target, size: int) -> torch.Tensor:
     return counts.argsort(descending=True)[: min(size, vocab_size)].sort().values
 
 
+def schedule_seconds(max_time: str | None) -> float | None:
+    """``trainer.max_time`` ("DD:HH:MM:SS") in seconds, or None; the learning-rate decay spans it."""
+    if not max_time:
+        return None
+    days, hours, minutes, seconds = (int(x) for x in str(max_time).split(":"))
+    return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+
+
+def hardware(device: str) -> str:
+    """What trained the drafter: the GPU's name on CUDA, else the CPU and its thread count."""
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(torch.device(device))}, torch {torch.__version__}"
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
 def write_model_card(out: Path, name: str, cfg: DictConfig, stats: dict) -> None:
     """A README.md in ``out`` for drafter ``name``: data, steps, wall time, teacher-forced tau per B."""
     lines = [
         f"# {name}",
         "",
-        f"DFlash drafter for `{cfg.model.target}`, trained by `make draft` (pipeline/draft.py), seed {cfg.seed}.",
+        f"DFlash drafter for `{cfg.model.target}`, trained by the draft stage (pipeline/draft.py, "
+        f"draft.features={cfg.draft.get('features', 'cached')}), seed {cfg.seed}.",
         "",
         "| item | value |", "|---|---|",
     ]
@@ -98,9 +114,15 @@ def write_model_card(out: Path, name: str, cfg: DictConfig, stats: dict) -> None
 def train_drafter(cfg: DictConfig) -> Path:
     """Run the whole draft stage; returns the export directory."""
     L.seed_everything(cfg.seed, workers=True)
+    torch.set_float32_matmul_precision(str(cfg.draft.get("float32_matmul_precision", "highest")))
     t_start = time.time()
     target = load_target(cfg.model.target, dtype=cfg.model.dtype, device=cfg.model.device)
     dcfg = cfg.draft
+    features_mode = dcfg.get("features", "cached")
+    if features_mode not in ("cached", "online"):
+        raise ValueError(f"draft.features={features_mode!r}: use 'cached' (features stored with the data) or 'online' "
+                         "(token-only data; each training step runs the target)")
+    with_features = features_mode == "cached"
     drafter_config = make_drafter_config(target.model.config, num_layers=dcfg.num_layers, block_size=dcfg.block_size,
                                          target_layer_ids=dcfg.get("target_layer_ids"), mask_token_id=dcfg.mask_token_id)
     layer_ids = drafter_config.dflash_config["target_layer_ids"]
@@ -109,16 +131,17 @@ def train_drafter(cfg: DictConfig) -> Path:
     for set_cfg in dcfg.sets:
         d = cache_root / set_cfg.name
         if set_cfg.source == "stdlib_source":  # teacher-forced text windows, no generation
-            paths = build_corpus_cache(target, d, layer_ids, window=set_cfg.get("window", 384), limit=set_cfg.get("limit"))
+            paths = build_corpus_cache(target, d, layer_ids, window=set_cfg.get("window", 384), limit=set_cfg.get("limit"),
+                                       with_features=with_features)
         else:
             prompts = training_prompts(set_cfg)
             paths = build_response_cache(target, prompts, d, layer_ids, dcfg.max_new_tokens, dcfg.max_prompt_tokens,
-                                         dcfg.gen_batch_size, set_cfg.get("max_batches"))
+                                         dcfg.gen_batch_size, set_cfg.get("max_batches"), with_features)
         seconds, unknown = generation_seconds(paths)
         data_seconds[set_cfg.name] = round(seconds) if not unknown else f"{round(seconds)} + {unknown} shards without a record"
         dirs.append(d)
     t_data = time.time()
-    sequences = load_sequences(dirs, dcfg.max_seq_len)
+    sequences = load_sequences(dirs, dcfg.max_seq_len, features=with_features)
     random.Random(cfg.seed).shuffle(sequences)
     n_val = max(1, int(len(sequences) * dcfg.val_fraction))
     val, train = sequences[:n_val], sequences[n_val:]
@@ -138,11 +161,15 @@ def train_drafter(cfg: DictConfig) -> Path:
         copied = init_from_target_layers(drafter, target.model) if dcfg.init_from_target else []
     module = DrafterModule(drafter, target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight,
                            lr=dcfg.lr, weight_decay=dcfg.weight_decay, warmup_steps=dcfg.warmup_steps,
-                           max_steps=dcfg.trainer.max_steps, gamma=dcfg.gamma, eval_block_sizes=tuple(dcfg.eval_block_sizes))
+                           max_steps=dcfg.trainer.max_steps, gamma=dcfg.gamma, eval_block_sizes=tuple(dcfg.eval_block_sizes),
+                           target_model=None if with_features else target.model,
+                           max_seconds=schedule_seconds(dcfg.trainer.get("max_time")))
     train_ds = AnchorDataset(train, dcfg.anchors_per_seq, cfg.seed)
     val_ds = AnchorDataset(val, dcfg.anchors_per_seq, cfg.seed + 1)
-    train_dl = DataLoader(train_ds, batch_size=dcfg.batch_size, shuffle=True, collate_fn=collate, num_workers=0)
-    val_dl = DataLoader(val_ds, batch_size=dcfg.batch_size, collate_fn=collate, num_workers=0)
+    workers = int(dcfg.get("num_workers", 0))
+    train_dl = DataLoader(train_ds, batch_size=dcfg.batch_size, shuffle=True, collate_fn=collate, num_workers=workers,
+                          persistent_workers=workers > 0)
+    val_dl = DataLoader(val_ds, batch_size=dcfg.batch_size, collate_fn=collate, num_workers=workers)
 
     run = init_wandb(cfg, job_type="draft")
     loggers = []
@@ -186,7 +213,8 @@ def train_drafter(cfg: DictConfig) -> Path:
         "data generation wall time per set (s, recorded in the cached shards)": data_seconds,
         "this run's data stage wall time (s)": round(t_data - t_start),
         "training wall time (s)": round(train_seconds),
-        "hardware": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, {cfg.model.device}",
+        "features": features_mode,
+        "hardware": hardware(cfg.model.device),
         "val_tau": val_tau,
     }
     write_model_card(tmp, out.name, cfg, stats)

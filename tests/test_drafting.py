@@ -247,3 +247,98 @@ def test_draft_stage_end_to_end(tiny, compose_config, tmp_path):
     decoder = SpeculativeDecoder(target, drafter)
     ids = chat_input_ids(target.tokenizer, [TEXTS[0]])
     assert decoder.generate(ids, 4, DecodeConfig(16)).output_ids == decoder.generate(ids, 1, DecodeConfig(16)).output_ids
+
+
+# ------------------------------------------------------------------------------------------------
+# token-only data and online features (draft.features=online)
+# ------------------------------------------------------------------------------------------------
+def test_token_only_generation_and_shards(llama, prompt_ids, tmp_path):
+    with_feats = generate_batch(llama, prompt_ids, LAYERS, max_new_tokens=8)
+    tokens_only = generate_batch(llama, prompt_ids, LAYERS, max_new_tokens=8, with_features=False)
+    assert [torch.equal(a, b) for (a, _), (b, _) in zip(with_feats, tokens_only)] == [True] * len(prompt_ids)
+    assert all(f is None for _, f in tokens_only)
+    path = tmp_path / "shard-00000.safetensors"
+    write_shard(path, tokens_only, [len(p) for p in prompt_ids])
+    back = read_shard(path)
+    assert all("features" not in s for s in back)
+    assert [s["tokens"].tolist() for s in back] == [t.tolist() for t, _ in tokens_only]
+    with pytest.raises(ValueError, match="draft.features=online"):
+        load_sequences([tmp_path])
+    assert len(load_sequences([tmp_path], features=False)) == sum(len(t) - len(p) >= 2 for (t, _), p in zip(tokens_only, prompt_ids))
+
+
+def test_online_features_equal_cached_features(llama, prompt_ids):
+    """The training step's own target pass gives the features the generation cache stores, so a batch
+    without features yields the drafter outputs of the same batch with them."""
+    torch.manual_seed(0)
+    results = generate_batch(llama, prompt_ids, LAYERS, max_new_tokens=10)
+    sequences = [{"tokens": t, "features": f, "prompt_length": len(p)} for (t, f), p in zip(results, prompt_ids)]
+    items = [AnchorDataset(sequences, 4, 0)[i] for i in range(len(sequences))]
+    cached = collate(items)
+    online = collate([{k: v for k, v in it.items() if k != "features"} for it in items])
+    assert "features" not in online
+    drafter = DFlashDrafter(make_drafter_config(llama.model.config, num_layers=1, block_size=4, target_layer_ids=LAYERS))
+    module = DrafterModule(drafter, llama.model.get_input_embeddings().weight, llama.model.get_output_embeddings().weight,
+                           target_model=llama.model)
+    feats = module.target_features(online["tokens"], online["lengths"])
+    for i, n in enumerate(online["lengths"].tolist()):  # the stored last row is zero: never fed during generation
+        torch.testing.assert_close(feats[i, : n - 1].float(), cached["features"][i, : n - 1].float(), atol=2e-2, rtol=2e-2)
+    hidden_cached, labels_cached = module._logits(cached, 4)
+    hidden_online, labels_online = module._logits(online, 4)
+    assert torch.equal(labels_cached, labels_online)
+    torch.testing.assert_close(hidden_online, hidden_cached, atol=5e-2, rtol=5e-2)
+    no_target = DrafterModule(drafter, llama.model.get_input_embeddings().weight, llama.model.get_output_embeddings().weight)
+    with pytest.raises(ValueError, match="target_model"):
+        no_target._logits(online, 4)
+
+
+def test_learning_rate_decay_follows_the_time_budget(llama):
+    from pipeline.draft import schedule_seconds
+
+    assert schedule_seconds("00:00:05:00") == 300.0 and schedule_seconds("01:02:03:04") == 93784.0
+    assert schedule_seconds(None) is None
+    drafter = DFlashDrafter(make_drafter_config(llama.model.config, num_layers=1, block_size=4, target_layer_ids=LAYERS))
+    emb, head = llama.model.get_input_embeddings().weight, llama.model.get_output_embeddings().weight
+    by_steps = DrafterModule(drafter, emb, head, lr=1.0, warmup_steps=1, max_steps=1000)
+    by_time = DrafterModule(drafter, emb, head, lr=1.0, warmup_steps=1, max_steps=1000, max_seconds=1e-6)
+    lr_steps = by_steps.configure_optimizers()["lr_scheduler"]["scheduler"]
+    lr_time = by_time.configure_optimizers()["lr_scheduler"]["scheduler"]
+    for _ in range(3):
+        lr_steps.optimizer.step(), lr_steps.step(), lr_time.optimizer.step(), lr_time.step()
+    assert lr_steps.get_last_lr()[0] > 0.99  # 3 of 1000 steps: still at the peak
+    assert lr_time.get_last_lr()[0] == pytest.approx(0.1)  # the time budget is spent: the floor
+
+
+def test_draft_stage_online_features(tiny, compose_config, tmp_path):
+    from pipeline.draft import train_drafter
+
+    prompt_file = tmp_path / "train.jsonl"
+    prompt_file.write_text("".join(json.dumps({"id": f"t{i}", "turns": [t]}) + "\n" for i, t in enumerate(TEXTS * 2)))
+    out = tmp_path / "drafter"
+    cfg = compose_config("draft_gpu", [
+        f"model.target={tiny.target_dir('llama')}", "model.name=tiny", "model.device=cpu", f"paths.data={tmp_path / 'data'}",
+        "logger.enabled=false", f"draft.out={out}", f"draft.cache_dir={tmp_path / 'cache'}",
+        f"draft.sets=[{{name: mine, source: '{prompt_file}'}}, {{name: src, source: stdlib_source, window: 48, limit: 3}}]",
+        "draft.max_new_tokens=12", "draft.max_prompt_tokens=64", "draft.gen_batch_size=4", "draft.max_seq_len=64",
+        "draft.val_fraction=0.25", "draft.num_layers=1", "draft.block_size=4", f"draft.target_layer_ids={LAYERS}",
+        "draft.draft_vocab_size=64", "draft.batch_size=4", "draft.num_workers=0", "draft.anchors_per_seq=4",
+        "draft.eval_block_sizes=[2,4]", "draft.warmup_steps=1", "draft.trainer.max_steps=3",
+        "draft.trainer.val_check_interval=3", "draft.trainer.limit_val_batches=1", "draft.trainer.accelerator=cpu",
+        "draft.trainer.precision=bf16-mixed",
+    ])
+    assert cfg.draft.features == "online"
+    assert train_drafter(cfg) == out
+    stats = json.loads((out / "training_stats.json").read_text())
+    assert stats["optimizer steps"] == 3 and stats["features"] == "online" and set(stats["val_tau"]) >= {"2", "4"}
+    shards = sorted((tmp_path / "cache").rglob("shard-*.safetensors"))
+    assert shards and all("features" not in s for p in shards for s in read_shard(p))
+    DFlashDrafter.from_pretrained(out)
+
+
+def test_draft_features_mode_is_checked(tiny, compose_config, tmp_path):
+    from pipeline.draft import train_drafter
+
+    cfg = compose_config("draft", [f"model.target={tiny.target_dir('llama')}", "logger.enabled=false",
+                                   f"paths.data={tmp_path}", "draft.features=stored"])
+    with pytest.raises(ValueError, match="draft.features='stored'"):
+        train_drafter(cfg)

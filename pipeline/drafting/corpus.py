@@ -63,8 +63,12 @@ def teacher_forced_features(target: Target, windows: list[torch.Tensor], layer_i
 
 
 def build_corpus_cache(target: Target, out_dir: str | Path, layer_ids: list[int], window: int = 384,
-                       prefix: int = 16, limit: int | None = None, batch_size: int = 8, shard_windows: int = 64) -> list[Path]:
-    """Write (or resume) teacher-forced shards of stdlib source windows; returns the shard paths."""
+                       prefix: int = 16, limit: int | None = None, batch_size: int = 8, shard_windows: int = 64,
+                       with_features: bool = True) -> list[Path]:
+    """Write (or resume) teacher-forced shards of stdlib source windows; returns the shard paths.
+
+    ``with_features=False`` writes token-only shards and runs no target pass (``draft.features=online``).
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     windows = stdlib_source_windows(target.tokenizer, window, prefix, limit)
@@ -79,6 +83,7 @@ def build_corpus_cache(target: Target, out_dir: str | Path, layer_ids: list[int]
         sequences = []
         for i in range(0, len(group), batch_size):
             batch = group[i : i + batch_size]
-            sequences += list(zip(batch, teacher_forced_features(target, batch, layer_ids)))
+            feats = teacher_forced_features(target, batch, layer_ids) if with_features else [None] * len(batch)
+            sequences += list(zip(batch, feats))
         write_shard(path, sequences, [prefix] * len(sequences), time.perf_counter() - t0)
     return paths

@@ -16,19 +16,30 @@ from torch.utils.data import Dataset
 from pipeline.drafting.responses import read_shard
 
 
-def load_sequences(dirs: list[str | Path], max_len: int | None = None) -> list[dict]:
+def load_sequences(dirs: list[str | Path], max_len: int | None = None, features: bool = True) -> list[dict]:
     """All cached sequences of the shard folders in ``dirs`` (``tokens``, ``features``, ``prompt_length``,
     ``set`` = the folder's name).
 
     Sequences whose response is shorter than 2 tokens are dropped; ``max_len`` truncates from the right.
+    ``features=False`` drops stored features (the training step computes them: ``draft.features=online``).
+
+    Raises:
+        ValueError: ``features=True`` and a shard is token-only.
     """
     sequences = []
     for d in dirs:
         for path in sorted(Path(d).glob("shard-*.safetensors")):
             for seq in read_shard(path):
                 seq["set"] = Path(d).name
+                if not features:
+                    seq.pop("features", None)
+                elif "features" not in seq:
+                    raise ValueError(f"{path} holds tokens only (written with draft.features=online); train with "
+                                     "draft.features=online or delete that folder to regenerate it with features")
                 if max_len is not None and len(seq["tokens"]) > max_len:
-                    seq = {**seq, "tokens": seq["tokens"][:max_len], "features": seq["features"][:max_len]}
+                    seq = {**seq, "tokens": seq["tokens"][:max_len]}
+                    if "features" in seq:
+                        seq["features"] = seq["features"][:max_len]
                 if len(seq["tokens"]) - seq["prompt_length"] >= 2:
                     sequences.append(seq)
     return sequences
@@ -63,23 +74,29 @@ def collate(items: list[dict]) -> dict:
     """Pad a list of items into a batch.
 
     Returns:
-        tokens [b, L] long, features [b, L, F] bf16, lengths [b], anchors [b, K] (padding -1).
+        tokens [b, L] long (right-padded with 0), features [b, L, F] bf16 (only when every item has
+        features), lengths [b], anchors [b, K] (padding -1).
     """
     b = len(items)
     L = max(len(it["tokens"]) for it in items)
     K = max(len(it["anchors"]) for it in items)
-    F = items[0]["features"].shape[-1]
+    with_features = all("features" in it for it in items)
     tokens = torch.zeros(b, L, dtype=torch.long)
-    features = torch.zeros(b, L, F, dtype=items[0]["features"].dtype)
+    if with_features:
+        features = torch.zeros(b, L, items[0]["features"].shape[-1], dtype=items[0]["features"].dtype)
     anchors = torch.full((b, K), -1, dtype=torch.long)
     lengths = torch.zeros(b, dtype=torch.long)
     for i, it in enumerate(items):
         n = len(it["tokens"])
         tokens[i, :n] = it["tokens"]
-        features[i, :n] = it["features"]
+        if with_features:
+            features[i, :n] = it["features"]
         anchors[i, : len(it["anchors"])] = it["anchors"]
         lengths[i] = n
-    return {"tokens": tokens, "features": features, "lengths": lengths, "anchors": anchors}
+    batch = {"tokens": tokens, "lengths": lengths, "anchors": anchors}
+    if with_features:
+        batch["features"] = features
+    return batch
 
 
 def block_inputs(batch: dict, block_size: int, mask_token_id: int) -> dict:
@@ -94,26 +111,27 @@ def block_inputs(batch: dict, block_size: int, mask_token_id: int) -> dict:
     tokens, lengths, anchors = batch["tokens"], batch["lengths"], batch["anchors"]
     b, L = tokens.shape
     K, B = anchors.shape[1], block_size
+    dev = tokens.device
     valid = anchors >= 0
     a = anchors.clamp(min=0)
-    offs = torch.arange(B)
+    offs = torch.arange(B, device=dev)
     pos = a[:, :, None] + offs  # [b, K, B]
-    block_ids = torch.full((b, K, B), mask_token_id, dtype=torch.long)
+    block_ids = torch.full((b, K, B), mask_token_id, dtype=torch.long, device=dev)
     block_ids[:, :, 0] = tokens.gather(1, a)
     label_pos = pos[:, :, 1:]
     in_seq = (label_pos < lengths[:, None, None]) & valid[:, :, None]
     labels = tokens.gather(1, label_pos.clamp(max=L - 1).reshape(b, -1)).reshape(b, K, B - 1)
     labels = labels.masked_fill(~in_seq, -100)
-    ctx_pos = torch.arange(L)
+    ctx_pos = torch.arange(L, device=dev)
     ctx_visible = ctx_pos[None, None, :] < a[:, :, None]  # [b, K, L]
     ctx_visible = ctx_visible[:, :, None, :].expand(b, K, B, L).reshape(b, K * B, L)
-    block_of = torch.arange(K).repeat_interleave(B)
+    block_of = torch.arange(K, device=dev).repeat_interleave(B)
     same_block = block_of[:, None] == block_of[None, :]
     noise_visible = same_block[None].expand(b, -1, -1) & valid.repeat_interleave(B, dim=1)[:, None, :]
     mask = torch.cat([ctx_visible, noise_visible], dim=-1)
     # padded anchors: let them see themselves so no attention row is empty
-    eye = torch.zeros(K * B, L + K * B, dtype=torch.bool)
-    eye[torch.arange(K * B), L + torch.arange(K * B)] = True
+    eye = torch.zeros(K * B, L + K * B, dtype=torch.bool, device=dev)
+    eye[torch.arange(K * B, device=dev), L + torch.arange(K * B, device=dev)] = True
     mask |= eye[None]
     position_ids = torch.cat([ctx_pos[None].expand(b, L), pos.reshape(b, K * B)], dim=1)
     return {

@@ -10,6 +10,7 @@ positions whose argmax equals the label, averaged over blocks ("val/tau").
 from __future__ import annotations
 
 import math
+import time
 
 import lightning as L
 import torch
@@ -39,15 +40,24 @@ class DrafterModule(L.LightningModule):
 
     Args:
         lr, weight_decay, warmup_steps, max_steps: AdamW with linear warm-up and cosine decay.
+        max_seconds: optional wall-time budget (s) of training; the cosine decay then follows whichever
+            of steps and seconds runs out first, so a run cut by ``trainer.max_time`` still ends at the
+            low learning rate.
         gamma: loss decay constant (DFlash uses 7 for B=16; 4 suits B=8).
         eval_block_sizes: block sizes for teacher-forced validation tau.
+        target_model: the frozen target (a transformers causal LM), needed only for batches without
+            ``features`` (``draft.features=online``): each step then runs one no-grad target forward
+            over the batch, in float32 even under mixed precision, and taps the drafter's layers.
     """
 
     def __init__(self, drafter: DFlashDrafter, embedding: torch.Tensor, lm_head: torch.Tensor, lr: float = 6e-4,
                  weight_decay: float = 0.01, warmup_steps: int = 50, max_steps: int = 1000, gamma: float = 4.0,
-                 eval_block_sizes: tuple[int, ...] = (4, 8, 16)):
+                 eval_block_sizes: tuple[int, ...] = (4, 8, 16), target_model=None, max_seconds: float | None = None):
         super().__init__()
         self.drafter = drafter
+        self.target = target_model
+        if target_model is not None:
+            self.target.requires_grad_(False)
         self.register_buffer("embedding", embedding.detach(), persistent=False)
         self.register_buffer("lm_head", drafter.draft_head(lm_head.detach()).clone(), persistent=False)
         # target token id -> row of the draft head (-100 for tokens outside the draft vocabulary)
@@ -58,12 +68,34 @@ class DrafterModule(L.LightningModule):
         self.lr, self.weight_decay = lr, weight_decay
         self.warmup_steps, self.max_steps, self.gamma = warmup_steps, max_steps, gamma
         self.eval_block_sizes = tuple(eval_block_sizes)
+        self.max_seconds = max_seconds
+        self._t0: float | None = None
+
+    @torch.no_grad()
+    def target_features(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Tapped target hidden states [b, L, n_taps*H] (bf16) of right-padded ``tokens`` [b, L] with
+        ``lengths`` [b], from one float32 forward of the frozen target (the ``responses`` cache's features).
+
+        Raises:
+            ValueError: the module was built without ``target_model``.
+        """
+        if self.target is None:
+            raise ValueError("batch has no features and DrafterModule has no target_model (draft.features=online needs it)")
+        tokens, lengths = tokens.to(self.device), lengths.to(self.device)
+        mask = (torch.arange(tokens.shape[1], device=self.device)[None] < lengths[:, None]).long()
+        with torch.autocast(device_type=self.device.type, enabled=False):
+            out = self.target.base_model(input_ids=tokens, attention_mask=mask, output_hidden_states=True)
+        taps = self.drafter.target_layer_ids
+        return torch.cat([out.hidden_states[i + 1] for i in taps], dim=-1).to(torch.bfloat16)
 
     def _logits(self, batch: dict, block_size: int):
         inputs = block_inputs(batch, block_size, self.drafter.mask_token_id)
         inputs = {k: v.to(self.device) for k, v in inputs.items()}
         noise = F.embedding(inputs["block_ids"], self.embedding)
-        features = batch["features"].to(self.device, noise.dtype)
+        if "features" in batch:
+            features = batch["features"].to(self.device, noise.dtype)
+        else:
+            features = self.target_features(batch["tokens"], batch["lengths"]).to(noise.dtype)
         hidden = self.drafter(noise, features, inputs["position_ids"], inputs["attention_mask"])
         labels = inputs["labels"]
         b, K = labels.shape[:2]
@@ -113,9 +145,13 @@ class DrafterModule(L.LightningModule):
                                  {"params": no_decay, "weight_decay": 0.0}], lr=self.lr, betas=(0.9, 0.95))
 
         def schedule(step: int) -> float:
+            if self._t0 is None:
+                self._t0 = time.monotonic()
             if step < self.warmup_steps:
                 return (step + 1) / self.warmup_steps
             progress = min(1.0, (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps))
+            if self.max_seconds:
+                progress = max(progress, min(1.0, (time.monotonic() - self._t0) / self.max_seconds))
             return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
         return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "step"}}

@@ -8,7 +8,8 @@ a rerun skips shards already written.
 Shard ``shard-XXXXX.safetensors`` holds, for the S sequences of one batch:
   ``tokens``   int32 [T]       prompt + response tokens of all sequences, concatenated;
   ``features`` bfloat16 [T, n_taps*H]  tapped hidden states at those tokens (the final token's row is
-               zero: it was never fed to the target);
+               zero: it was never fed to the target). Absent in token-only shards
+               (``draft.features=online``: the training step runs the frozen target instead);
   ``offsets``  int64 [S+1]     sequence boundaries in ``tokens``;
   ``prompt_lengths`` int64 [S] prompt tokens of each sequence.
 """
@@ -35,8 +36,9 @@ log = logging.getLogger(__name__)
 
 @torch.inference_mode()
 def generate_batch(
-    target: Target, prompt_ids: list[torch.Tensor], layer_ids: list[int], max_new_tokens: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    target: Target, prompt_ids: list[torch.Tensor], layer_ids: list[int], max_new_tokens: int,
+    with_features: bool = True,
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Greedy responses for a batch of prompts, with the tapped features of every fed token.
 
     Rows that reach a stop token leave the batch (their cache rows are dropped), so stragglers do not
@@ -45,9 +47,10 @@ def generate_batch(
     Args:
         prompt_ids: S tensors [n_i] of prompt ids.
         layer_ids: target decoder layers to tap (0-based).
+        with_features: False returns ``features=None`` (token-only data, no hidden states kept).
     Returns:
-        per sequence ``(tokens [n_i + r_i], features [n_i + r_i, n_taps*H] bf16)``; responses end at the
-        first stop token or after ``max_new_tokens``. The final token's feature row is zero (never fed).
+        per sequence ``(tokens [n_i + r_i], features [n_i + r_i, n_taps*H] bf16 or None)``; responses end
+        at the first stop token or after ``max_new_tokens``. The final token's feature row is zero (never fed).
     """
     model, base = target.model, target.model.base_model
     device = model.device
@@ -68,13 +71,15 @@ def generate_batch(
     for step in range(max_new_tokens):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
         out = base(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                   use_cache=True, output_hidden_states=True)
-        tapped = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.bfloat16)
+                   use_cache=True, output_hidden_states=with_features)
+        if with_features:
+            tapped = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.bfloat16)
         nxt = lm_head_logits(out.last_hidden_state[:, -1], lm_head).argmax(-1)
         finished = torch.isin(nxt, stop) | (step == max_new_tokens - 1)
         for j, r in enumerate(rows):
-            n_real = len(prompt_ids[r]) if step == 0 else 1
-            feats[r].append(tapped[j, tapped.shape[1] - n_real:])
+            if with_features:
+                n_real = len(prompt_ids[r]) if step == 0 else 1
+                feats[r].append(tapped[j, tapped.shape[1] - n_real:])
             tokens[r].append(nxt[j : j + 1])
         if bool(finished.all()):
             break
@@ -88,21 +93,26 @@ def generate_batch(
         mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=device)], dim=1)
     result = []
     for r in range(s):
+        if not with_features:
+            result.append((torch.cat(tokens[r]).cpu(), None))
+            continue
         f = torch.cat(feats[r])
         result.append((torch.cat(tokens[r]).cpu(), torch.cat([f, torch.zeros_like(f[:1])]).cpu()))
     return result
 
 
-def write_shard(path: Path, sequences: list[tuple[torch.Tensor, torch.Tensor]], prompt_lengths: list[int],
+def write_shard(path: Path, sequences: list[tuple[torch.Tensor, torch.Tensor | None]], prompt_lengths: list[int],
                 seconds: float | None = None) -> None:
     """Atomically write one shard (see the module docstring for its tensors); ``seconds``, the wall time
-    that produced it, goes into the safetensors metadata (``generation_seconds``)."""
+    that produced it, goes into the safetensors metadata (``generation_seconds``). Sequences whose
+    features are all None make a token-only shard."""
     tokens = torch.cat([t for t, _ in sequences]).to(torch.int32)
-    features = torch.cat([f for _, f in sequences])
     offsets = torch.tensor([0] + [len(t) for t, _ in sequences]).cumsum(0)
+    tensors = {"tokens": tokens, "offsets": offsets, "prompt_lengths": torch.tensor(prompt_lengths)}
+    if any(f is not None for _, f in sequences):
+        tensors["features"] = torch.cat([f for _, f in sequences]).contiguous()
     tmp = path.with_suffix(".tmp")
-    save_file({"tokens": tokens, "features": features.contiguous(), "offsets": offsets,
-               "prompt_lengths": torch.tensor(prompt_lengths)}, tmp,
+    save_file(tensors, tmp,
               metadata=None if seconds is None else {"generation_seconds": f"{seconds:.3f}"})
     os.replace(tmp, path)
 
@@ -121,13 +131,17 @@ def generation_seconds(paths: list[Path]) -> tuple[float, int]:
 
 
 def read_shard(path: Path) -> list[dict]:
-    """Sequences of one shard as dicts ``{tokens [n], features [n, F], prompt_length}``."""
+    """Sequences of one shard as dicts ``{tokens [n], features [n, F], prompt_length}`` (no ``features``
+    key for a token-only shard)."""
     data = load_file(path)
     off = data["offsets"].tolist()
-    return [
-        {"tokens": data["tokens"][a:b].long(), "features": data["features"][a:b], "prompt_length": int(n)}
-        for a, b, n in zip(off[:-1], off[1:], data["prompt_lengths"].tolist())
-    ]
+    sequences = []
+    for a, b, n in zip(off[:-1], off[1:], data["prompt_lengths"].tolist()):
+        seq = {"tokens": data["tokens"][a:b].long(), "prompt_length": int(n)}
+        if "features" in data:
+            seq["features"] = data["features"][a:b]
+        sequences.append(seq)
+    return sequences
 
 
 def build_response_cache(
@@ -139,10 +153,12 @@ def build_response_cache(
     max_prompt_tokens: int = 384,
     batch_size: int = 32,
     max_batches: int | None = None,
+    with_features: bool = True,
 ) -> list[Path]:
     """Generate (or resume) the response cache for ``prompts``; returns the shard paths.
 
     ``max_batches`` keeps only the first batches (the shortest prompts), to bound generation time.
+    ``with_features=False`` writes token-only shards (for ``draft.features=online``).
 
     Prompts longer than ``max_prompt_tokens`` are skipped (logged). Prompts are sorted by length so
     that batches need little padding; shard ``k`` always holds the same prompts, so reruns resume.
@@ -166,6 +182,6 @@ def build_response_cache(
         if path.exists():
             continue
         t0 = time.perf_counter()
-        sequences = generate_batch(target, batch, layer_ids, max_new_tokens)
+        sequences = generate_batch(target, batch, layer_ids, max_new_tokens, with_features)
         write_shard(path, sequences, [len(b) for b in batch], time.perf_counter() - t0)
     return paths
