@@ -22,13 +22,7 @@ COMMON=(model.device=cuda model.dtype=bfloat16 logger.enabled=false run_name=gpu
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 mkdir -p "$DEST"
 
-"$PY" - <<'EOF'
-import torch
-if not torch.cuda.is_available():
-    raise SystemExit("gpu_check: no CUDA device visible to torch")
-import hydra, omegaconf, pandas, pyarrow  # noqa: F401  (dependencies of the stages)
-print("gpu_check:", torch.cuda.get_device_name(0), "torch", torch.__version__)
-EOF
+"$PY" scripts/require_cuda.py gpu_check hydra omegaconf pandas pyarrow
 
 start=$(date +%s)
 echo "== evaluate ar/fixed"

@@ -17,12 +17,7 @@ OUT_DIR=${OUT_DIR:-data/drafters/smollm2-135m-instruct-dflash-b8}
 MAX_TIME=${MAX_TIME:-00:00:06:00}
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 
-"$PY" - <<'PYEOF'
-import torch
-if not torch.cuda.is_available():
-    raise SystemExit("gpu_draft: no CUDA device visible to torch")
-print("gpu_draft:", torch.cuda.get_device_name(0), "torch", torch.__version__)
-PYEOF
+"$PY" scripts/require_cuda.py gpu_draft
 
 start=$(date +%s)
 "$PY" -m pipeline.draft --config-name draft_gpu logger.enabled=false run_name=draft-gpu \
