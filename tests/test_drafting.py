@@ -342,3 +342,19 @@ def test_draft_features_mode_is_checked(tiny, compose_config, tmp_path):
                                    f"paths.data={tmp_path}", "draft.features=stored"])
     with pytest.raises(ValueError, match="draft.features='stored'"):
         train_drafter(cfg)
+
+
+def test_validation_runs_the_target_once_for_all_block_sizes(llama, prompt_ids, monkeypatch):
+    results = generate_batch(llama, prompt_ids, LAYERS, max_new_tokens=10, with_features=False)
+    sequences = [{"tokens": t, "prompt_length": len(p)} for (t, _), p in zip(results, prompt_ids)]
+    batch = collate([AnchorDataset(sequences, 4, 0)[i] for i in range(len(sequences))])
+    drafter = DFlashDrafter(make_drafter_config(llama.model.config, num_layers=1, block_size=4, target_layer_ids=LAYERS))
+    module = DrafterModule(drafter, llama.model.get_input_embeddings().weight, llama.model.get_output_embeddings().weight,
+                           eval_block_sizes=(2, 4, 8), target_model=llama.model)
+    logged = {}
+    module.log = lambda name, value, **k: logged.__setitem__(name, value)
+    calls = []
+    real = module.target_features
+    monkeypatch.setattr(module, "target_features", lambda *a: calls.append(1) or real(*a))
+    module.validation_step(batch, 0)
+    assert len(calls) == 1 and set(logged) == {"val/tau_b2", "val/tau", "val/tau_b8"}

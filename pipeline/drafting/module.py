@@ -85,8 +85,7 @@ class DrafterModule(L.LightningModule):
         mask = (torch.arange(tokens.shape[1], device=self.device)[None] < lengths[:, None]).long()
         with torch.autocast(device_type=self.device.type, enabled=False):
             out = self.target.base_model(input_ids=tokens, attention_mask=mask, output_hidden_states=True)
-        taps = self.drafter.target_layer_ids
-        return torch.cat([out.hidden_states[i + 1] for i in taps], dim=-1).to(torch.bfloat16)
+        return self.drafter.extract_context(out.hidden_states).to(torch.bfloat16)
 
     def _logits(self, batch: dict, block_size: int):
         inputs = block_inputs(batch, block_size, self.drafter.mask_token_id)
@@ -131,6 +130,8 @@ class DrafterModule(L.LightningModule):
         return float((accepted + 1).sum()), int(full.sum())
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
+        if "features" not in batch:  # one target pass serves every block size
+            batch = {**batch, "features": self.target_features(batch["tokens"], batch["lengths"])}
         for bs in sorted(set(self.eval_block_sizes) | {self.drafter.block_size}):
             total, count = self.teacher_forced_tau(batch, bs)
             if count:
