@@ -17,7 +17,8 @@ from transformers import DynamicCache
 
 from pipeline.decoding.sampling import PositionKeyedSampler
 from pipeline.decoding.schedules import BlockSizeSchedule, FixedSchedule
-from pipeline.models.drafter import DFlashDrafter, check_compatible, lm_head_logits
+from pipeline.models.backend import LMHead, resolve_backend, set_backend
+from pipeline.models.drafter import DFlashDrafter, check_compatible
 from pipeline.models.target import Target
 
 
@@ -115,6 +116,26 @@ def crop_to(cache: DynamicCache, length: int) -> None:
         cache.crop(-remove)
 
 
+@dataclass
+class DecodeState:
+    """Where a request stands between two draft-verify steps.
+
+    Attributes:
+        cache: the target's cache over positions 0..start-1.
+        draft_cache: the drafter's cache of projected context keys/values (None without drafter).
+        features: [1, c, n_taps*H] target features of the last c accepted positions, not yet in
+            ``draft_cache`` (None without drafter).
+        pending: the last sampled token, at position ``start``, not yet fed to the target.
+        start: position of ``pending`` (tokens before it are in ``cache``).
+    """
+
+    cache: DynamicCache
+    draft_cache: DynamicCache | None
+    features: torch.Tensor | None
+    pending: int
+    start: int
+
+
 def _now(device: torch.device) -> float:
     """perf_counter after a CUDA synchronize (when on GPU), in seconds."""
     if device.type == "cuda":
@@ -128,12 +149,16 @@ class SpeculativeDecoder:
     Args:
         target: the loaded target.
         drafter: a ``DFlashDrafter`` for this target, or None (autoregressive only).
+        backend: the forward path of every target and drafter forward (``pipeline.models.backend``):
+            ``eager``, ``onednn`` (float32 CPU) or ``auto``. It is set on the target's and drafter's
+            modules, so prefill, autoregressive steps, drafts and verifies all run on it.
 
     Raises:
-        ValueError: when the drafter does not fit the target (hidden size, vocab, layer ids).
+        ValueError: when the drafter does not fit the target (hidden size, vocab, layer ids), or for a
+            backend that cannot run here.
     """
 
-    def __init__(self, target: Target, drafter: DFlashDrafter | None = None):
+    def __init__(self, target: Target, drafter: DFlashDrafter | None = None, backend: str = "eager"):
         self.target = target
         self.model = target.model
         self.base = target.model.base_model
@@ -145,6 +170,12 @@ class SpeculativeDecoder:
             check_compatible(drafter, target.model.config)
             self.draft_head = drafter.draft_head(self.lm_head)  # [N, H] rows the drafter scores
             self.draft_vocab = drafter.draft_vocab
+        self.backend = resolve_backend(backend, self.model.device, self.model.dtype)
+        set_backend(self.base, self.backend)
+        if drafter is not None:
+            set_backend(drafter, self.backend)
+        self.head = LMHead(self.lm_head, self.backend)  # [..., H] -> [..., V] target logits
+        self.drafter_head = LMHead(self.draft_head, self.backend) if drafter is not None else None
         self.max_context = int(getattr(target.model.config, "max_position_embeddings", 1 << 30))
         self.stop_ids = set(target.stop_token_ids())
 
@@ -179,16 +210,78 @@ class SpeculativeDecoder:
             )
 
     # ---------------------------------------------------------------------------------------------
-    def _target_forward(self, ids: torch.Tensor, cache: DynamicCache, start: int, want_features: bool):
-        """Target forward over ``ids`` [1, q] at positions start..start+q-1; returns (logits [q, V], features|None)."""
+    def target_forward(self, ids: torch.Tensor, cache: DynamicCache, start: int, want_features: bool,
+                       last_only: bool = False):
+        """Target forward over ``ids`` [1, q] at positions start..start+q-1, appending to ``cache``.
+
+        Args:
+            want_features: also return the drafter's context features of the q positions.
+            last_only: logits of the last position only (a prefill).
+        Returns:
+            (logits [q or 1, V] float32, features [1, q, n_taps*H] or None).
+        """
         positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]
-        out = self.base(
-            input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
-            output_hidden_states=want_features,
-        )
-        logits = lm_head_logits(out.last_hidden_state[0], self.lm_head).float()
+        out = self.base(input_ids=ids, position_ids=positions, cache=cache, use_cache=True,
+                        output_hidden_states=want_features)
+        hidden = out.last_hidden_state[0, -1:] if last_only else out.last_hidden_state[0]
+        logits = self.head(hidden).float()
         features = self.drafter.extract_context(out.hidden_states) if want_features else None
         return logits, features
+
+    _target_forward = target_forward  # older name, kept for callers outside the package
+
+    def draft(self, state: DecodeState, block: torch.Tensor, sampler: PositionKeyedSampler) -> None:
+        """Fill ``block`` [1, b] (anchor at slot 0, mask tokens after) with b-1 drafts, in place.
+
+        One drafter forward over the block with the pending context features; the drafter's cache keeps
+        the context keys/values and drops the block's.
+        """
+        b = block.shape[1]
+        c = state.features.shape[1]
+        positions = torch.arange(state.start - c, state.start + b, device=self.device)[None]
+        hidden = self.drafter(self.embed(block), state.features, positions, cache=state.draft_cache)
+        crop_to(state.draft_cache, state.start)
+        state.features = state.features[:, :0]
+        draft_logits = self.drafter_head(hidden[0, 1:]).float()
+        block[0, 1:] = sampler.pick(draft_logits, state.start + 1, self.draft_vocab)
+
+    def new_state(self, prefill: PrefillResult, use_drafter: bool) -> DecodeState:
+        """The state right after ``prefill``: its cache, features and first token (shared, not copied)."""
+        return DecodeState(prefill.cache, DynamicCache() if use_drafter else None,
+                           prefill.features if use_drafter else None, prefill.first_token,
+                           prefill.input_ids.shape[1])
+
+    def step(self, state: DecodeState, block_size: int, sampler: PositionKeyedSampler,
+             verify_width: int | None = None) -> tuple[list[int], int]:
+        """One draft-verify step at block size ``block_size``; advances ``state``.
+
+        The drafter drafts ``block_size - 1`` tokens in one forward; the target verifies the first
+        ``verify_width`` of them (all by default; 0 = a plain target step over the pending token) in one
+        forward and keeps the longest matching prefix plus its own next token (the bonus token).
+
+        Returns:
+            (new tokens in order, accepted drafts among them). Stop tokens are not handled here.
+        """
+        b = block_size
+        k = b - 1 if verify_width is None else min(int(verify_width), b - 1)
+        use_drafter = state.draft_cache is not None
+        mask_id = self.drafter.mask_token_id if self.drafter is not None else 0
+        block = torch.full((1, b), mask_id, dtype=torch.long, device=self.device)
+        block[0, 0] = state.pending
+        if b > 1:
+            self.draft(state, block, sampler)
+        block = block[:, : k + 1]
+        logits, new_features = self.target_forward(block, state.cache, state.start, want_features=use_drafter)
+        target_tokens = sampler.pick(logits, state.start + 1)  # token i is the target's choice at start+1+i
+        matches = (block[0, 1:] == target_tokens[:-1]).int()
+        accepted = int(matches.cumprod(0).sum()) if k > 0 else 0
+        new = block[0, 1 : accepted + 1].tolist() + [int(target_tokens[accepted])]
+        crop_to(state.cache, state.start + accepted + 1)
+        if use_drafter:
+            state.features = torch.cat([state.features, new_features[:, : accepted + 1]], dim=1)
+        state.start += accepted + 1
+        state.pending = new[-1]
+        return new, accepted
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, config: DecodeConfig, want_features: bool = True) -> PrefillResult:
@@ -197,19 +290,17 @@ class SpeculativeDecoder:
         Args:
             input_ids: [1, n] or [n] prompt token ids.
             want_features: keep the drafter's context features (needs a drafter).
+        Raises:
+            ValueError: for an empty prompt or one that leaves no room for ``config.max_new_tokens``.
         """
         input_ids = input_ids.reshape(1, -1).to(self.device)
         self.check_prompt(input_ids, config.max_new_tokens)
         sampler = PositionKeyedSampler(config.temperature, config.seed, self.lm_head.shape[0])
         t0 = _now(self.device)
         cache = DynamicCache(config=self.model.config)
-        positions = torch.arange(input_ids.shape[1], device=self.device)[None]
         want = want_features and self.drafter is not None
-        out = self.base(input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True,
-                        output_hidden_states=want)
-        last_logits = lm_head_logits(out.last_hidden_state[0, -1:], self.lm_head).float()
+        last_logits, features = self.target_forward(input_ids, cache, 0, want_features=want, last_only=True)
         first = int(sampler.pick(last_logits, input_ids.shape[1])[0])
-        features = self.drafter.extract_context(out.hidden_states) if want else None
         prefill_ms = (_now(self.device) - t0) * 1e3
         return PrefillResult(input_ids, cache, last_logits[0], features, first, prefill_ms)
 
@@ -230,41 +321,20 @@ class SpeculativeDecoder:
         if use_drafter and prefill.features is None:
             raise ValueError("prefill ran without drafter features; call prefill(want_features=True)")
         sampler = PositionKeyedSampler(config.temperature, config.seed, self.lm_head.shape[0])
-        n = prefill.input_ids.shape[1]
-        stats = RequestStats(prompt_tokens=n, prefill_ms=prefill.prefill_ms)
+        stats = RequestStats(prompt_tokens=prefill.input_ids.shape[1], prefill_ms=prefill.prefill_ms)
 
         t_schedule = _now(self.device)
         block_size = schedule.first(prefill.last_logits)
         t0 = _now(self.device)
         stats.schedule_ms = (t0 - t_schedule) * 1e3
 
-        cache = prefill.cache
-        draft_cache = DynamicCache() if use_drafter else None
-        features = prefill.features  # context features not yet in the draft cache
-        pending = prefill.first_token  # sampled, not yet fed to the target, at position `start`
-        start = n
-        stats.output_ids.append(pending)
-        stats.stopped = pending in self.stop_ids
-        mask_id = self.drafter.mask_token_id if self.drafter is not None else 0
-
+        state = self.new_state(prefill, use_drafter)
+        stats.output_ids.append(state.pending)
+        stats.stopped = state.pending in self.stop_ids
         while not stats.stopped and stats.new_tokens < config.max_new_tokens:
             self.check_block_size(block_size)
             b = min(block_size, config.max_new_tokens - stats.new_tokens)
-            block = torch.full((1, b), mask_id, dtype=torch.long, device=self.device)
-            block[0, 0] = pending
-            if b > 1:
-                c = features.shape[1]
-                positions = torch.arange(start - c, start + b, device=self.device)[None]
-                hidden = self.drafter(self.embed(block), features, positions, cache=draft_cache)
-                crop_to(draft_cache, start)  # keep context keys/values, drop the block's
-                features = features[:, :0]
-                draft_logits = lm_head_logits(hidden[0, 1:], self.draft_head).float()
-                block[0, 1:] = sampler.pick(draft_logits, start + 1, self.draft_vocab)
-            logits, new_features = self._target_forward(block, cache, start, want_features=use_drafter)
-            target_tokens = sampler.pick(logits, start + 1)  # token i is the target's choice at start+1+i
-            matches = (block[0, 1:] == target_tokens[:-1]).int()
-            accepted = int(matches.cumprod(0).sum()) if b > 1 else 0
-            new = block[0, 1 : accepted + 1].tolist() + [int(target_tokens[accepted])]
+            new, _ = self.step(state, b, sampler)
             for i, token in enumerate(new):
                 if token in self.stop_ids:
                     new = new[: i + 1]
@@ -273,11 +343,6 @@ class SpeculativeDecoder:
             stats.output_ids.extend(new)
             stats.taus.append(len(new))
             stats.block_sizes.append(b)
-            crop_to(cache, start + accepted + 1)
-            if use_drafter:
-                features = torch.cat([features, new_features[:, : accepted + 1]], dim=1)
-            start += accepted + 1
-            pending = new[-1]
             block_size = schedule.next(len(new), b)
 
         stats.decode_ms = (_now(self.device) - t0) * 1e3

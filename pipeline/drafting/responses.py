@@ -70,7 +70,7 @@ def generate_batch(
     step_ids = ids
     for step in range(max_new_tokens):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
-        out = base(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+        out = base(input_ids=step_ids, attention_mask=mask, position_ids=positions, cache=cache,
                    use_cache=True, output_hidden_states=with_features)
         if with_features:
             tapped = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.bfloat16)

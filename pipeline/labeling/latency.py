@@ -28,7 +28,6 @@ from transformers import DynamicCache
 
 from pipeline.decoding.sampling import PositionKeyedSampler
 from pipeline.decoding.speculative import RequestStats, SpeculativeDecoder, _now, crop_to
-from pipeline.models.drafter import lm_head_logits
 
 
 def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -205,11 +204,10 @@ def measure_latency(decoder: SpeculativeDecoder, block_sizes: Sequence[int], con
 
         def prefill() -> None:
             cache = DynamicCache(config=model.config)
-            out = decoder.base(input_ids=ids[:, :length], position_ids=torch.arange(length, device=device)[None],
-                               past_key_values=cache, use_cache=True, output_hidden_states=drafter is not None)
-            sampler.pick(lm_head_logits(out.last_hidden_state[0, -1:], decoder.lm_head).float(), length)
-            state["cache"] = cache
-            state["features"] = drafter.extract_context(out.hidden_states) if drafter is not None else None
+            logits, features = decoder.target_forward(ids[:, :length], cache, 0, want_features=drafter is not None,
+                                                      last_only=True)
+            sampler.pick(logits, length)
+            state["cache"], state["features"] = cache, features
 
         prefill_ms.append(timed(prefill))
         cache, features = state["cache"], state["features"]
@@ -217,7 +215,7 @@ def measure_latency(decoder: SpeculativeDecoder, block_sizes: Sequence[int], con
             block = ids[:, length : length + b]
 
             def verify_step() -> None:
-                logits, _ = decoder._target_forward(block, cache, length, want_features=drafter is not None)
+                logits, _ = decoder.target_forward(block, cache, length, want_features=drafter is not None)
                 sampler.pick(logits, length + 1)
                 crop_to(cache, length)
 
@@ -234,7 +232,7 @@ def measure_latency(decoder: SpeculativeDecoder, block_sizes: Sequence[int], con
                 hidden = drafter(decoder.embed(block), features[:, length - new : length],
                                  torch.arange(length - new, length + b, device=device)[None], cache=draft_cache)
                 crop_to(draft_cache, length - new)
-                sampler.pick(lm_head_logits(hidden[0, 1:], decoder.draft_head).float(), length + 1, decoder.draft_vocab)
+                sampler.pick(decoder.drafter_head(hidden[0, 1:]).float(), length + 1, decoder.draft_vocab)
 
             draft[b].append(timed(draft_step))
 

@@ -122,7 +122,7 @@ def target_trace(decoder: SpeculativeDecoder, prefill: PrefillResult, config: De
     t0 = _now(decoder.device)
     while not stopped and len(tokens) < config.max_new_tokens:
         block = torch.tensor([[tokens[-1]]], dtype=torch.long, device=decoder.device)
-        logits, new_features = decoder._target_forward(block, prefill.cache, start, want_features=True)
+        logits, new_features = decoder.target_forward(block, prefill.cache, start, want_features=True)
         scores = pick_scores(sampler, logits, [start + 1])
         token = int(scores.argmax(dim=-1)[0])
         if record_gaps:

@@ -32,6 +32,8 @@ from torch.nn import functional as F
 from transformers import DynamicCache, PretrainedConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
+from pipeline.models.backend import LMHead
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
@@ -323,23 +325,11 @@ def check_compatible(drafter: DFlashDrafter, target_config: PretrainedConfig) ->
 
 
 def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Logits ``hidden @ weight.T`` computed as ``(weight @ hidden.T).T``.
+    """Logits ``hidden @ weight.T`` on the eager path: hidden [..., H], weight [V, H] -> [..., V].
 
-    Same values as ``F.linear``; on CPU, MKL's small-M GEMM for the 49152-row LM head is ~2.5x slower
-    at 2-16 rows than the transposed product (measured: 8 rows 41 ms vs 16 ms, 1 row 15 ms both),
-    and this product dominates every draft and verify step.
-
-    Args:
-        hidden: [..., H]; weight: [V, H].
-    Returns:
-        [..., V] in ``hidden``'s dtype.
+    A one-off ``LMHead(weight)`` (``pipeline.models.backend``); decoders keep their own heads.
     """
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    if flat.device.type == "cpu" and flat.shape[0] <= 64:
-        logits = (weight @ flat.T).T
-    else:
-        logits = flat @ weight.T
-    return logits.reshape(*hidden.shape[:-1], weight.shape[0])
+    return LMHead(weight)(hidden)
 
 
 def num_parameters(module: nn.Module) -> int:

@@ -35,6 +35,10 @@ def load_models(model_cfg) -> tuple[Target, DFlashDrafter | None]:
 
 
 def build_decoder(model_cfg) -> SpeculativeDecoder:
-    """A ``SpeculativeDecoder`` over the configured target and drafter."""
+    """A ``SpeculativeDecoder`` over the configured target and drafter, on ``model_cfg.backend``.
+
+    Raises:
+        ValueError: when the drafter does not fit the target, or the backend cannot run here.
+    """
     target, drafter = load_models(model_cfg)
-    return SpeculativeDecoder(target, drafter)
+    return SpeculativeDecoder(target, drafter, backend=model_cfg.get("backend", "auto"))

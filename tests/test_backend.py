@@ -1,0 +1,136 @@
+"""The forward-path backends (``pipeline.models.backend``): oneDNN-prepacked linears give F.linear's
+values, are batch-invariant row by row, follow weight updates and gradients, and every decoder output
+on them is token-identical to transformers' own greedy ``generate`` and to B=1 for every B."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pipeline.decoding import DecodeConfig, SpeculativeDecoder
+from pipeline.models.backend import LMHead, OneDNNLinear, module_backend, resolve_backend, set_backend
+from pipeline.prompts import chat_input_ids
+
+PROMPTS = ["def add(a, b):", "Natalia sold clips to 48 of her friends", "The quick brown fox"]
+
+
+@pytest.fixture
+def eager_afterwards(tiny):
+    """Put the shared tiny models back on the eager path after the test."""
+    yield
+    for arch in ("llama", "qwen3"):
+        set_backend(tiny.target(arch).model, "eager")
+
+
+def hf_greedy(target, ids: torch.Tensor, max_new_tokens: int, stop_ids) -> list[int]:
+    """transformers' own greedy decoding (its loop, its cache), cut like the decoder's output."""
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                max_new_tokens=max_new_tokens, eos_token_id=list(stop_ids),
+                                pad_token_id=target.tokenizer.pad_token_id or 0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("shape", [(576, 576), (37, 24), (1536, 576)])
+def test_onednn_linear_matches_f_linear_and_is_batch_invariant(shape):
+    torch.manual_seed(0)
+    layer = nn.Linear(shape[1], shape[0], bias=True)
+    x = torch.randn(16, shape[1])
+    with torch.inference_mode():
+        reference = F.linear(x, layer.weight, layer.bias)
+        set_backend(layer, "onednn")
+        assert type(layer) is OneDNNLinear and module_backend(layer) == "onednn"
+        full = layer(x)
+        torch.testing.assert_close(full, reference, atol=1e-4, rtol=1e-4)
+        for m in (1, 2, 3, 8):  # a row's result does not depend on how many rows share the call
+            assert torch.equal(layer(x[:m]), full[:m])
+        assert torch.equal(layer(x.view(2, 8, -1)).reshape(16, -1), full)  # [..., K] inputs
+    set_backend(layer, "eager")
+    assert type(layer) is nn.Linear and not hasattr(layer, "_bp_packed")
+
+
+def test_onednn_linear_repacks_after_a_weight_update_and_passes_gradients():
+    torch.manual_seed(0)
+    layer = set_backend(nn.Linear(16, 8, bias=False), "onednn")
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        before = layer(x)
+        layer.weight.mul_(2.0)  # an optimizer step changes the weight in place
+        torch.testing.assert_close(layer(x), 2 * before)
+    loss = layer(x.requires_grad_()).sum()  # gradients: plain F.linear
+    loss.backward()
+    torch.testing.assert_close(layer.weight.grad, x.detach().sum(0).expand(8, 16))
+
+
+def test_lm_head_backends_agree():
+    torch.manual_seed(0)
+    weight, hidden = torch.randn(1000, 64), torch.randn(2, 8, 64)
+    eager, onednn = LMHead(weight, "eager")(hidden), LMHead(weight, "onednn")(hidden)
+    assert eager.shape == onednn.shape == (2, 8, 1000)
+    torch.testing.assert_close(onednn, hidden @ weight.T, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(eager, hidden @ weight.T, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="eager' or 'onednn"):
+        LMHead(weight, "auto")
+
+
+def test_resolve_backend_names_the_fix():
+    assert resolve_backend("auto", "cpu", torch.float32) == "onednn"
+    assert resolve_backend("auto", "cpu", torch.bfloat16) == "eager"
+    assert resolve_backend("eager", "cpu", torch.float32) == "eager"
+    with pytest.raises(ValueError, match="must be one of"):
+        resolve_backend("inductor", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="float32 on CPU only"):
+        resolve_backend("onednn", "cpu", torch.bfloat16)
+    with pytest.raises(ValueError, match="float32 on CPU only"):
+        resolve_backend("onednn", "cuda", torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["eager", "onednn"])
+def test_b1_equals_transformers_generate(tiny, arch, backend, eager_afterwards):
+    """The independent reference: B=1 is transformers' greedy decoding, token for token."""
+    target = tiny.target(arch)
+    decoder = SpeculativeDecoder(target, tiny.drafter(arch, "random", 4), backend=backend)
+    assert module_backend(target.model) == backend
+    config = DecodeConfig(max_new_tokens=24)
+    for text in PROMPTS:
+        ids = chat_input_ids(target.tokenizer, [text])
+        ours = decoder.generate(ids, 1, config).output_ids
+        set_backend(target.model, "eager")  # the reference runs transformers' own path
+        reference = hf_greedy(target, ids, config.max_new_tokens, decoder.stop_ids)
+        set_backend(target.model.base_model, backend)
+        assert ours == reference, f"B=1 on {backend} differs from generate on {text!r}"
+
+
+def test_onednn_is_lossless_for_every_block_size(tiny, eager_afterwards):
+    target = tiny.target("llama")
+    decoder = SpeculativeDecoder(target, tiny.drafter("llama", "trained"), backend="onednn")
+    assert module_backend(decoder.drafter) == "onednn" and decoder.head.backend == "onednn"
+    config, accepted = DecodeConfig(max_new_tokens=32), 0
+    for text in PROMPTS:
+        ids = chat_input_ids(target.tokenizer, [text])
+        reference = decoder.generate(ids, 1, config).output_ids
+        for B in range(2, 17):
+            stats = decoder.generate(ids, B, config)
+            assert stats.output_ids == reference, f"B={B} on onednn diverges from B=1 on {text!r}"
+            accepted += sum(t > 1 for t in stats.taus)
+    assert accepted > 20  # drafts really were accepted
+
+
+def test_verify_width_is_lossless(trained_decoder):
+    """``step(..., verify_width=k)``: the target checks only the first k drafts (0 = a plain step)."""
+    from pipeline.decoding.sampling import PositionKeyedSampler
+
+    decoder, config = trained_decoder, DecodeConfig(max_new_tokens=30)
+    ids = chat_input_ids(decoder.target.tokenizer, [PROMPTS[0]])
+    reference = decoder.generate(ids, 1, config).output_ids
+    sampler = PositionKeyedSampler(0.0, 0, decoder.lm_head.shape[0])
+    for B, k in [(8, 0), (8, 1), (8, 3), (8, 7), (16, 5), (4, 9)]:
+        with torch.inference_mode():
+            state = decoder.new_state(decoder.prefill(ids, config), use_drafter=True)
+            out = [state.pending]
+            while len(out) < config.max_new_tokens:
+                new, accepted = decoder.step(state, B, sampler, verify_width=k)
+                assert len(new) == accepted + 1 <= min(k, B - 1) + 1
+                out.extend(new)
+        assert out[: config.max_new_tokens] == reference, f"B={B}, k={k}"
