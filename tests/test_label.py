@@ -198,7 +198,7 @@ def comparable(frame: pd.DataFrame) -> pd.DataFrame:
 def test_label_stage_replay_and_brute_agree(label_setup, trained_decoder, tmp_path):
     replay_dir, brute_dir = tmp_path / "replay", tmp_path / "brute"
     summary = run(label_setup(replay_dir, "label.store_full_logits=true", "label.topk=16"), trained_decoder)
-    assert summary["labelled"] == len(TEXTS) and summary["skipped"] == 0
+    assert summary["labelled"] == len(TEXTS) and summary["already_done"] == 0
     run(label_setup(brute_dir, "label.mode=brute", "label.store_full_logits=true", "label.topk=16"), trained_decoder)
     replayed, brute = read_labels(replay_dir), read_labels(brute_dir)
     assert replayed["id"].tolist() == [f"tiny-{i}" for i in range(len(TEXTS))]
@@ -262,7 +262,7 @@ def test_resume_after_a_kill(label_setup, trained_decoder, tmp_path):
         run(label_setup(out), trained_decoder, on_prompt=kill_after_three)
     assert LabelStore(out).done_ids() == set(seen)  # the finished prompts were kept
     summary = run(label_setup(out), trained_decoder)
-    assert (summary["labelled"], summary["skipped"]) == (len(TEXTS) - 3, 3)
+    assert (summary["labelled"], summary["already_done"]) == (len(TEXTS) - 3, 3)
     assert run(label_setup(out), trained_decoder)["labelled"] == 0  # nothing left
     resumed = read_labels(out)
     run(label_setup(tmp_path / "clean"), trained_decoder)
@@ -289,7 +289,7 @@ def test_every_turn_of_a_multi_turn_prompt_is_a_request_with_its_own_label(label
     assert run(overrides(partial, "label.turns=first"), trained_decoder)["labelled"] == 2
     assert LabelStore(partial).done_ids() == {"chat-0", "solo-0"}
     summary = run(overrides(partial), trained_decoder)  # turns=all (default): only the second turn is new
-    assert (summary["labelled"], summary["skipped"]) == (1, 2)
+    assert (summary["labelled"], summary["already_done"]) == (1, 2)
     run(overrides(tmp_path / "all"), trained_decoder)
     resumed, clean = read_labels(partial), read_labels(tmp_path / "all")
     assert clean["id"].tolist() == ["chat-0", "chat-0#turn2", "solo-0"]

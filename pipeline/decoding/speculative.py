@@ -21,6 +21,13 @@ from pipeline.models.drafter import DFlashDrafter, check_compatible, lm_head_log
 from pipeline.models.target import Target
 
 
+class PromptTooLongError(ValueError):
+    """A request whose prompt plus ``max_new_tokens`` does not fit the target's context (a ``ValueError``).
+
+    The label and eval stages skip such a request with a warning naming it instead of stopping the run.
+    """
+
+
 @dataclass
 class DecodeConfig:
     """Decoding settings of one request.
@@ -166,14 +173,14 @@ class SpeculativeDecoder:
             )
 
     def check_prompt(self, input_ids: torch.Tensor, max_new_tokens: int) -> None:
-        """Raise ``ValueError`` for an empty prompt or one that leaves no room for ``max_new_tokens``."""
+        """Raise ``ValueError`` for an empty prompt, or ``PromptTooLongError`` for one that leaves no room for ``max_new_tokens``."""
         n = input_ids.shape[-1]
         if n == 0:
             raise ValueError("prompt is empty: give at least one token (check the prompt set's 'turns')")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if n + max_new_tokens > self.max_context:
-            raise ValueError(
+            raise PromptTooLongError(
                 f"prompt of {n} tokens + max_new_tokens {max_new_tokens} exceeds the target's context of "
                 f"{self.max_context} tokens; shorten the prompt or lower decode.max_new_tokens"
             )
