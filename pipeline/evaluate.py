@@ -219,7 +219,14 @@ def load_eval_inputs(cfg: DictConfig, methods: list[str], decoder=None) -> EvalI
 
 
 def load_method_predictor(cfg: DictConfig, method: str, decoder=None):
-    """The exported predictor of ``method`` (``eval.predictor_dir/<eval.predictors[method]>``), checked against the decoder."""
+    """The exported predictor of ``method`` (``eval.predictor_dir/<eval.predictors[method]>``), checked against the config
+    and the decoder.
+
+    Raises:
+        FileNotFoundError: without an exported predictor (names ``make train``).
+        ValueError: when its candidates differ from ``model.candidates``, or it does not fit the decoder (vocabulary,
+            the drafter's block-size limit); also ``load_predictor``'s checks of the files against each other.
+    """
     from pipeline.policy.export import load_predictor
 
     name = cfg.eval.predictors[method]
@@ -230,6 +237,11 @@ def load_method_predictor(cfg: DictConfig, method: str, decoder=None):
     except FileNotFoundError as err:
         raise FileNotFoundError(f"eval method {method!r} needs a trained predictor at {directory}; run the train stage: "
                                 f"make train (python -m pipeline.train run_name={cfg.run_name}{hint})") from err
+    candidates = [int(c) for c in cfg.model.candidates]
+    if sorted(predictor.candidates) != sorted(candidates):
+        raise ValueError(f"predictor {directory} chooses among block sizes {predictor.candidates}, but model.candidates="
+                         f"{candidates}: evaluate with model.candidates={predictor.candidates} or train a predictor on labels "
+                         f"made with these candidates (label.block_sizes=${{model.candidates}})")
     if decoder is not None:
         vocab = decoder.lm_head.shape[0]
         spec_vocab = predictor.featurizer.spec.vocab_size

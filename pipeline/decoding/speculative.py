@@ -18,7 +18,7 @@ from transformers import DynamicCache
 from pipeline.decoding.sampling import PositionKeyedSampler
 from pipeline.decoding.schedules import BlockSizeSchedule, FixedSchedule
 from pipeline.models.drafter import DFlashDrafter, check_compatible, lm_head_logits
-from pipeline.models.target import Target
+from pipeline.models.target import Target, logit_head, new_cache
 
 
 class PromptTooLongError(ValueError):
@@ -118,7 +118,7 @@ class RequestStats:
 def crop_to(cache: DynamicCache, length: int) -> None:
     """Roll ``cache`` back to its first ``length`` tokens (transformers 5 ``crop`` takes -tokens_to_drop)."""
     remove = cache.get_seq_length() - length
-    if remove > 0:
+    if remove >= 0:  # crop(0) still trims sliding-window layers back to their window
         cache.crop(-remove)
 
 
@@ -145,11 +145,12 @@ class SpeculativeDecoder:
         self.model = target.model
         self.base = target.model.base_model
         self.lm_head = target.model.get_output_embeddings().weight
+        self.head = logit_head(target.model)  # logits as the model computes them (bias, scaling, softcapping)
         self.embed = target.model.get_input_embeddings()
         self.drafter = drafter
         self.draft_head = self.draft_vocab = None
         if drafter is not None:
-            check_compatible(drafter, target.model.config)
+            check_compatible(drafter, target.model.config, target.name)
             self.draft_head = drafter.draft_head(self.lm_head)  # [N, H] rows the drafter scores
             self.draft_vocab = drafter.draft_vocab
         self.max_context = int(getattr(target.model.config, "max_position_embeddings", 1 << 30))
@@ -193,7 +194,7 @@ class SpeculativeDecoder:
             input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
             output_hidden_states=want_features,
         )
-        logits = lm_head_logits(out.last_hidden_state[0], self.lm_head).float()
+        logits = self.head(out.last_hidden_state[0]).float()
         features = self.drafter.extract_context(out.hidden_states) if want_features else None
         return logits, features
 
@@ -209,12 +210,12 @@ class SpeculativeDecoder:
         self.check_prompt(input_ids, config.max_new_tokens)
         sampler = PositionKeyedSampler(config.temperature, config.seed, self.lm_head.shape[0])
         t0 = _now(self.device)
-        cache = DynamicCache(config=self.model.config)
+        cache = new_cache(self.model)
         positions = torch.arange(input_ids.shape[1], device=self.device)[None]
         want = want_features and self.drafter is not None
         out = self.base(input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True,
                         output_hidden_states=want)
-        last_logits = lm_head_logits(out.last_hidden_state[0, -1:], self.lm_head).float()
+        last_logits = self.head(out.last_hidden_state[0, -1:]).float()
         first = int(sampler.pick(last_logits, input_ids.shape[1])[0])
         features = self.drafter.extract_context(out.hidden_states) if want else None
         prefill_ms = (_now(self.device) - t0) * 1e3

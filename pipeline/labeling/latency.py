@@ -29,6 +29,7 @@ from transformers import DynamicCache
 from pipeline.decoding.sampling import PositionKeyedSampler
 from pipeline.decoding.speculative import RequestStats, SpeculativeDecoder, _now, crop_to
 from pipeline.models.drafter import lm_head_logits
+from pipeline.models.target import new_cache
 
 
 def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -204,10 +205,10 @@ def measure_latency(decoder: SpeculativeDecoder, block_sizes: Sequence[int], con
         state = {}
 
         def prefill() -> None:
-            cache = DynamicCache(config=model.config)
+            cache = new_cache(model)
             out = decoder.base(input_ids=ids[:, :length], position_ids=torch.arange(length, device=device)[None],
                                past_key_values=cache, use_cache=True, output_hidden_states=drafter is not None)
-            sampler.pick(lm_head_logits(out.last_hidden_state[0, -1:], decoder.lm_head).float(), length)
+            sampler.pick(decoder.head(out.last_hidden_state[0, -1:]).float(), length)
             state["cache"] = cache
             state["features"] = drafter.extract_context(out.hidden_states) if drafter is not None else None
 
