@@ -62,7 +62,7 @@ def test_every_method_is_lossless_on_the_test_split(run, results):
     assert results["split"] == "test"
     assert list(results["methods"]) == ALL_METHODS
     for method, r in results["methods"].items():
-        assert r["lossless"] is True, method
+        assert r["lossless"] == 1.0 and r["exact_matches"] == r["n_prompts"], method
         assert sorted(row["id"] for row in r["rows"]) == sorted(test_ids), method
         assert all(row["chosen_bs"] and row["chosen_bs"][0] == row["chosen_b"] for row in r["rows"]), method
         for key in ("tau", "tokens_per_s", "speedup", "tpot_ms", "n_prompts", "new_tokens", "decode_ms", "schedule_ms",
@@ -125,7 +125,7 @@ def test_oracle_gain_share_and_per_set_blocks(results):
         assert list(block) == ALL_METHODS
         n = block["ar"]["n_prompts"]
         assert n == sum(r["source_set"] == name for r in methods["ar"]["rows"]) and n > 0
-        assert block["ar"]["speedup"] == 1.0 and all(block[m]["lossless"] for m in block)
+        assert block["ar"]["speedup"] == 1.0 and all(block[m]["lossless"] == 1.0 for m in block)
         assert block["oracle"]["tau"] >= block["fixed"]["tau"] - 1e-9
         rows = [r for r in methods["blockpilot"]["rows"] if r["source_set"] == name]
         steps = sum(r["steps"] for r in rows)
@@ -197,7 +197,7 @@ def test_cli_basic_usage_without_labels(run, tmp_path, monkeypatch):
             f"paths.data={tmp_path}/data", "logger.enabled=false", "eval.warmup=false")
     res = json.loads(basic.read_text())
     assert set(res["methods"]) == {"ar", "fixed"} and res["split"] is None and res["methods"]["ar"]["n_prompts"] == 1
-    assert res["methods"]["fixed"]["lossless"] and res["methods"]["fixed"]["oracle_gain_share"] is None
+    assert res["methods"]["fixed"]["lossless"] == 1.0 and res["methods"]["fixed"]["oracle_gain_share"] is None
     assert {r["chosen_b"] for r in res["methods"]["fixed"]["rows"]} == {3}
     assert res["methods"]["fixed"]["rows"][0]["id"] == "HumanEval/0"
     assert (tmp_path / "basic.md").exists() and (tmp_path / "speedup.png").exists()
@@ -211,7 +211,7 @@ def test_cli_full_run_logs_to_wandb_offline(run, tmp_path, monkeypatch):
             f"eval.methods=[{','.join(ALL_METHODS)}]", f"eval.out={full}", "logger.enabled=true",
             f"logger.dir={tmp_path}/wandb", "eval.bootstrap.samples=200")
     res = json.loads(full.read_text())
-    assert list(res["methods"]) == ALL_METHODS and all(r["lossless"] for r in res["methods"].values())
+    assert list(res["methods"]) == ALL_METHODS and all(r["lossless"] == 1.0 for r in res["methods"].values())
     assert (full.parent / "confusion_blockpilot.png").exists() and (full.parent / "results.md").exists()
     runs = list((tmp_path / "wandb" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))

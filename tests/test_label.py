@@ -387,3 +387,62 @@ def test_joblib_multirun_shards_equal_one_worker(label_setup, trained_decoder, t
     sharded, one = read_labels(out), read_labels(tmp_path / "one")
     assert sorted(set(sharded["shard"])) == [0, 1]
     pd.testing.assert_frame_equal(comparable(sharded), comparable(one))
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 15: a request too long for the context, bad shard files
+# ------------------------------------------------------------------------------------------------
+def test_a_request_longer_than_the_context_is_skipped_named_and_recorded(label_setup, trained_decoder, tmp_path, caplog):
+    """Item 2: one prompt beyond the tiny target's 512-token context used to stop every run of the stage, unnamed,
+    and the prompts after it were never labelled."""
+    too_long = "The quick brown fox jumps over the lazy dog. " * 120
+    assert chat_input_ids(trained_decoder.target.tokenizer, [too_long]).shape[1] > 512
+    prompts = write_prompts(tmp_path / "long.jsonl", [TEXTS[0], too_long, TEXTS[1]])
+    out = tmp_path / "long"
+    overrides = label_setup(out, f"data.sets=[{{name:tiny,source:'{prompts}'}}]")
+    with caplog.at_level("WARNING", logger="pipeline.labeling.runner"):
+        summary = run(overrides, trained_decoder)
+    assert summary["labelled"] == 2 and [s["id"] for s in summary["skipped"]] == ["tiny-1"]
+    assert "exceeds the target's context of 512 tokens" in summary["skipped"][0]["reason"]
+    assert any("tiny-1" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+    assert read_labels(out)["id"].tolist() == ["tiny-0", "tiny-2"]  # the prompt after it was labelled
+    assert LabelStore(out).read_skipped() == summary["skipped"]
+    again = run(overrides, trained_decoder)  # a rerun no longer raises; the skip is recorded once
+    assert (again["labelled"], again["already_done"], [s["id"] for s in again["skipped"]]) == (0, 2, ["tiny-1"])
+    assert LabelStore(out).read_skipped() == summary["skipped"]
+
+
+def _truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+def _drop_column(file: Path) -> None:
+    pd.read_parquet(file).drop(columns=["entropy"]).to_parquet(file)
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (_truncate, "is not a readable Parquet file"),
+    (lambda f: f.write_bytes(b""), "is not a readable Parquet file"),
+    (lambda f: f.write_bytes(b"PAR1" + os.urandom(64) + b"PAR1"), "is not a readable Parquet file"),
+    (_drop_column, r"lacks columns \['entropy'\]"),
+])
+def test_a_bad_shard_is_named_and_resume_relabels_its_requests(damage, problem, label_setup, trained_decoder, tmp_path):
+    """Item 3: a truncated, empty or garbled shard made resume, read_labels and the dataset stage raise ArrowInvalid;
+    one missing a column raised a bare KeyError."""
+    from pipeline.dataset import read_label_table
+    from pipeline.labeling.store import BadShardError
+
+    out = tmp_path / "damaged"
+    run(label_setup(out), trained_decoder)
+    clean = read_labels(out)
+    bad = LabelStore(out).shard_files()[1]
+    lost = set(pd.read_parquet(bad)["id"])
+    damage(bad)
+    for read in (read_labels, read_label_table):
+        with pytest.raises(BadShardError, match=problem) as err:
+            read(out)
+        assert str(bad) in str(err.value) and "python -m pipeline.label" in str(err.value)
+    summary = run(label_setup(out), trained_decoder)  # resume: the bad shard is set aside, its requests labelled again
+    assert summary["labelled"] == len(lost) == 2 and summary["already_done"] == len(TEXTS) - 2
+    assert [p.name for p in (out / "bad-shards").iterdir()][0].startswith(bad.stem)
+    pd.testing.assert_frame_equal(comparable(read_labels(out)), comparable(clean))
