@@ -81,7 +81,7 @@ def make_drafter_config(
         num_key_value_heads=tc.num_key_value_heads,
         head_dim=head_dim,
         max_position_embeddings=tc.max_position_embeddings,
-        rms_norm_eps=tc.rms_norm_eps,
+        rms_norm_eps=getattr(tc, "rms_norm_eps", None) or getattr(tc, "layer_norm_eps", 1e-6),
         rope_parameters=dict(rope),
         tie_word_embeddings=False,
     )
