@@ -27,6 +27,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
+from pipeline.config_checks import validate_config
 from pipeline.decoding.speculative import DecodeConfig, _now
 from pipeline.evaluate import write_json
 from pipeline.labeling.brute import brute_force, reseed
@@ -44,8 +45,10 @@ def bench_label(cfg: DictConfig, decoder=None) -> dict:
     """Run the benchmark described in the module docstring; returns the results dict.
 
     Raises:
-        ValueError: without a drafter, or when no prompt is configured.
+        ValueError: for a bad config (``validate_config``, before the model loads), without a drafter, or when no
+            prompt is configured.
     """
+    validate_config(cfg, "bench_label")
     torch.manual_seed(int(cfg.seed))
     if cfg.get("num_threads"):
         torch.set_num_threads(int(cfg.num_threads))
