@@ -19,6 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from pipeline import DATA_DIR
+from pipeline.models.drafter import lm_head_logits
 
 log = logging.getLogger(__name__)
 
@@ -214,8 +215,6 @@ class LogitHead:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [..., V] (``hidden``'s dtype) of hidden states [..., H], as the model's forward computes them."""
-        from pipeline.models.drafter import lm_head_logits
-
         logits = lm_head_logits(hidden, self.weight)
         if self.bias is not None:
             logits = logits + self.bias
