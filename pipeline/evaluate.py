@@ -483,16 +483,25 @@ class RowLog:
 
 def row_settings(cfg: DictConfig, methods: list[str], split: str | None, inputs: EvalInputs | None = None) -> dict:
     """What the per-prompt rows of an eval run depend on (a resumed run must match it): the methods, decoding and
-    model settings, and digests of the loaded predictors and labels (a retrained predictor invalidates its rows)."""
+    model settings, the drafter's weight files (size, mtime) and digests of the loaded predictors and labels (a
+    retrained drafter or predictor invalidates the rows)."""
     import hashlib
 
     def digest(obj) -> str:
         return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
+    def weights_stamp(path) -> list | None:  # a checkpoint retrained in place invalidates the rows too
+        from pipeline.models.loading import resolve_path
+
+        directory = Path(resolve_path(str(path))) if path else None
+        if directory is None or not directory.is_dir():
+            return None
+        return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(directory.glob("*.safetensors"))]
+
     keep = ("target", "drafter", "dtype", "device", "attn_implementation")
-    loaded = {}
+    loaded = {"drafter_weights": weights_stamp(cfg.model.get("drafter"))}
     if inputs is not None:
-        loaded = {m: digest(p.meta) for m, p in inputs.predictors.items()}
+        loaded.update({m: digest(p.meta) for m, p in inputs.predictors.items()})
         if inputs.labels is not None:
             loaded["labels"] = digest(inputs.labels[["id", "label_tau", "label_speed"]].astype(str).values.tolist())
     return {"loaded": loaded, "methods": list(methods), "split": split,

@@ -4,6 +4,7 @@ bound, best_fixed from the train split, per-set blocks, the report, and the basi
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -336,6 +337,11 @@ def test_eval_skips_a_prompt_beyond_the_context_and_resumes_from_its_rows(tiny, 
     other = evaluate(_small_eval_cfg(tiny, tmp_path, "decode.max_new_tokens=8"), decoder, rows_path=rows)
     assert (tmp_path / "eval" / "rows.jsonl.old").exists() and "c" in calls  # other settings: decoded afresh
     assert other["methods"]["ar"]["new_tokens"] < clean["methods"]["ar"]["new_tokens"]
+    weights = tiny.drafter_dir("llama", "trained") / "model.safetensors"  # a drafter retrained in place
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    calls.clear()
+    evaluate(_small_eval_cfg(tiny, tmp_path, "decode.max_new_tokens=8"), decoder, rows_path=rows)
+    assert "a" in calls and "c" in calls  # its rows were not reused
 
 
 def test_lossless_is_the_exact_match_rate_against_ar():
