@@ -11,7 +11,10 @@ replay label per K. Prints and writes (``out=PATH``) ``replay_over_ar`` and ``br
 label cost / mean AR cost}). With ``check=true`` it also reports ``tau_agreement`` (fraction of
 (prompt, B) pairs whose replayed per-step taus equal brute force's), ``label_agreement`` (fraction of
 prompts with equal ``label_tau``), the first divergence of each disagreeing pair with the top-2 score
-gaps there, and ``latency_rank_agreement`` (latency model vs measured brute-force tokens/s).
+gaps there, ``latency_rank_agreement`` (latency model vs measured brute-force tokens/s), and
+``output_agreement`` (fraction of (prompt, B) brute-force decodes token-identical to the B=1 decode: 1.0 in
+float32; in bfloat16 a verify over B positions may round differently from B single steps, see the README's
+numerics section), reported with the target's ``dtype``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
+from pipeline.config_checks import validate_config
 from pipeline.decoding.speculative import DecodeConfig, _now
 from pipeline.evaluate import write_json
 from pipeline.labeling.brute import brute_force, reseed
@@ -41,8 +45,10 @@ def bench_label(cfg: DictConfig, decoder=None) -> dict:
     """Run the benchmark described in the module docstring; returns the results dict.
 
     Raises:
-        ValueError: without a drafter, or when no prompt is configured.
+        ValueError: for a bad config (``validate_config``, before the model loads), without a drafter, or when no
+            prompt is configured.
     """
+    validate_config(cfg, "bench_label")
     torch.manual_seed(int(cfg.seed))
     if cfg.get("num_threads"):
         torch.set_num_threads(int(cfg.num_threads))
@@ -75,7 +81,7 @@ def bench_label(cfg: DictConfig, decoder=None) -> dict:
     brute_force(decoder, decoder.prefill(warm, short), union, short, consume=True)
 
     ar_ms, brute_ms, replay_ms = [], {k: [] for k in ks}, {k: [] for k in ks}
-    pairs_equal = pairs = labels_equal = 0
+    pairs_equal = pairs = labels_equal = outputs_equal = 0
     disagreements, predicted, measured, cand_lists, speed_rows = [], [], [], [], []
     new_tokens = []
     for prompt in prompts:
@@ -107,6 +113,7 @@ def bench_label(cfg: DictConfig, decoder=None) -> dict:
                 replays = replay(decoder, trace, candidates[k], config, settings[k].lm_head, record_gaps=True)
             for b in candidates[k]:
                 pairs += 1
+                outputs_equal += brute.stats[b].output_ids == ar.output_ids  # speculative vs autoregressive text
                 same = replays[b].taus == brute.stats[b].taus
                 pairs_equal += same
                 if not same:
@@ -134,6 +141,7 @@ def bench_label(cfg: DictConfig, decoder=None) -> dict:
         "mean_new_tokens": mean(new_tokens),
         "temperature": config.temperature,
         "device": str(decoder.device),
+        "dtype": str(decoder.lm_head.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "candidates": candidates,
         "ar_ms": ar,
@@ -145,6 +153,8 @@ def bench_label(cfg: DictConfig, decoder=None) -> dict:
     }
     if check:
         results["tau_agreement"] = pairs_equal / pairs
+        results["output_agreement"] = outputs_equal / pairs
+        results["pairs"] = pairs
         results["label_agreement"] = labels_equal / len(prompts)
         results["disagreements"] = disagreements
         results["latency_rank_agreement"] = rank_agreement(predicted, measured, cand_lists)
@@ -163,6 +173,8 @@ def report(results: dict) -> str:
     if "tau_agreement" in results:
         lines.append(f"  tau_agreement {results['tau_agreement']:.3f}  label_agreement {results['label_agreement']:.3f}  "
                      f"disagreements {len(results['disagreements'])}")
+        lines.append(f"  {results['dtype']}: speculative output == B=1 output in {results['output_agreement']:.3f} of "
+                     f"{results['pairs']} (prompt, B) decodes; replay == brute force in {results['tau_agreement']:.3f}")
         for d in results["disagreements"][:10]:
             lines.append(f"    {d['id']} B={d['block_size']} step {d['step']} brute tau {d['brute_tau']} replay tau "
                          f"{d['replay_tau']} target gap {d['target_gap']} draft gap {d['draft_gap']}")

@@ -38,6 +38,7 @@ from pipeline.decoding.sampling import PositionKeyedSampler
 from pipeline.decoding.speculative import DecodeState, SpeculativeDecoder, _now, crop_to
 from pipeline.models.backend import resolve_backend
 from pipeline.models.loading import load_models
+from pipeline.models.target import new_cache
 
 log = logging.getLogger(__name__)
 KEYS = ("ar_ms", "forward_ms", "drafter_ms", "step_ms", "step_over_ar")
@@ -76,7 +77,7 @@ def measure_context(decoder: SpeculativeDecoder, length: int, widths, block_size
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, min(vocab, len(decoder.target.tokenizer)), (1, length + widest), generator=generator).to(device)
     sampler = PositionKeyedSampler(0.0, seed, vocab)
-    cache = DynamicCache(config=decoder.model.config)
+    cache = new_cache(decoder.model)
     _, features = decoder.target_forward(ids[:, :length], cache, 0, want_features=True, last_only=True)
     draft_cache = DynamicCache()
     decoder.drafter(decoder.embed(ids[:, :1]), features[:, : length - pending],

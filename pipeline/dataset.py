@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 
 from pipeline.policy.features import Featurizer, FeatureSpec
 from pipeline.prompts import prompt_id_of
+from pipeline.config_checks import validate_config
 from pipeline.tracking import init_wandb
 
 log = logging.getLogger(__name__)
@@ -281,6 +282,7 @@ def split_prompt_ids(directory: str | Path) -> dict[str, list[str]]:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="dataset")
 def main(cfg: DictConfig) -> None:
+    validate_config(cfg, "dataset")
     run = init_wandb(cfg, job_type="dataset")
     out = build_dataset(cfg)
     if run is not None:

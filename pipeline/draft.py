@@ -38,6 +38,7 @@ from pipeline import PROJECT_ROOT
 from pipeline.models.loading import resolve_path as resolve_input
 from pipeline.models.target import load_target
 from pipeline.prompts import load_prompt_set
+from pipeline.config_checks import validate_config
 from pipeline.tracking import init_wandb
 
 log = logging.getLogger(__name__)
@@ -231,6 +232,7 @@ def train_drafter(cfg: DictConfig) -> Path:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="draft")
 def main(cfg: DictConfig) -> None:
+    validate_config(cfg, "draft")  # before the target loads
     print(train_drafter(cfg))
 
 

@@ -28,12 +28,18 @@ an earlier method of the same prompt already ran it: decoding is deterministic g
 seed), so only the decode's wall time is shared, which also removes timing noise between methods
 that pick the same B. ``ema`` always decodes on its own. Writes a JSON file with, per method, ``tau`` (mean acceptance
 length over all steps, tokens), ``tokens_per_s`` (new tokens over prefill + schedule + decode time),
-``speedup`` (vs ``ar`` in this run), ``tpot_ms``, ``lossless`` (every output token-identical to ``ar``),
-``n_prompts``, ``overhead_ms`` (time choosing B per prompt, ms) and ``overhead_pct`` (its share of
+``speedup`` (vs ``ar`` in this run), ``tpot_ms``, ``lossless`` (the exact-match rate: the fraction of prompts whose
+output is token-identical to ``ar``'s, 1.0 = every one; ``exact_matches`` counts them; in float32 it is 1.0, in
+bfloat16 it may be lower, see the README's numerics section), ``n_prompts``, ``overhead_ms`` (time choosing B per prompt, ms) and ``overhead_pct`` (its share of
 decode time, %), ``oracle_gain_share`` = (tau - tau_fixed) / (tau_oracle - tau_fixed) with a bootstrap
 95% interval over prompts ``oracle_gain_share_ci`` (null unless ``fixed`` and ``oracle`` ran), and
 per-prompt rows (``chosen_b``: the B picked for the first turn, ``chosen_bs``: for every turn);
 ``per_set`` repeats the summary per source set. Beside it: ``results.md`` and PNG figures (``pipeline.reporting``), also logged to W&B.
+
+A prompt that does not fit the target's context (prompt + ``decode.max_new_tokens``, any turn) is skipped with a
+warning naming it and listed in ``skipped`` (``[{"id", "reason"}]``). ``main`` keeps per-prompt rows in ``rows.jsonl``
+beside ``results.json``, one line per finished prompt appended as it finishes; a rerun with the same settings
+reuses them and decodes only the prompts not yet there (other settings: the old file is moved to ``rows.jsonl.old``).
 """
 
 from __future__ import annotations
@@ -53,8 +59,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from pipeline.config_checks import validate_config
 from pipeline.decoding import DecodeConfig, EMASchedule, FixedSchedule
-from pipeline.decoding.speculative import RequestStats, _now
+from pipeline.decoding.speculative import PromptTooLongError, RequestStats, _now
 from pipeline.decoding.conversation import decode_prompt
 from pipeline.models.loading import build_decoder
 from pipeline.prompts import Prompt, load_prompt_sets, prompt_id_of, request_id
@@ -212,7 +219,14 @@ def load_eval_inputs(cfg: DictConfig, methods: list[str], decoder=None) -> EvalI
 
 
 def load_method_predictor(cfg: DictConfig, method: str, decoder=None):
-    """The exported predictor of ``method`` (``eval.predictor_dir/<eval.predictors[method]>``), checked against the decoder."""
+    """The exported predictor of ``method`` (``eval.predictor_dir/<eval.predictors[method]>``), checked against the config
+    and the decoder.
+
+    Raises:
+        FileNotFoundError: without an exported predictor (names ``make train``).
+        ValueError: when its candidates differ from ``model.candidates``, or it does not fit the decoder (vocabulary,
+            the drafter's block-size limit); also ``load_predictor``'s checks of the files against each other.
+    """
     from pipeline.policy.export import load_predictor
 
     name = cfg.eval.predictors[method]
@@ -223,6 +237,11 @@ def load_method_predictor(cfg: DictConfig, method: str, decoder=None):
     except FileNotFoundError as err:
         raise FileNotFoundError(f"eval method {method!r} needs a trained predictor at {directory}; run the train stage: "
                                 f"make train (python -m pipeline.train run_name={cfg.run_name}{hint})") from err
+    candidates = [int(c) for c in cfg.model.candidates]
+    if sorted(predictor.candidates) != sorted(candidates):
+        raise ValueError(f"predictor {directory} chooses among block sizes {predictor.candidates}, but model.candidates="
+                         f"{candidates}: evaluate with model.candidates={predictor.candidates} or train a predictor on labels "
+                         f"made with these candidates (label.block_sizes=${{model.candidates}})")
     if decoder is not None:
         vocab = decoder.lm_head.shape[0]
         spec_vocab = predictor.featurizer.spec.vocab_size
@@ -260,7 +279,11 @@ def method_schedules(cfg: DictConfig, decoder, inputs: EvalInputs | None = None)
     from pipeline.policy.schedule import PredictorSchedule
 
     trained_b = decoder.drafter.block_size if decoder.drafter is not None else 1
-    fixed_b = int(cfg.decode.block_size or trained_b)
+    fixed_b = trained_b if cfg.decode.get("block_size") is None else int(cfg.decode.block_size)
+    try:
+        decoder.check_block_size(fixed_b)
+    except ValueError as err:
+        raise ValueError(f"decode.block_size={cfg.decode.get('block_size')}: {err}") from err
     ema = cfg.eval.get("ema") or {}
     candidates = list(cfg.model.candidates)
     out: dict = {
@@ -341,7 +364,9 @@ def summarize(rows: list[dict], reference: dict[str, list[int]] | None) -> dict:
         "overhead_pct": 100.0 * schedule_ms / decode_ms if decode_ms else 0.0,
     }
     if reference is not None:
-        out["lossless"] = all(r["output_ids"] == reference[r["id"]] for r in rows)
+        matches = sum(r["output_ids"] == reference[r["id"]] for r in rows)
+        out["exact_matches"] = matches
+        out["lossless"] = matches / len(rows) if rows else None  # exact-match rate vs ar, not a bare flag
     return out
 
 
@@ -406,7 +431,89 @@ def summarize_all(rows: dict[str, list[dict]], methods: list[str], reference: di
     return block
 
 
-def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, inputs: EvalInputs | None = None) -> dict:
+class RowLog:
+    """Per-prompt rows of one eval run in a JSONL file, appended one line per finished prompt (resume after a kill).
+
+    Line 1 is ``{"settings": ...}`` (what the rows depend on); each later line is ``{"id", "rows": {method: row}}``
+    or ``{"id", "skipped": reason}``. A line is written with one ``write`` + ``fsync``; a line cut by a kill is
+    dropped on the next open. Opening with other settings moves the old file to ``<name>.old`` and starts afresh.
+
+    Args:
+        path: the JSONL file (``rows.jsonl`` beside ``results.json``); None keeps nothing (no resume).
+        settings: JSON-ready settings the rows depend on.
+    """
+
+    def __init__(self, path: str | Path | None, settings: dict):
+        self.path = Path(path) if path is not None else None
+        self.done: dict[str, dict] = {}
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        header = json.dumps({"settings": settings}, sort_keys=True)
+        lines = self.path.read_text().split("\n") if self.path.exists() else []
+        complete = []
+        for line in lines[:-1]:  # the text after the last newline is empty or a cut line
+            try:
+                complete.append((line, json.loads(line)))
+            except json.JSONDecodeError:
+                log.warning("%s: dropping an unreadable line", self.path)
+        if complete and complete[0][1].get("settings") != json.loads(header)["settings"]:
+            log.warning("%s holds rows of other settings; moving it to %s and starting afresh", self.path,
+                        self.path.name + ".old")
+            os.replace(self.path, self.path.with_name(self.path.name + ".old"))
+            complete = []
+        for _, entry in complete[1:]:
+            self.done[str(entry["id"])] = entry
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in [header] + [raw for raw, _ in complete[1:]]))
+        os.replace(tmp, self.path)
+        if self.done:
+            log.info("%s: resuming, %d prompts already done", self.path, len(self.done))
+
+    def append(self, entry: dict) -> None:
+        """Record one finished (or skipped) prompt."""
+        self.done[str(entry["id"])] = entry
+        if self.path is None:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def row_settings(cfg: DictConfig, methods: list[str], split: str | None, inputs: EvalInputs | None = None) -> dict:
+    """What the per-prompt rows of an eval run depend on (a resumed run must match it): the methods, decoding and
+    model settings, the drafter's weight files (size, mtime) and digests of the loaded predictors and labels (a
+    retrained drafter or predictor invalidates the rows)."""
+    import hashlib
+
+    def digest(obj) -> str:
+        return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def weights_stamp(path) -> list | None:  # a checkpoint retrained in place invalidates the rows too
+        from pipeline.models.loading import resolve_path
+
+        directory = Path(resolve_path(str(path))) if path else None
+        if directory is None or not directory.is_dir():
+            return None
+        return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(directory.glob("*.safetensors"))]
+
+    keep = ("target", "drafter", "dtype", "device", "attn_implementation")
+    loaded = {"drafter_weights": weights_stamp(cfg.model.get("drafter"))}
+    if inputs is not None:
+        loaded.update({m: digest(p.meta) for m, p in inputs.predictors.items()})
+        if inputs.labels is not None:
+            loaded["labels"] = digest(inputs.labels[["id", "label_tau", "label_speed"]].astype(str).values.tolist())
+    return {"loaded": loaded, "methods": list(methods), "split": split,
+            "decode": OmegaConf.to_container(cfg.decode, resolve=True),
+            "model": {k: cfg.model.get(k) for k in keep},
+            "share_decodes": bool(cfg.eval.get("share_decodes", True)), "target": str(cfg.eval.get("target", "tau")),
+            "labels_dir": str(cfg.eval.labels_dir), "predictor_dir": str(cfg.eval.predictor_dir),
+            "predictors": OmegaConf.to_container(cfg.eval.predictors, resolve=True) if cfg.eval.get("predictors") else None}
+
+
+def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, inputs: EvalInputs | None = None,
+             rows_path: str | Path | None = None) -> dict:
     """Run the configured methods over the configured prompts and return the results dict.
 
     Args:
@@ -414,9 +521,14 @@ def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, input
         schedules: method -> schedule factory (default: ``method_schedules``); a factory is a zero-argument
             callable or a ``PerPrompt``.
         inputs: preloaded ``EvalInputs`` (default: ``load_eval_inputs``).
+        rows_path: a ``RowLog`` JSONL file: per-prompt rows are appended as each prompt finishes and a rerun
+            resumes from it (``main`` passes ``rows.jsonl`` beside ``eval.out``); None keeps them in memory only.
     Raises:
-        ValueError: for an unknown method; FileNotFoundError: for a missing label/dataset/predictor artifact.
+        ValueError: for a bad config (``validate_config``, before any model loads) or an unknown method;
+        FileNotFoundError: for a missing label/dataset/predictor artifact.
     """
+    if schedules is None:
+        validate_config(cfg, "eval")
     torch.manual_seed(cfg.seed)
     decoder = decoder or build_decoder(cfg.model)
     methods = list(cfg.eval.methods)
@@ -430,6 +542,7 @@ def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, input
     split = resolve_split(cfg, methods)
     prompts = select_prompts(cfg, split, inputs)
     decode_cfg = DecodeConfig(cfg.decode.max_new_tokens, cfg.decode.temperature, cfg.decode.seed)
+    row_log = RowLog(rows_path, row_settings(cfg, methods, split, inputs))
 
     def factory(method: str, prompt: Prompt, chosen: list):
         make = available[method].bind(prompt) if isinstance(available[method], PerPrompt) else available[method]
@@ -441,29 +554,50 @@ def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, input
 
         return build
 
-    if cfg.eval.warmup and prompts:
-        for m in methods:
-            decode_prompt(decoder, prompts[0], factory(m, prompts[0], []), DecodeConfig(8, decode_cfg.temperature, decode_cfg.seed))
+    todo = [p for p in prompts if p.id not in row_log.done]
+    if cfg.eval.warmup:
+        for prompt in todo:  # the first prompt that fits the context
+            try:
+                for m in methods:
+                    decode_prompt(decoder, prompt, factory(m, prompt, []), DecodeConfig(8, decode_cfg.temperature, decode_cfg.seed))
+                break
+            except PromptTooLongError:
+                continue
     runner = SharedDecodes(decoder) if cfg.eval.get("share_decodes", True) else decoder
-    rows: dict[str, list[dict]] = {m: [] for m in methods}
-    for prompt in tqdm(prompts, desc="eval", unit="prompt"):
+    for prompt in tqdm(todo, desc="eval", unit="prompt"):
         if isinstance(runner, SharedDecodes):
             runner.clear()
+        prompt_rows = {}
+        try:
+            for m in methods:
+                chosen: list[FirstChoice] = []
+                stats = decode_prompt(runner, prompt, factory(m, prompt, chosen), decode_cfg)
+                row = merge_turns(prompt.id, prompt.source_set, stats)
+                row["chosen_b"] = chosen[0].chosen if chosen else None  # the first turn's B
+                row["chosen_bs"] = [c.chosen for c in chosen]           # every turn's B (one request per turn)
+                prompt_rows[m] = row
+        except PromptTooLongError as err:
+            log.warning("skipping prompt %r: %s", prompt.id, err)
+            row_log.append({"id": prompt.id, "skipped": str(err)})
+            continue
+        row_log.append({"id": prompt.id, "rows": prompt_rows})
+    rows: dict[str, list[dict]] = {m: [] for m in methods}
+    skipped = []
+    for prompt in prompts:
+        entry = row_log.done[prompt.id]
+        if "skipped" in entry:
+            skipped.append({"id": prompt.id, "reason": entry["skipped"]})
+            continue
         for m in methods:
-            chosen: list[FirstChoice] = []
-            stats = decode_prompt(runner, prompt, factory(m, prompt, chosen), decode_cfg)
-            row = merge_turns(prompt.id, prompt.source_set, stats)
-            row["chosen_b"] = chosen[0].chosen if chosen else None  # the first turn's B
-            row["chosen_bs"] = [c.chosen for c in chosen]           # every turn's B (one request per turn)
-            rows[m].append(row)
+            rows[m].append(entry["rows"][m])
     reference = {r["id"]: r["output_ids"] for r in rows["ar"]}
     boot = cfg.eval.get("bootstrap") or {}
     if isinstance(runner, SharedDecodes):
         log.info("decodes run: %d, shared by methods picking the same B: %d", runner.decodes, runner.reused)
     results = {"config": OmegaConf.to_container(cfg.decode, resolve=True), "split": split,
                "shared_decodes": runner.reused if isinstance(runner, SharedDecodes) else 0,
-               "methods": summarize_all(rows, methods, reference, boot), "per_set": {}}
-    for source_set in sorted({p.source_set for p in prompts}):
+               "skipped": skipped, "methods": summarize_all(rows, methods, reference, boot), "per_set": {}}
+    for source_set in sorted({r["source_set"] for r in rows["ar"]}):
         subset = {m: [r for r in rows[m] if r["source_set"] == source_set] for m in methods}
         results["per_set"][source_set] = summarize_all(subset, methods, reference, boot)
     for m in methods:
@@ -505,10 +639,11 @@ def log_to_wandb(run, results: dict, report: dict[str, Path]) -> None:
 def main(cfg: DictConfig) -> None:
     from pipeline.reporting import write_report
 
+    validate_config(cfg, "eval")  # before W&B and before any model loads
     run = init_wandb(cfg, job_type="eval")
     decoder = build_decoder(cfg.model)
     inputs = load_eval_inputs(cfg, list(cfg.eval.methods), decoder)
-    results = evaluate(cfg, decoder, inputs=inputs)
+    results = evaluate(cfg, decoder, inputs=inputs, rows_path=Path(cfg.eval.out).with_name("rows.jsonl"))
     out = write_json(results, cfg.eval.out)
     report = {}
     if cfg.eval.get("report", True):

@@ -23,8 +23,9 @@ def main(cfg: DictConfig) -> None:
     from pipeline.labeling.runner import run_label  # imported here: a multirun's launcher process needs no torch
 
     summary = run_label(cfg)
-    log.info("shard %d/%d: labelled %d, skipped %d (done before), label_tau counts %s -> %s", summary["shard"],
-             summary["num_shards"], summary["labelled"], summary["skipped"], summary["label_tau"], summary["out_dir"])
+    log.info("shard %d/%d: labelled %d, %d done before, %d skipped (too long for the context: %s), label_tau counts %s -> %s",
+             summary["shard"], summary["num_shards"], summary["labelled"], summary["already_done"], len(summary["skipped"]),
+             [s["id"] for s in summary["skipped"]][:10], summary["label_tau"], summary["out_dir"])
     print(summary["out_dir"])
 
 

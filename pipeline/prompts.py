@@ -78,7 +78,8 @@ def jsonl_prompts(path: str | Path, name: str | None = None) -> list[Prompt]:
     """Prompts from a JSONL file of ``{"id", "turns"[, "source"]}`` rows.
 
     Raises:
-        FileNotFoundError: for a missing file; ValueError: for a row without ``id``/``turns`` or whose ``turns`` is not a list.
+        FileNotFoundError: for a missing file; ValueError: naming ``file:line`` for a line that is not valid JSON
+            (e.g. truncated), a row without ``id``/``turns`` or whose ``turns`` is not a list.
     """
     path = Path(path)
     if not path.exists():
@@ -90,8 +91,12 @@ def jsonl_prompts(path: str | Path, name: str | None = None) -> list[Prompt]:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            row = json.loads(line)
-            if "id" not in row or "turns" not in row:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg} at column {err.colno}); fix or remove "
+                                 "that line (each line must be one complete JSON object)") from None
+            if not isinstance(row, dict) or "id" not in row or "turns" not in row:
                 raise ValueError(f"{path}:{lineno}: each row needs 'id' and 'turns'")
             if not isinstance(row["turns"], list):
                 raise ValueError(f"{path}:{lineno}: 'turns' must be a list of strings, e.g. [\"<user prompt>\"]")

@@ -44,9 +44,16 @@ def results_frame(results: dict) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _exact(r: dict) -> str:
+    """The exact-match column: ``k/n`` prompts token-identical to ``ar`` (older results: their ``lossless`` value)."""
+    if r.get("exact_matches") is not None and r.get("n_prompts"):
+        return f"{r['exact_matches']}/{r['n_prompts']}"
+    return _fmt(r.get("lossless"))
+
+
 def markdown_table(results: dict) -> str:
     """Markdown tables of ``results`` (overall, then one per source set)."""
-    header = ("| method | tau | tokens/s | speedup | oracle gain share [95% CI] | overhead ms (% decode) | lossless | prompts |\n"
+    header = ("| method | tau | tokens/s | speedup | oracle gain share [95% CI] | overhead ms (% decode) | lossless (= ar) | prompts |\n"
               "|---|---|---|---|---|---|---|---|")
     sections = [("All prompts", results["methods"])] + [(f"Source set `{s}`", b) for s, b in sorted(results.get("per_set", {}).items())]
     lines = ["# Eval results", ""]
@@ -62,7 +69,7 @@ def markdown_table(results: dict) -> str:
                 share += f" [{_fmt(ci[0])}, {_fmt(ci[1])}]"
             lines.append(f"| {method} | {_fmt(r.get('tau'))} | {_fmt(r.get('tokens_per_s'), 1)} | {_fmt(r.get('speedup'))}x | "
                          f"{share} | {_fmt(r.get('overhead_ms'), 3)} ({_fmt(r.get('overhead_pct'), 3)}%) | "
-                         f"{_fmt(r.get('lossless'))} | {r.get('n_prompts')} |")
+                         f"{_exact(r)} | {r.get('n_prompts')} |")
         lines.append("")
     lines += ["tau: mean acceptance length (tokens per target verify). speedup: tokens/s over `ar` in the same run. "
               "oracle gain share: (tau - tau_fixed) / (tau_oracle - tau_fixed), bootstrap 95% interval over prompts. "

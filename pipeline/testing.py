@@ -1,6 +1,7 @@
 """Tiny random targets and drafters for tests and examples (no downloads).
 
-``make_tiny_target`` writes a randomly initialised Llama or Qwen3 causal LM with a small byte-level
+``make_tiny_target`` writes a randomly initialised Llama or Qwen3 causal LM (or, for the head and cache edge cases,
+a Phi-like one with an LM-head bias or a Gemma2-like one with sliding-window layers and final logit softcapping) with a small byte-level
 BPE tokenizer and a ChatML chat template; ``make_tiny_drafter`` writes a random DFlash drafter for it
 in the z-lab layout. Both load through the same code as real checkpoints.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
+from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, PhiConfig, PreTrainedTokenizerFast, Qwen3Config
 
 from pipeline.models.drafter import DFlashDrafter, make_drafter_config
 
@@ -45,11 +46,17 @@ def make_tiny_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
 
 
 def make_tiny_target(directory: str | Path, arch: str = "llama", hidden_size: int = 64, num_layers: int = 4,
-                     seed: int = 0, init_std: float = 0.08, max_positions: int = 512) -> Path:
-    """Write a tiny random causal LM (``arch``: ``llama`` or ``qwen3``) and its tokenizer to ``directory``.
+                     seed: int = 0, init_std: float = 0.08, max_positions: int = 512, sliding_window: int = 8,
+                     softcap: float = 2.0, head_bias_std: float = 1.0) -> Path:
+    """Write a tiny random causal LM and its tokenizer to ``directory``.
 
-    A larger-than-default ``init_std`` gives peaked next-token distributions, so greedy outputs
-    repeat often and drafts get accepted.
+    Args:
+        arch: ``llama``, ``qwen3``, ``phi`` (untied LM head with a random bias, std ``head_bias_std``) or ``gemma2``
+            (alternating sliding-window layers of ``sliding_window`` positions, ``final_logit_softcapping=softcap``).
+        init_std: larger than the default, for peaked next-token distributions: greedy outputs repeat often and
+            drafts get accepted.
+    Raises:
+        ValueError: for another ``arch``.
     """
     directory = Path(directory)
     tokenizer = make_tiny_tokenizer()
@@ -58,9 +65,22 @@ def make_tiny_target(directory: str | Path, arch: str = "llama", hidden_size: in
                   head_dim=hidden_size // 4, max_position_embeddings=max_positions, initializer_range=init_std,
                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                   bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=True)
-    config = LlamaConfig(**common) if arch == "llama" else Qwen3Config(**common)
+    if arch == "llama":
+        config = LlamaConfig(**common)
+    elif arch == "qwen3":
+        config = Qwen3Config(**common)
+    elif arch == "phi":
+        config = PhiConfig(**{**common, "tie_word_embeddings": False})
+    elif arch == "gemma2":
+        config = Gemma2Config(**common, sliding_window=sliding_window, final_logit_softcapping=softcap,
+                              attn_logit_softcapping=None, query_pre_attn_scalar=hidden_size // 4)
+    else:
+        raise ValueError(f"arch must be llama, qwen3, phi or gemma2, got {arch!r}")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "phi":
+        with torch.no_grad():
+            model.lm_head.bias.normal_(0.0, head_bias_std)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)

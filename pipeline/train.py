@@ -33,6 +33,7 @@ from pipeline.policy.features import Featurizer, FeatureSpec
 from pipeline.policy.module import PolicyModule, policy_metrics
 from pipeline.policy.predictors import build_predictor, num_parameters
 from pipeline.policy.schedule import measure_overhead_ms
+from pipeline.config_checks import validate_config
 from pipeline.tracking import init_wandb
 
 log = logging.getLogger(__name__)
@@ -201,6 +202,7 @@ def train_predictor(cfg: DictConfig) -> Path:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
+    validate_config(cfg, "train")
     print(train_predictor(cfg))
 
 

@@ -85,3 +85,32 @@ def test_bench_reports_where_replay_and_brute_force_part(bench_overrides, traine
     assert first["brute_tau"] == first["replay_tau"] - 1
     assert first["target_gap"] >= 0 and first["draft_gap"] >= 0
     assert "target gap" in report(results)
+
+
+def test_bench_check_reports_the_output_agreement_with_b1_and_the_dtype(bench_overrides, tiny):
+    """Issue 15 item 10: the check reports, with the dtype, how many (prompt, B) decodes equal the B=1 output, here
+    in bfloat16 (where batch-variant rounding may break exact equality), against an independent count."""
+    from pipeline.decoding import DecodeConfig, SpeculativeDecoder
+    from pipeline.models.drafter import DFlashDrafter
+    from pipeline.models.target import load_target
+    from pipeline.prompts import chat_input_ids, load_prompt_sets
+
+    import torch
+
+    target = load_target(str(tiny.target_dir("llama")), dtype="bfloat16")
+    drafter = DFlashDrafter.from_pretrained(tiny.drafter_dir("llama", "trained"), dtype=torch.bfloat16)
+    decoder = SpeculativeDecoder(target, drafter)
+    with composed("bench_label", [*bench_overrides, "check=true", "ks=[5]"]) as cfg:
+        results = bench_label(cfg, decoder=decoder)
+        prompts = load_prompt_sets(cfg.data.sets)
+    config = DecodeConfig(16)
+    equal = pairs = 0
+    for prompt in prompts:
+        ids = chat_input_ids(target.tokenizer, prompt.turns[:1])
+        ar = decoder.generate(ids, 1, config).output_ids
+        for b in results["candidates"][5]:
+            pairs += 1
+            equal += decoder.generate(ids, b, config).output_ids == ar
+    assert results["dtype"] == "bfloat16" and results["pairs"] == pairs == 15
+    assert results["output_agreement"] == pytest.approx(equal / pairs)
+    assert f"bfloat16: speculative output == B=1 output in {equal / pairs:.3f} of 15" in report(results)

@@ -175,7 +175,7 @@ def test_sampler_noise_depends_only_on_seed_and_position():
     one_by_one = torch.stack([PositionKeyedSampler(1.0, 3, 50).pick(logits[i : i + 1], 10 + i)[0] for i in range(5)])
     assert torch.equal(together, one_by_one)
     assert torch.equal(PositionKeyedSampler(0.0, 3, 50).pick(logits, 10), logits.argmax(-1))
-    with pytest.raises(ValueError, match="temperature must be >= 0"):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
         PositionKeyedSampler(-0.1, 0, 50)
 
 

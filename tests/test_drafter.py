@@ -228,3 +228,68 @@ def test_draft_vocabulary_outside_the_target(tiny):
     drafter.set_draft_vocab(torch.tensor([1, 2, tc.vocab_size + 3]))
     with pytest.raises(ValueError, match="draft_vocab holds ids outside the target's vocabulary"):
         check_compatible(drafter, tc)
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 15 items 5 and 8: drafter configs that do not fit, sliding-window layers
+# ------------------------------------------------------------------------------------------------
+def _edit_config(directory, **edits) -> None:
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in edits.items():
+        config[key] = value(config[key]) if callable(value) else value
+    path.write_text(json.dumps(config))
+
+
+def test_a_config_listing_more_taps_than_the_weights_names_the_fix(tiny, tmp_path):
+    """Item 5: three tap layers in config.json for weights made for two gave a raw torch size-mismatch error."""
+    out = make_tiny_drafter(tiny.target_dir("llama"), tmp_path / "two-taps", target_layer_ids=[0, 2])
+    _edit_config(out, dflash_config=lambda d: {**d, "target_layer_ids": [0, 1, 2]})
+    with pytest.raises(ValueError, match=r"fc.weight is made for 2 target-layer taps but dflash_config.target_layer_ids "
+                                         r"lists 3 \(\[0, 1, 2\]\): set target_layer_ids in .*config.json"):
+        DFlashDrafter.from_pretrained(out)
+
+
+def test_a_drafter_for_another_target_is_refused(tiny, tmp_path):
+    """Item 5: nothing checked num_target_layers or the target a drafter's config names."""
+    target = tiny.target("llama")
+    out = make_tiny_drafter(tiny.target_dir("llama"), tmp_path / "deep", target_layer_ids=[0, 2])
+    _edit_config(out, num_target_layers=36)
+    with pytest.raises(ValueError, match=r"trained on a target with 36 layers \(num_target_layers\), this one has 4.*make draft"):
+        SpeculativeDecoder(target, DFlashDrafter.from_pretrained(out))
+    _edit_config(out, num_target_layers=4, dflash_config=lambda d: {**d, "target_model": "Qwen/Qwen3-4B"})
+    named = DFlashDrafter.from_pretrained(out)
+    with pytest.raises(ValueError, match=r"made for target 'Qwen/Qwen3-4B', not '.*target-llama'"):
+        SpeculativeDecoder(target, named)
+    check_compatible(named, target.model.config, "/models/Qwen3-4B")  # the same model by another path: fits
+    check_compatible(named, target.model.config)  # no target name given: not checked
+
+
+def test_sliding_window_layers_follow_layer_types(tiny):
+    """Item 8: a ``sliding_attention`` layer is causal with a window (z-lab's rule); the drafter used to ignore both.
+
+    With one draft layer, the last block position's output depends only on the keys it may see: the last
+    ``window - B`` context positions and the whole block. So it equals a full-attention drafter's output fed only
+    those context features, and with a window wider than everything the layer is plain causal attention.
+    """
+    tc = tiny.target("llama").model.config
+    config = make_drafter_config(tc, num_layers=1, block_size=4, target_layer_ids=[0, 2])
+    torch.manual_seed(0)
+    full = DFlashDrafter(config).eval()
+    sliding_config = make_drafter_config(tc, num_layers=1, block_size=4, target_layer_ids=[0, 2])
+    sliding_config.layer_types, sliding_config.sliding_window = ["sliding_attention"], 6
+    sliding = DFlashDrafter(sliding_config).eval()
+    sliding.load_state_dict(full.state_dict())
+    assert (sliding.layers[0].self_attn.is_causal, sliding.layers[0].self_attn.sliding_window) == (True, 6)
+    assert (full.layers[0].self_attn.is_causal, full.layers[0].self_attn.sliding_window) == (False, None)
+    noise, features, positions = _inputs(full, context=9, block=4)
+    with torch.no_grad():
+        windowed = sliding(noise, features, positions)
+        visible = full(noise, features[:, -2:], positions[:, -6:])  # 6 - 4 = 2 context positions in the window
+        assert not torch.allclose(windowed[0, -1], full(noise, features, positions)[0, -1], atol=1e-4)
+        torch.testing.assert_close(windowed[0, -1], visible[0, -1], atol=1e-5, rtol=1e-5)
+        sliding_config.sliding_window = 100
+        wide = DFlashDrafter(sliding_config).eval()
+        wide.load_state_dict(full.state_dict())
+        causal = full(noise, features, positions, attention_mask=torch.ones(4, 13, dtype=torch.bool).tril(9)[None, None])
+        torch.testing.assert_close(wide(noise, features, positions), causal, atol=1e-5, rtol=1e-5)

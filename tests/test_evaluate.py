@@ -4,6 +4,7 @@ bound, best_fixed from the train split, per-set blocks, the report, and the basi
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -62,7 +63,7 @@ def test_every_method_is_lossless_on_the_test_split(run, results):
     assert results["split"] == "test"
     assert list(results["methods"]) == ALL_METHODS
     for method, r in results["methods"].items():
-        assert r["lossless"] is True, method
+        assert r["lossless"] == 1.0 and r["exact_matches"] == r["n_prompts"], method
         assert sorted(row["id"] for row in r["rows"]) == sorted(test_ids), method
         assert all(row["chosen_bs"] and row["chosen_bs"][0] == row["chosen_b"] for row in r["rows"]), method
         for key in ("tau", "tokens_per_s", "speedup", "tpot_ms", "n_prompts", "new_tokens", "decode_ms", "schedule_ms",
@@ -125,7 +126,7 @@ def test_oracle_gain_share_and_per_set_blocks(results):
         assert list(block) == ALL_METHODS
         n = block["ar"]["n_prompts"]
         assert n == sum(r["source_set"] == name for r in methods["ar"]["rows"]) and n > 0
-        assert block["ar"]["speedup"] == 1.0 and all(block[m]["lossless"] for m in block)
+        assert block["ar"]["speedup"] == 1.0 and all(block[m]["lossless"] == 1.0 for m in block)
         assert block["oracle"]["tau"] >= block["fixed"]["tau"] - 1e-9
         rows = [r for r in methods["blockpilot"]["rows"] if r["source_set"] == name]
         steps = sum(r["steps"] for r in rows)
@@ -197,7 +198,7 @@ def test_cli_basic_usage_without_labels(run, tmp_path, monkeypatch):
             f"paths.data={tmp_path}/data", "logger.enabled=false", "eval.warmup=false")
     res = json.loads(basic.read_text())
     assert set(res["methods"]) == {"ar", "fixed"} and res["split"] is None and res["methods"]["ar"]["n_prompts"] == 1
-    assert res["methods"]["fixed"]["lossless"] and res["methods"]["fixed"]["oracle_gain_share"] is None
+    assert res["methods"]["fixed"]["lossless"] == 1.0 and res["methods"]["fixed"]["oracle_gain_share"] is None
     assert {r["chosen_b"] for r in res["methods"]["fixed"]["rows"]} == {3}
     assert res["methods"]["fixed"]["rows"][0]["id"] == "HumanEval/0"
     assert (tmp_path / "basic.md").exists() and (tmp_path / "speedup.png").exists()
@@ -211,7 +212,7 @@ def test_cli_full_run_logs_to_wandb_offline(run, tmp_path, monkeypatch):
             f"eval.methods=[{','.join(ALL_METHODS)}]", f"eval.out={full}", "logger.enabled=true",
             f"logger.dir={tmp_path}/wandb", "eval.bootstrap.samples=200")
     res = json.loads(full.read_text())
-    assert list(res["methods"]) == ALL_METHODS and all(r["lossless"] for r in res["methods"].values())
+    assert list(res["methods"]) == ALL_METHODS and all(r["lossless"] == 1.0 for r in res["methods"].values())
     assert (full.parent / "confusion_blockpilot.png").exists() and (full.parent / "results.md").exists()
     runs = list((tmp_path / "wandb" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
@@ -259,7 +260,7 @@ def test_oracle_picks_each_turns_own_label():
 
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         cfg = compose("evaluate")
-    decoder = SimpleNamespace(drafter=SimpleNamespace(block_size=8))
+    decoder = SimpleNamespace(drafter=SimpleNamespace(block_size=8), check_block_size=lambda b: None)
     chat = Prompt("chat-1", ["first", "second"], "chat")
 
     def oracle_bs(ids, label_taus):
@@ -271,3 +272,87 @@ def test_oracle_picks_each_turns_own_label():
     assert oracle_bs(["chat-1"], [6]) == [6, 6]
     with pytest.raises(ValueError, match="no label"):
         oracle_bs(["other"], [8])
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 15: a prompt too long for the context, per-prompt rows and resume, the exact-match rate
+# ------------------------------------------------------------------------------------------------
+def _small_eval_cfg(tiny, tmp_path, *overrides):
+    prompts = tmp_path / "p.jsonl"
+    too_long = "The quick brown fox jumps over the lazy dog. " * 120  # beyond the tiny target's 512 positions
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"id": "a", "turns": ["def add(a, b):"]}, {"id": "long", "turns": [too_long]},
+        {"id": "c", "turns": ["Natalia sold clips", "and then?"]}]))
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("evaluate", [
+            f"model.target={tiny.target_dir('llama')}", f"model.drafter={tiny.drafter_dir('llama', 'trained')}",
+            "logger.enabled=false", f"paths.data={tmp_path}", f"data.sets=[{{name: mine, source: '{prompts}'}}]",
+            "decode.max_new_tokens=12", "eval.methods=[ar,fixed]", "eval.warmup=true", *overrides])
+
+
+def _outcome(results: dict) -> dict:
+    """Everything in a results dict that does not depend on timing."""
+    return {m: [(r["id"], r["new_tokens"], r["steps"], r["tau"], r["chosen_bs"]) for r in block["rows"]]
+            for m, block in results["methods"].items()} | {"skipped": [s["id"] for s in results["skipped"]]}
+
+
+def test_eval_skips_a_prompt_beyond_the_context_and_resumes_from_its_rows(tiny, tmp_path, monkeypatch, caplog):
+    """Item 2: one prompt longer than the context used to fail the whole eval (after decoding the others), unnamed,
+    and nothing was written until the end; now it is skipped and named, rows are appended per prompt, and a
+    killed run resumes where it stopped (a line cut by the kill is dropped)."""
+    import pipeline.evaluate as ev
+
+    decoder = tiny.decoder("llama", "trained")
+    cfg = _small_eval_cfg(tiny, tmp_path)
+    with caplog.at_level("WARNING", logger="pipeline.evaluate"):
+        clean = evaluate(cfg, decoder)
+    assert [s["id"] for s in clean["skipped"]] == ["long"] and "exceeds the target's context" in clean["skipped"][0]["reason"]
+    assert any("'long'" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert [r["id"] for r in clean["methods"]["fixed"]["rows"]] == ["a", "c"] and clean["methods"]["fixed"]["lossless"] == 1.0
+
+    rows = tmp_path / "eval" / "rows.jsonl"
+    real, calls = ev.decode_prompt, []
+
+    def killed_at_the_last_prompt(runner, prompt, *args):
+        calls.append(prompt.id)
+        if prompt.id == "c" and isinstance(runner, ev.SharedDecodes):
+            raise KeyboardInterrupt("simulated kill")
+        return real(runner, prompt, *args)
+
+    monkeypatch.setattr(ev, "decode_prompt", killed_at_the_last_prompt)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(cfg, decoder, rows_path=rows)
+    written = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert [e.get("id") for e in written] == [None, "a", "long"] and "skipped" in written[2]  # kept as it went
+    with rows.open("a") as f:
+        f.write('{"id": "c", "rows": {"ar": {"id"')  # a line cut by the kill
+    calls.clear()
+    monkeypatch.setattr(ev, "decode_prompt", lambda runner, prompt, *args: calls.append(prompt.id) or real(runner, prompt, *args))
+    resumed = evaluate(cfg, decoder, rows_path=rows)
+    assert set(calls) == {"c"}  # warmup and decodes of the remaining prompt only
+    assert _outcome(resumed) == _outcome(clean)
+    assert len(rows.read_text().splitlines()) == 4  # header + a, long, c
+    calls.clear()
+    assert _outcome(evaluate(cfg, decoder, rows_path=rows)) == _outcome(clean) and calls == []  # all done: no decode
+    other = evaluate(_small_eval_cfg(tiny, tmp_path, "decode.max_new_tokens=8"), decoder, rows_path=rows)
+    assert (tmp_path / "eval" / "rows.jsonl.old").exists() and "c" in calls  # other settings: decoded afresh
+    assert other["methods"]["ar"]["new_tokens"] < clean["methods"]["ar"]["new_tokens"]
+    weights = tiny.drafter_dir("llama", "trained") / "model.safetensors"  # a drafter retrained in place
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    calls.clear()
+    evaluate(_small_eval_cfg(tiny, tmp_path, "decode.max_new_tokens=8"), decoder, rows_path=rows)
+    assert "a" in calls and "c" in calls  # its rows were not reused
+
+
+def test_lossless_is_the_exact_match_rate_against_ar():
+    """Item 10: ``lossless`` was a bare ``all(...)``; it is now the fraction of prompts token-identical to ar."""
+    from pipeline.evaluate import summarize
+
+    def row(i, out):
+        return {"id": f"p{i}", "steps": 2, "tau": 1.5, "new_tokens": 3, "prefill_ms": 1.0, "schedule_ms": 0.0,
+                "decode_ms": 2.0, "output_ids": out}
+
+    reference = {f"p{i}": [1, 2, 3] for i in range(4)}
+    summary = summarize([row(0, [1, 2, 3]), row(1, [1, 2, 4]), row(2, [1, 2, 3]), row(3, [1, 2, 3])], reference)
+    assert summary["lossless"] == 0.75 and summary["exact_matches"] == 3
+    assert summarize([row(0, [1, 2, 3])], reference)["lossless"] == 1.0

@@ -198,7 +198,7 @@ def comparable(frame: pd.DataFrame) -> pd.DataFrame:
 def test_label_stage_replay_and_brute_agree(label_setup, trained_decoder, tmp_path):
     replay_dir, brute_dir = tmp_path / "replay", tmp_path / "brute"
     summary = run(label_setup(replay_dir, "label.store_full_logits=true", "label.topk=16"), trained_decoder)
-    assert summary["labelled"] == len(TEXTS) and summary["skipped"] == 0
+    assert summary["labelled"] == len(TEXTS) and summary["already_done"] == 0
     run(label_setup(brute_dir, "label.mode=brute", "label.store_full_logits=true", "label.topk=16"), trained_decoder)
     replayed, brute = read_labels(replay_dir), read_labels(brute_dir)
     assert replayed["id"].tolist() == [f"tiny-{i}" for i in range(len(TEXTS))]
@@ -262,7 +262,7 @@ def test_resume_after_a_kill(label_setup, trained_decoder, tmp_path):
         run(label_setup(out), trained_decoder, on_prompt=kill_after_three)
     assert LabelStore(out).done_ids() == set(seen)  # the finished prompts were kept
     summary = run(label_setup(out), trained_decoder)
-    assert (summary["labelled"], summary["skipped"]) == (len(TEXTS) - 3, 3)
+    assert (summary["labelled"], summary["already_done"]) == (len(TEXTS) - 3, 3)
     assert run(label_setup(out), trained_decoder)["labelled"] == 0  # nothing left
     resumed = read_labels(out)
     run(label_setup(tmp_path / "clean"), trained_decoder)
@@ -289,7 +289,7 @@ def test_every_turn_of_a_multi_turn_prompt_is_a_request_with_its_own_label(label
     assert run(overrides(partial, "label.turns=first"), trained_decoder)["labelled"] == 2
     assert LabelStore(partial).done_ids() == {"chat-0", "solo-0"}
     summary = run(overrides(partial), trained_decoder)  # turns=all (default): only the second turn is new
-    assert (summary["labelled"], summary["skipped"]) == (1, 2)
+    assert (summary["labelled"], summary["already_done"]) == (1, 2)
     run(overrides(tmp_path / "all"), trained_decoder)
     resumed, clean = read_labels(partial), read_labels(tmp_path / "all")
     assert clean["id"].tolist() == ["chat-0", "chat-0#turn2", "solo-0"]
@@ -387,3 +387,62 @@ def test_joblib_multirun_shards_equal_one_worker(label_setup, trained_decoder, t
     sharded, one = read_labels(out), read_labels(tmp_path / "one")
     assert sorted(set(sharded["shard"])) == [0, 1]
     pd.testing.assert_frame_equal(comparable(sharded), comparable(one))
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 15: a request too long for the context, bad shard files
+# ------------------------------------------------------------------------------------------------
+def test_a_request_longer_than_the_context_is_skipped_named_and_recorded(label_setup, trained_decoder, tmp_path, caplog):
+    """Item 2: one prompt beyond the tiny target's 512-token context used to stop every run of the stage, unnamed,
+    and the prompts after it were never labelled."""
+    too_long = "The quick brown fox jumps over the lazy dog. " * 120
+    assert chat_input_ids(trained_decoder.target.tokenizer, [too_long]).shape[1] > 512
+    prompts = write_prompts(tmp_path / "long.jsonl", [TEXTS[0], too_long, TEXTS[1]])
+    out = tmp_path / "long"
+    overrides = label_setup(out, f"data.sets=[{{name:tiny,source:'{prompts}'}}]")
+    with caplog.at_level("WARNING", logger="pipeline.labeling.runner"):
+        summary = run(overrides, trained_decoder)
+    assert summary["labelled"] == 2 and [s["id"] for s in summary["skipped"]] == ["tiny-1"]
+    assert "exceeds the target's context of 512 tokens" in summary["skipped"][0]["reason"]
+    assert any("tiny-1" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+    assert read_labels(out)["id"].tolist() == ["tiny-0", "tiny-2"]  # the prompt after it was labelled
+    assert LabelStore(out).read_skipped() == summary["skipped"]
+    again = run(overrides, trained_decoder)  # a rerun no longer raises; the skip is recorded once
+    assert (again["labelled"], again["already_done"], [s["id"] for s in again["skipped"]]) == (0, 2, ["tiny-1"])
+    assert LabelStore(out).read_skipped() == summary["skipped"]
+
+
+def _truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+def _drop_column(file: Path) -> None:
+    pd.read_parquet(file).drop(columns=["entropy"]).to_parquet(file)
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (_truncate, "is not a readable Parquet file"),
+    (lambda f: f.write_bytes(b""), "is not a readable Parquet file"),
+    (lambda f: f.write_bytes(b"PAR1" + os.urandom(64) + b"PAR1"), "is not a readable Parquet file"),
+    (_drop_column, r"lacks columns \['entropy'\]"),
+])
+def test_a_bad_shard_is_named_and_resume_relabels_its_requests(damage, problem, label_setup, trained_decoder, tmp_path):
+    """Item 3: a truncated, empty or garbled shard made resume, read_labels and the dataset stage raise ArrowInvalid;
+    one missing a column raised a bare KeyError."""
+    from pipeline.dataset import read_label_table
+    from pipeline.labeling.store import BadShardError
+
+    out = tmp_path / "damaged"
+    run(label_setup(out), trained_decoder)
+    clean = read_labels(out)
+    bad = LabelStore(out).shard_files()[1]
+    lost = set(pd.read_parquet(bad)["id"])
+    damage(bad)
+    for read in (read_labels, read_label_table):
+        with pytest.raises(BadShardError, match=problem) as err:
+            read(out)
+        assert str(bad) in str(err.value) and "python -m pipeline.label" in str(err.value)
+    summary = run(label_setup(out), trained_decoder)  # resume: the bad shard is set aside, its requests labelled again
+    assert summary["labelled"] == len(lost) == 2 and summary["already_done"] == len(TEXTS) - 2
+    assert [p.name for p in (out / "bad-shards").iterdir()][0].startswith(bad.stem)
+    pd.testing.assert_frame_equal(comparable(read_labels(out)), comparable(clean))

@@ -96,3 +96,86 @@ def test_embedded_default_config_points_at_the_shipped_drafter(compose_config):
     assert Path(cfg.model.drafter) == Path("data/drafters/smollm2-135m-instruct-dflash-b8")
     assert cfg.model.training_block_size == 8
     assert cfg.model.training_block_size in cfg.model.candidates
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 15 items 8 and 9: targets whose cache or logits differ from Llama's
+# ------------------------------------------------------------------------------------------------
+PROMPT = torch.arange(5, 25)[None]  # 20 tokens: past the Gemma2-like target's sliding window of 8
+
+
+@pytest.fixture(scope="module")
+def edge_targets(tmp_path_factory):
+    """A Phi-like target (LM-head bias) and a Gemma2-like one (sliding windows of 8, final logit softcapping 2.0),
+    each with a random drafter."""
+    from pipeline.models.drafter import DFlashDrafter
+    from pipeline.testing import make_tiny_drafter, make_tiny_target
+
+    root = tmp_path_factory.mktemp("edge-targets")
+    out = {}
+    for arch, attention in (("phi", "sdpa"), ("gemma2", "eager")):  # transformers has no SDPA path for Gemma2
+        directory = make_tiny_target(root / arch, arch=arch)
+        drafter = DFlashDrafter.from_pretrained(make_tiny_drafter(directory, root / f"{arch}-drafter", block_size=4))
+        out[arch] = SpeculativeDecoder(load_target(str(directory), attn_implementation=attention), drafter)
+    return out
+
+
+def _hf_greedy(decoder, max_new_tokens: int) -> list[int]:
+    model = decoder.target.model
+    ids = model.generate(PROMPT, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=decoder.target.stop_token_ids(),
+                         pad_token_id=decoder.target.tokenizer.pad_token_id)
+    return ids[0, PROMPT.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("arch", ["phi", "gemma2"])
+def test_logits_are_computed_as_the_model_does(edge_targets, arch):
+    """Item 9: logits were ``hidden @ lm_head.weight.T``, losing a head bias (Phi) or the final softcapping
+    (Gemma2): B=1 greedy then differed from HF greedy and the T=1 distributions differed (TV 0.022)."""
+    from pipeline.decoding import DecodeConfig
+
+    decoder = edge_targets[arch]
+    reference = _hf_greedy(decoder, 24)
+    assert decoder.generate(PROMPT, 1, DecodeConfig(24)).output_ids == reference  # B=1 is HF greedy
+    own = decoder.target.model(input_ids=PROMPT).logits[0, -1].float()
+    prefill = decoder.prefill(PROMPT, DecodeConfig(8))
+    torch.testing.assert_close(prefill.last_logits, own, atol=1e-5, rtol=1e-5)
+    tv = 0.5 * (torch.softmax(prefill.last_logits, -1) - torch.softmax(own, -1)).abs().sum()
+    assert float(tv) < 1e-6
+    plain = (decoder.lm_head @ decoder.target.model.base_model(input_ids=PROMPT).last_hidden_state[0, -1]).float()
+    assert 0.5 * float((torch.softmax(plain, -1) - torch.softmax(own, -1)).abs().sum()) > 1e-3  # the old way was off
+    for b in (3, 4):
+        assert decoder.generate(PROMPT, b, DecodeConfig(24)).output_ids == reference, b
+    assert (decoder.head.bias is not None) if arch == "phi" else (decoder.head.softcap == 2.0)
+
+
+def test_sliding_window_target_decodes_at_every_block_size(edge_targets):
+    """Item 8: a target with sliding-window layers crashed at B > 1 once the window filled (its cache was built
+    without past recording, so the verify step's crop raised); every B now gives HF's greedy text, and at T > 0
+    the same text for every B."""
+    from pipeline.decoding import DecodeConfig
+
+    decoder = edge_targets["gemma2"]
+    reference = _hf_greedy(decoder, 40)
+    for b in (2, 5, 8):
+        assert decoder.generate(PROMPT, b, DecodeConfig(40)).output_ids == reference, b
+    sampled = {b: decoder.generate(PROMPT, b, DecodeConfig(40, 1.0, 7)).output_ids for b in (1, 3, 8)}
+    assert sampled[1] == sampled[3] == sampled[8]
+
+
+def test_a_head_that_cannot_be_reproduced_is_refused(tiny):
+    """A target whose own forward changes the logits in a way ``LogitHead`` does not know is refused, not served."""
+    from pipeline.models.target import logit_head
+
+    target = load_target(str(tiny.target_dir("llama")))
+    forward = target.model.forward
+
+    def doubled(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.logits = out.logits * 2.0
+        return out
+
+    target.model.forward = doubled
+    with pytest.raises(ValueError, match="computes its logits in a way BlockPilot does not reproduce"):
+        logit_head(target.model)
+    with pytest.raises(ValueError, match="cannot be served losslessly"):
+        SpeculativeDecoder(target)

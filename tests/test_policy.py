@@ -229,3 +229,51 @@ def test_departure_gain_lower_bound_needs_consistent_wins():
     assert case([0.5] * 10) == steady  # seeded: deterministic
     with pytest.raises(ValueError, match="fallback_confidence"):
         departure_gain(torch.zeros(2, 3), torch.zeros(2, 3), 1, 0.5, confidence=1.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 15 item 4: predictor.json checked against its net, its fallback and the config
+# ------------------------------------------------------------------------------------------------
+def _exported(directory: Path, **json_edits) -> Path:
+    """A 5-class predictor (candidates 2..6, fallback B=4) exported to ``directory``, then ``json_edits`` applied."""
+    from pipeline.policy.export import export_predictor
+
+    spec = FeatureSpec(k=2, vocab_size=16)
+    net = build_predictor("mlp", Featurizer(spec).dim, 5, hidden=8, num_layers=1)
+    out = export_predictor(directory, net, spec, [2, 3, 4, 5, 6], {"fallback": {"block_size": 4, "margin": 0.1}})
+    meta = json.loads((out / "predictor.json").read_text())
+    meta.update({k: (v(meta[k]) if callable(v) else v) for k, v in json_edits.items()})
+    (out / "predictor.json").write_text(json.dumps(meta))
+    return out
+
+
+def test_predictor_json_must_match_its_net_and_fallback(tmp_path):
+    """A 5-class net whose json lists 3 candidates used to load and then raise IndexError on the first pick; a
+    fallback block size outside the candidates silently dropped the safety fallback."""
+    from pipeline.policy import load_predictor
+
+    good = load_predictor(_exported(tmp_path / "good"))
+    assert good.candidates == [2, 3, 4, 5, 6] and good.predict(torch.randn(16)) in good.candidates
+    with pytest.raises(ValueError, match=r"predictor.json: predictor net has 5 classes but 3 candidates \[2, 3, 4\]"):
+        load_predictor(_exported(tmp_path / "three", candidates=[2, 3, 4]))
+    with pytest.raises(ValueError, match=r"fallback block size 8 is not one of its candidates \[2, 3, 4, 5, 6\]"):
+        load_predictor(_exported(tmp_path / "fallback", fallback={"block_size": 8, "margin": 0.1}))
+    with pytest.raises(ValueError, match=r"predictor.safetensors does not fit the net described in .*predictor.json"):
+        load_predictor(_exported(tmp_path / "wide", arch_config=lambda c: {**c, "hidden": 16}))
+    with pytest.raises(ValueError, match="fallback block size 9"):
+        Predictor(good.net, good.featurizer, [2, 3, 4, 5, 6], {"fallback": {"block_size": 9, "margin": 0.0}})
+
+
+def test_predictor_candidates_must_match_model_candidates(tmp_path):
+    """Candidates [2..6] against model.candidates=[6..10] used to load silently."""
+    from pipeline.evaluate import load_method_predictor
+
+    _exported(tmp_path / "predictors" / "mlp")
+
+    def cfg(*overrides):
+        with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+            return compose("evaluate", [f"eval.predictor_dir={tmp_path / 'predictors'}", *overrides])
+
+    with pytest.raises(ValueError, match=r"chooses among block sizes \[2, 3, 4, 5, 6\], but model.candidates=\[6, 7, 8, 9, 10\]"):
+        load_method_predictor(cfg(), "blockpilot")
+    assert load_method_predictor(cfg("model.candidates=[2,3,4,5,6]"), "blockpilot").candidates == [2, 3, 4, 5, 6]

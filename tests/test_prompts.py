@@ -153,3 +153,11 @@ def test_offset_gives_prompts_a_limited_run_never_saw(five_prompts):
     assert [p.id for p in load_prompt_sets([{"source": five_prompts}], 1, 1, offset=4)] == [every[4].id]
     with pytest.raises(ValueError, match="data.offset"):
         load_prompt_set(five_prompts, offset=-1)
+
+
+@pytest.mark.parametrize("bad_line", ['{"id": "p9", "turns": ["cut he', '[1, 2', "not json at all"])
+def test_a_truncated_jsonl_line_names_the_file_and_line(tmp_path, bad_line):
+    """Issue 15 item 6: a cut line used to raise a bare JSONDecodeError with neither file nor line number."""
+    path = write_jsonl(tmp_path / "cut.jsonl", [{"id": "p0", "turns": ["fine"]}, "", bad_line])
+    with pytest.raises(ValueError, match=r"cut.jsonl:3: not valid JSON .*fix or remove that line"):
+        load_prompt_set(path)

@@ -10,6 +10,8 @@ At T=0 the token is the argmax.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -22,12 +24,12 @@ class PositionKeyedSampler:
         vocab_size: V, the logits' last dimension.
 
     Raises:
-        ValueError: for a negative temperature.
+        ValueError: for a negative, NaN or infinite temperature.
     """
 
     def __init__(self, temperature: float, seed: int, vocab_size: int):
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not math.isfinite(float(temperature)) or temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
         self.temperature = float(temperature)
         self.seed = int(seed)
         self.vocab_size = vocab_size

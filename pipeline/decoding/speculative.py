@@ -19,7 +19,14 @@ from pipeline.decoding.sampling import PositionKeyedSampler
 from pipeline.decoding.schedules import BlockSizeSchedule, FixedSchedule
 from pipeline.models.backend import LMHead, resolve_backend, set_backend
 from pipeline.models.drafter import DFlashDrafter, check_compatible
-from pipeline.models.target import Target
+from pipeline.models.target import Target, logit_head, new_cache
+
+
+class PromptTooLongError(ValueError):
+    """A request whose prompt plus ``max_new_tokens`` does not fit the target's context (a ``ValueError``).
+
+    The label and eval stages skip such a request with a warning naming it instead of stopping the run.
+    """
 
 
 @dataclass
@@ -112,7 +119,7 @@ class RequestStats:
 def crop_to(cache: DynamicCache, length: int) -> None:
     """Roll ``cache`` back to its first ``length`` tokens (transformers 5 ``crop`` takes -tokens_to_drop)."""
     remove = cache.get_seq_length() - length
-    if remove > 0:
+    if remove >= 0:  # crop(0) still trims sliding-window layers back to their window
         cache.crop(-remove)
 
 
@@ -167,14 +174,15 @@ class SpeculativeDecoder:
         self.drafter = drafter
         self.draft_head = self.draft_vocab = None
         if drafter is not None:
-            check_compatible(drafter, target.model.config)
+            check_compatible(drafter, target.model.config, target.name)
             self.draft_head = drafter.draft_head(self.lm_head)  # [N, H] rows the drafter scores
             self.draft_vocab = drafter.draft_vocab
         self.backend = resolve_backend(backend, self.model.device, self.model.dtype)
         set_backend(self.base, self.backend)
         if drafter is not None:
             set_backend(drafter, self.backend)
-        self.head = LMHead(self.lm_head, self.backend)  # [..., H] -> [..., V] target logits
+        # [..., H] -> [..., V] target logits as the model computes them (bias, scaling, softcapping)
+        self.head = logit_head(target.model).with_backend(self.backend)
         self.drafter_head = LMHead(self.draft_head, self.backend) if drafter is not None else None
         self.max_context = int(getattr(target.model.config, "max_position_embeddings", 1 << 30))
         self.stop_ids = set(target.stop_token_ids())
@@ -197,14 +205,14 @@ class SpeculativeDecoder:
             )
 
     def check_prompt(self, input_ids: torch.Tensor, max_new_tokens: int) -> None:
-        """Raise ``ValueError`` for an empty prompt or one that leaves no room for ``max_new_tokens``."""
+        """Raise ``ValueError`` for an empty prompt, or ``PromptTooLongError`` for one that leaves no room for ``max_new_tokens``."""
         n = input_ids.shape[-1]
         if n == 0:
             raise ValueError("prompt is empty: give at least one token (check the prompt set's 'turns')")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if n + max_new_tokens > self.max_context:
-            raise ValueError(
+            raise PromptTooLongError(
                 f"prompt of {n} tokens + max_new_tokens {max_new_tokens} exceeds the target's context of "
                 f"{self.max_context} tokens; shorten the prompt or lower decode.max_new_tokens"
             )
@@ -297,7 +305,7 @@ class SpeculativeDecoder:
         self.check_prompt(input_ids, config.max_new_tokens)
         sampler = PositionKeyedSampler(config.temperature, config.seed, self.lm_head.shape[0])
         t0 = _now(self.device)
-        cache = DynamicCache(config=self.model.config)
+        cache = new_cache(self.model)
         want = want_features and self.drafter is not None
         last_logits, features = self.target_forward(input_ids, cache, 0, want_features=want, last_only=True)
         first = int(sampler.pick(last_logits, input_ids.shape[1])[0])

@@ -27,8 +27,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from pipeline.models.drafter import lm_head_logits
-from pipeline.models.target import Target
+from pipeline.models.target import Target, logit_head
 from pipeline.prompts import Prompt, chat_input_ids
 
 log = logging.getLogger(__name__)
@@ -55,7 +54,7 @@ def generate_batch(
     model, base = target.model, target.model.base_model
     device = model.device
     stop = torch.tensor(target.stop_token_ids(), device=device)
-    lm_head = model.get_output_embeddings().weight
+    head = logit_head(model)  # bias, scaling, softcapping as the model's forward applies them
     s, width = len(prompt_ids), max(len(p) for p in prompt_ids)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     ids = torch.full((s, width), pad, dtype=torch.long, device=device)
@@ -74,7 +73,7 @@ def generate_batch(
                    use_cache=True, output_hidden_states=with_features)
         if with_features:
             tapped = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.bfloat16)
-        nxt = lm_head_logits(out.last_hidden_state[:, -1], lm_head).argmax(-1)
+        nxt = head(out.last_hidden_state[:, -1]).argmax(-1)
         finished = torch.isin(nxt, stop) | (step == max_new_tokens - 1)
         for j, r in enumerate(rows):
             if with_features:

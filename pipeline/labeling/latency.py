@@ -28,6 +28,7 @@ from transformers import DynamicCache
 
 from pipeline.decoding.sampling import PositionKeyedSampler
 from pipeline.decoding.speculative import RequestStats, SpeculativeDecoder, _now, crop_to
+from pipeline.models.target import new_cache
 
 
 def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -203,7 +204,7 @@ def measure_latency(decoder: SpeculativeDecoder, block_sizes: Sequence[int], con
         state = {}
 
         def prefill() -> None:
-            cache = DynamicCache(config=model.config)
+            cache = new_cache(model)
             logits, features = decoder.target_forward(ids[:, :length], cache, 0, want_features=drafter is not None,
                                                       last_only=True)
             sampler.pick(logits, length)

@@ -10,6 +10,11 @@ Sharding: prompt i of the configured sets (deterministic order) belongs to shard
 ``torchrun`` each rank further splits its shard (effective shard ``shard * WORLD_SIZE + RANK`` of
 ``num_shards * WORLD_SIZE``) and uses GPU ``LOCAL_RANK``. All workers append to the same directory;
 ``read_labels`` merges them. A rerun skips prompts already stored, so a killed run resumes.
+
+A request that does not fit the target's context (prompt + ``decode.max_new_tokens``) is skipped with a warning
+naming it, together with the later turns of its prompt (they are longer still), and recorded in the label
+directory's ``skipped.jsonl`` (``LabelStore.record_skipped``) and in the summary's ``skipped``; the other prompts are
+labelled as usual.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from pipeline.decoding.speculative import DecodeConfig, SpeculativeDecoder
+from pipeline.config_checks import validate_config
+from pipeline.decoding.speculative import DecodeConfig, PromptTooLongError, SpeculativeDecoder
 from pipeline.labeling.latency import LatencyModel, measure_latency
 from pipeline.labeling.oracle import LabelSettings, check_candidates, label_prompt
 from pipeline.labeling.store import LabelStore
@@ -131,12 +137,14 @@ def run_label(cfg: DictConfig, decoder: SpeculativeDecoder | None = None,
         on_prompt: called with each finished request's row (after it is queued for writing); an exception raised
             there stops the run like a kill would, after the queued rows are written.
     Returns:
-        {"out_dir", "shard", "num_shards", "labelled" (requests, this call), "skipped" (requests already stored),
-        "label_tau" (counts of this call's labels)}.
+        {"out_dir", "shard", "num_shards", "labelled" (requests, this call), "already_done" (requests already stored),
+        "skipped" (``[{"id", "reason"}]``: requests that do not fit the target's context), "label_tau" (counts of this
+        call's labels)}.
+    Raises:
+        ValueError: for a bad config (``validate_config``, before the model loads).
     """
+    validate_config(cfg, "label")
     turns_mode = str(cfg.label.get("turns", "all"))
-    if turns_mode not in ("all", "first"):
-        raise ValueError(f"label.turns must be 'all' or 'first', got {turns_mode!r}")
     torch.manual_seed(int(cfg.seed))
     if cfg.label.get("num_threads"):
         torch.set_num_threads(int(cfg.label.num_threads))
@@ -168,7 +176,7 @@ def run_label(cfg: DictConfig, decoder: SpeculativeDecoder | None = None,
     if settings.mode == "replay":
         latency = LatencyModel.from_dict(meta["latency_model"])  # the first worker's model, for all workers
 
-    done = store.done_ids()
+    done = store.done_ids(set_aside_bad=True)  # a truncated or garbled shard is moved aside and relabelled
     all_turns = turns_mode == "all"
     requests = {p.id: label_turns(p, all_turns) for p in prompts}
     todo = [p for p in prompts if any(request_id(p.id, t) not in done for t in requests[p.id])]
@@ -179,26 +187,41 @@ def run_label(cfg: DictConfig, decoder: SpeculativeDecoder | None = None,
              store.directory)
     tokenizer = decoder.target.tokenizer
     if todo and cfg.label.get("warmup", True):
-        decoder.generate(chat_input_ids(tokenizer, todo[0].turns[:1]), max(settings.candidates),
-                         DecodeConfig(min(8, settings.max_new_tokens), settings.temperature, settings.seed))
+        for prompt in todo:  # the first prompt that fits the context
+            try:
+                decoder.generate(chat_input_ids(tokenizer, prompt.turns[:1]), max(settings.candidates),
+                                 DecodeConfig(min(8, settings.max_new_tokens), settings.temperature, settings.seed))
+                break
+            except PromptTooLongError:
+                continue
     run = init_wandb(cfg, job_type="label")
     flush_every = max(1, int(cfg.label.flush_every))
     queued: list[dict] = []
     labels: Counter = Counter()
+    skipped: list[dict] = []
     try:
         progress = tqdm(total=total, initial=total - pending, desc=f"label {shard}/{num_shards}", unit="request")
         for prompt in todo:
             replies: list[str] = []
             turns = requests[prompt.id]
-            for turn in turns:
+            for position, turn in enumerate(turns):
                 rid = request_id(prompt.id, turn)
                 input_ids = chat_input_ids(tokenizer, prompt.turns, replies)
-                if rid in done:  # labelled by an earlier run: only its reply is needed, for the next turn
-                    if turn < turns[-1]:
-                        reply_ids = decoder.generate(input_ids, 1, settings.decode_config(settings.seed)).output_ids
-                        replies.append(tokenizer.decode(reply_ids, skip_special_tokens=True))
-                    continue
-                result = label_prompt(decoder, input_ids, settings, latency)
+                try:
+                    if rid in done:  # labelled by an earlier run: only its reply is needed, for the next turn
+                        if turn < turns[-1]:
+                            reply_ids = decoder.generate(input_ids, 1, settings.decode_config(settings.seed)).output_ids
+                            replies.append(tokenizer.decode(reply_ids, skip_special_tokens=True))
+                        continue
+                    result = label_prompt(decoder, input_ids, settings, latency)
+                except PromptTooLongError as err:
+                    later = [request_id(prompt.id, t) for t in turns[position:] if request_id(prompt.id, t) not in done]
+                    log.warning("skipping request(s) %s: %s", later, err)
+                    entries = [{"id": r, "reason": str(err)} for r in later]
+                    store.record_skipped(entries)
+                    skipped += entries
+                    progress.update(len(later))
+                    break
                 replies.append(tokenizer.decode(result.reply_ids, skip_special_tokens=True))
                 row = {"id": rid, "source_set": prompt.source_set, "shard": shard, "num_shards": num_shards,
                        **result.row}
@@ -220,4 +243,5 @@ def run_label(cfg: DictConfig, decoder: SpeculativeDecoder | None = None,
             run.summary.update({"labelled": sum(labels.values()), **{f"label_tau/{b}": c for b, c in labels.items()}})
             run.finish()
     return {"out_dir": str(store.directory), "shard": shard, "num_shards": num_shards,
-            "labelled": sum(labels.values()), "skipped": total - pending, "label_tau": dict(labels)}
+            "labelled": sum(labels.values()), "already_done": total - pending, "skipped": skipped,
+            "label_tau": dict(labels)}

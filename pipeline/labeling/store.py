@@ -15,6 +15,11 @@ way, first writer wins, and later workers check that their settings match it.
 ``read_labels`` merges every shard file of a directory (sorted by ``id``, de-duplicated), so the
 dataset of n workers equals the dataset of one; ``merge_labels`` consolidates several directories
 (e.g. one per machine) into one.
+
+A shard file that cannot be read (truncated, empty, not Parquet) or lacks a column of ``LABEL_SCHEMA`` raises
+``BadShardError`` naming the file and the fix. A resumed label run (``done_ids(set_aside_bad=True)``) moves such
+a file into ``bad-shards/`` with a warning instead, so its requests are labelled again. Requests skipped because
+they do not fit the target's context are listed in ``skipped.jsonl`` (``record_skipped``, ``read_skipped``).
 """
 
 from __future__ import annotations
@@ -34,6 +39,23 @@ log = logging.getLogger(__name__)
 
 META_NAME = "meta.json"
 SHARD_GLOB = "shard-*.parquet"
+SKIPPED_NAME = "skipped.jsonl"
+BAD_DIR = "bad-shards"
+
+
+class BadShardError(ValueError):
+    """A label shard file that is unreadable or lacks columns; the message names the file and the fix.
+
+    Attributes:
+        file: the shard file; problem: what is wrong with it.
+    """
+
+    def __init__(self, file: Path, problem: str):
+        super().__init__(
+            f"label shard {file} {problem}. Rerun the label stage on this directory with the same settings "
+            f"(python -m pipeline.label run_name=... label.out_dir={file.parent}): it moves bad shards to "
+            f"{file.parent / BAD_DIR} and labels their requests again; or delete {file.name}")
+        self.file, self.problem = file, problem
 
 LABEL_SCHEMA = pa.schema([
     ("id", pa.string()),
@@ -63,6 +85,28 @@ as float16 bytes when kept, ``entropy`` in nats); ``prompt_tokens``, ``prefill_m
 # meta.json keys that must agree between workers writing the same directory
 META_KEYS = ("target", "drafter", "training_block_size", "candidates", "temperature", "repeats", "seed",
              "max_new_tokens", "mode", "topk", "store_full_logits")
+
+
+def read_shard(file: str | Path, columns: list[str] | None = None) -> pa.Table:
+    """One shard file as a table in ``LABEL_SCHEMA`` (or just ``columns`` of it).
+
+    Raises:
+        BadShardError: when the file is truncated, empty or not Parquet, lacks a ``LABEL_SCHEMA`` column, or holds a
+            column of another type; the message names the file and the fix.
+    """
+    file = Path(file)
+    try:
+        names = pq.read_schema(file).names
+    except (pa.ArrowException, OSError) as err:
+        raise BadShardError(file, f"is not a readable Parquet file (truncated or empty?): {err}") from err
+    missing = [c for c in LABEL_SCHEMA.names if c not in names]
+    if missing:
+        raise BadShardError(file, f"lacks columns {missing} (written by another version of the label stage?)")
+    wanted = columns or LABEL_SCHEMA.names
+    try:
+        return pq.read_table(file, columns=wanted).cast(pa.schema([LABEL_SCHEMA.field(c) for c in wanted]))
+    except (pa.ArrowException, OSError) as err:
+        raise BadShardError(file, f"cannot be read in the label schema: {err}") from err
 
 
 def _publish(tmp: Path, directory: Path, pattern: str, start: int) -> Path:
@@ -98,12 +142,48 @@ class LabelStore:
         """The published shard files, in name order."""
         return sorted(self.directory.glob(SHARD_GLOB)) if self.directory.is_dir() else []
 
-    def done_ids(self) -> set[str]:
-        """Ids of every prompt already labelled in this directory (by any worker)."""
+    def done_ids(self, set_aside_bad: bool = False) -> set[str]:
+        """Ids of every request already labelled in this directory (by any worker).
+
+        Args:
+            set_aside_bad: move unreadable shard files into ``bad-shards/`` (with a warning naming each) so that
+                their requests count as not done and get labelled again (the resume path); False raises instead.
+        Raises:
+            BadShardError: for a bad shard file when ``set_aside_bad`` is False.
+        """
         ids: set[str] = set()
         for file in self.shard_files():
-            ids.update(pq.read_table(file, columns=["id"]).column("id").to_pylist())
+            try:
+                ids.update(read_shard(file, ["id"]).column("id").to_pylist())
+            except BadShardError as err:
+                if not set_aside_bad:
+                    raise
+                aside = self.directory / BAD_DIR / f"{file.stem}-{uuid.uuid4().hex[:8]}{file.suffix}"
+                aside.parent.mkdir(exist_ok=True)
+                os.replace(file, aside)
+                log.warning("label shard %s %s; moved it to %s: its requests will be labelled again", file, err.problem, aside)
         return ids
+
+    def record_skipped(self, entries: list[dict]) -> None:
+        """Append ``[{"id", "reason"}]`` of requests skipped by the label stage to ``skipped.jsonl`` (new ids only)."""
+        known = {e["id"] for e in self.read_skipped()}
+        lines = "".join(json.dumps(e) + "\n" for e in entries if e["id"] not in known)
+        if lines:
+            with (self.directory / SKIPPED_NAME).open("a") as f:  # one write per call: whole lines from each worker
+                f.write(lines)
+
+    def read_skipped(self) -> list[dict]:
+        """The requests listed in ``skipped.jsonl`` (``[{"id", "reason"}]``; empty when none were skipped)."""
+        path = self.directory / SKIPPED_NAME
+        if not path.is_file():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill
+        return out
 
     def write(self, rows: list[dict]) -> Path | None:
         """Write ``rows`` as one new shard file, atomically; returns its path (None for no rows).
@@ -165,11 +245,12 @@ def read_labels(directory: str | Path) -> pd.DataFrame:
 
     Raises:
         FileNotFoundError: when the directory holds no shard file (run ``make label`` first).
+        BadShardError: for a truncated, empty or garbled shard file or one missing a column (names the file and the fix).
     """
     files = LabelStore(directory, create=False).shard_files()
     if not files:
         raise FileNotFoundError(f"no {SHARD_GLOB} in {directory}; run the label stage first (make label)")
-    table = pa.concat_tables([pq.read_table(f).select(LABEL_SCHEMA.names).cast(LABEL_SCHEMA) for f in files])
+    table = pa.concat_tables([read_shard(f) for f in files])
     frame = table.to_pandas()
     frame = frame.drop_duplicates("id", keep="first").sort_values("id", kind="mergesort")
     return frame.reset_index(drop=True)

@@ -12,6 +12,10 @@ Checkpoint layout (a public ``z-lab/Qwen3-4B-DFlash-b16`` loads unchanged)::
                        dflash_config.{target_layer_ids, mask_token_id}
     model.safetensors  layers.*, fc.weight, hidden_norm.weight, norm.weight
 
+Attention layers follow the config's ``layer_types`` as z-lab's code does: a ``sliding_attention`` layer is causal
+(unless the config sets ``is_causal``) and sees only keys within ``sliding_window`` positions of the query; a
+``full_attention`` layer (the default) sees every key, non-causally.
+
 Optional extension (absent from z-lab checkpoints, which then use the full vocabulary): a draft
 vocabulary, ``dflash_config.draft_vocab_size`` = N and tensor ``draft_vocab`` int64 [N] of target token
 ids, as in EAGLE-3's reduced draft head. The drafter then scores only those N rows of the target's LM
@@ -79,7 +83,7 @@ def make_drafter_config(
         num_key_value_heads=tc.num_key_value_heads,
         head_dim=head_dim,
         max_position_embeddings=tc.max_position_embeddings,
-        rms_norm_eps=tc.rms_norm_eps,
+        rms_norm_eps=getattr(tc, "rms_norm_eps", None) or getattr(tc, "layer_norm_eps", 1e-6),
         rope_parameters=dict(rope),
         tie_word_embeddings=False,
     )
@@ -99,8 +103,31 @@ def _apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     return q, k
 
 
+def window_mask(q_len: int, k_len: int, causal: bool, sliding_window: int | None, device=None) -> torch.Tensor:
+    """Which keys each query may see when the queries are the last ``q_len`` of ``k_len`` positions (z-lab's rule).
+
+    Causal: key position <= query position. Sliding window w: query - key < w (and, non-causal, key - query < w).
+    Returns:
+        bool [1, 1, q_len, k_len], True = may attend.
+    """
+    query = (k_len - q_len + torch.arange(q_len, device=device))[:, None]
+    key = torch.arange(k_len, device=device)[None, :]
+    visible = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    if causal:
+        visible &= key <= query
+    if sliding_window is not None:
+        visible &= query - key < sliding_window
+        if not causal:
+            visible &= key - query < sliding_window
+    return visible[None, None]
+
+
 class DFlashAttention(nn.Module):
-    """Attention of one draft layer: block queries over [context features ; block] keys/values."""
+    """Attention of one draft layer: block queries over [context features ; block] keys/values.
+
+    ``layer_types[layer_idx] == "sliding_attention"`` makes the layer causal (unless ``config.is_causal`` says
+    otherwise) with a window of ``config.sliding_window`` positions, as in z-lab's ``Qwen3DFlashAttention``.
+    """
 
     def __init__(self, config: Qwen3Config, layer_idx: int):
         super().__init__()
@@ -114,6 +141,11 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        layer_types = getattr(config, "layer_types", None)
+        layer_type = layer_types[layer_idx] if layer_types else "full_attention"
+        is_causal = getattr(config, "is_causal", None)
+        self.is_causal = layer_type == "sliding_attention" if is_causal is None else bool(is_causal)
+        self.sliding_window = int(config.sliding_window) if layer_type == "sliding_attention" else None
 
     def forward(
         self,
@@ -134,6 +166,9 @@ class DFlashAttention(nn.Module):
         q, k = _apply_rotary(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
+        if self.is_causal or self.sliding_window is not None:
+            window = window_mask(q_len, k.shape[-2], self.is_causal, self.sliding_window, q.device)
+            attention_mask = window if attention_mask is None else attention_mask & window
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attention_mask, enable_gqa=self.num_heads != self.num_kv_heads
         )
@@ -274,7 +309,8 @@ class DFlashDrafter(nn.Module):
 
         Raises:
             FileNotFoundError: when neither a local directory nor a reachable hub id.
-            ValueError: when the checkpoint's weights do not match its config.
+            ValueError: when the checkpoint's weights do not match its config (names the tensors; for ``fc.weight``
+                the number of taps the weights were made for).
         """
         directory = Path(name_or_path)
         if not directory.is_dir():
@@ -292,6 +328,20 @@ class DFlashDrafter(nn.Module):
         state = {}
         for file in sorted(directory.glob("*.safetensors")):
             state.update(load_file(file))
+        expected = model.state_dict()
+        wrong = {k: (tuple(v.shape), tuple(expected[k].shape)) for k, v in state.items()
+                 if k in expected and tuple(v.shape) != tuple(expected[k].shape)}
+        if wrong:
+            taps = len(model.target_layer_ids)
+            hint = ""
+            if "fc.weight" in wrong:
+                made_for = wrong["fc.weight"][0][1] / config.hidden_size
+                hint = (f" fc.weight is made for {made_for:g} target-layer taps but dflash_config.target_layer_ids lists {taps} "
+                        f"({model.target_layer_ids}): set target_layer_ids in {directory / CONFIG_NAME} to the taps it was "
+                        "trained with.")
+            details = "; ".join(f"{k}: checkpoint {a} vs config {b}" for k, (a, b) in list(wrong.items())[:5])
+            raise ValueError(f"drafter checkpoint {directory} does not match its config ({details}).{hint} "
+                             "Use the config.json saved with these weights.")
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [k for k in missing if "rotary_emb" not in k]
         if missing or unexpected:
@@ -300,12 +350,41 @@ class DFlashDrafter(nn.Module):
         return model
 
 
-def check_compatible(drafter: DFlashDrafter, target_config: PretrainedConfig) -> None:
+def _name_key(name: str | None) -> str | None:
+    """``Qwen/Qwen3-4B``, ``/models/Qwen3-4B`` -> ``qwen3-4b`` (the last path component, lower case)."""
+    return str(name).rstrip("/").split("/")[-1].lower() if name else None
+
+
+def drafter_target_name(config: PretrainedConfig) -> str | None:
+    """The target a drafter config names (``dflash_config.target_model``, ``target_model`` or
+    ``target_model_name_or_path``), or None when it names none (z-lab checkpoints)."""
+    dflash = getattr(config, "dflash_config", None) or {}
+    for name in (dflash.get("target_model"), getattr(config, "target_model", None),
+                 getattr(config, "target_model_name_or_path", None)):
+        if name:
+            return str(name)
+    return None
+
+
+def check_compatible(drafter: DFlashDrafter, target_config: PretrainedConfig, target_name: str | None = None) -> None:
     """Raise a ``ValueError`` naming the fix when a drafter cannot serve a target.
 
-    Checks hidden size, vocabulary size and that every tapped layer exists in the target.
+    Checks hidden size, vocabulary size, the number of target layers the drafter was trained on
+    (``num_target_layers``, when the config records it), that every tapped layer exists in the target, and,
+    when both are known, that the target the drafter's config names is this one (compared by the last path
+    component: ``Qwen/Qwen3-4B`` matches ``/models/Qwen3-4B``).
+
+    Args:
+        target_name: the id the target was loaded from (``Target.name``), or None to skip the name check.
     """
     problems = []
+    trained_layers = getattr(drafter.config, "num_target_layers", None)
+    if trained_layers is not None and int(trained_layers) != target_config.num_hidden_layers:
+        problems.append(f"trained on a target with {trained_layers} layers (num_target_layers), this one has "
+                        f"{target_config.num_hidden_layers}")
+    named = drafter_target_name(drafter.config)
+    if named and target_name and _name_key(named) != _name_key(target_name):
+        problems.append(f"made for target {named!r}, not {target_name!r}")
     if drafter.config.hidden_size != target_config.hidden_size:
         problems.append(f"hidden size {drafter.config.hidden_size} != target's {target_config.hidden_size}")
     if drafter.config.vocab_size != target_config.vocab_size:

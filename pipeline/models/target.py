@@ -11,6 +11,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import dataclasses
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from pipeline import DATA_DIR
+from pipeline.models.backend import LMHead
 
 log = logging.getLogger(__name__)
 
@@ -179,3 +181,105 @@ def load_target(
 def target_config(name_or_path: str):
     """The target's ``PretrainedConfig`` without loading weights."""
     return AutoConfig.from_pretrained(resolve_target_path(name_or_path))
+
+
+# -- the target's cache and logits, computed the way the model's own forward does ----------------------
+def new_cache(model: PreTrainedModel):
+    """An empty KV cache for ``model`` that the decoder can roll back: a ``DynamicCache`` built from the config
+    (sliding-window layers get sliding layers) with past recording on, as z-lab's code does, so that a
+    sliding-window layer can be cropped after a verify step once the window is full (without it transformers
+    raises at B > 1). Crop it with ``pipeline.decoding.speculative.crop_to`` after every forward.
+
+    Returns:
+        ``transformers.DynamicCache``.
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    cache.activate_past_recording()
+    return cache
+
+
+@dataclass
+class LogitHead:
+    """How a target turns its last hidden states into logits: ``softcap(scale * (hidden @ weight.T + bias))``.
+
+    Attributes:
+        weight: [V, H] LM-head weight; bias: [V] or None; scale: multiplier (Cohere's ``logit_scale``, 1 /
+        Granite's ``logits_scaling``); softcap: ``final_logit_softcapping`` (Gemma 2/3: ``c * tanh(x / c)``) or None;
+        backend: the path of the ``hidden @ weight.T`` product (``eager`` or ``onednn``).
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    scale: float = 1.0
+    softcap: float | None = None
+    backend: str = "eager"  # the product's path (pipeline.models.backend): eager | onednn
+
+    def __post_init__(self) -> None:
+        self._product = LMHead(self.weight, self.backend)
+
+    def with_backend(self, backend: str) -> "LogitHead":
+        """The same head with its ``hidden @ weight.T`` on ``backend`` (``eager`` or ``onednn``)."""
+        return dataclasses.replace(self, backend=backend)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] (``hidden``'s dtype) of hidden states [..., H], as the model's forward computes them."""
+        logits = self._product(hidden)
+        if self.bias is not None:
+            logits = logits + self.bias
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def logit_head(model: PreTrainedModel, probe: bool = True) -> LogitHead:
+    """The ``LogitHead`` of ``model``: LM-head weight and bias, ``logit_scale`` / ``logits_scaling`` and
+    ``final_logit_softcapping`` from the model and its config; cached on the model.
+
+    Args:
+        probe: check it once against the model's own forward on a few tokens.
+    Raises:
+        ValueError: when the output embedding is not a linear layer, or the model's own logits differ from the
+            reproduced ones (a head transform this code does not know); the message names the model class.
+    """
+    cached = getattr(model, "_blockpilot_logit_head", None)
+    if cached is not None:
+        return cached
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"{type(model).__name__}'s output head is a {type(head).__name__}, not a linear layer: BlockPilot "
+                         "computes logits from the last hidden state with the head's weight and cannot serve this target")
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale = float(getattr(model, "logit_scale", None) or getattr(text, "logit_scale", None) or 1.0)
+    if getattr(text, "logits_scaling", None):
+        scale /= float(text.logits_scaling)
+    softcap = getattr(text, "final_logit_softcapping", None)
+    out = LogitHead(head.weight, head.bias, scale, float(softcap) if softcap else None)
+    if probe:
+        check_logit_head(model, out)
+    model._blockpilot_logit_head = out
+    return out
+
+
+@torch.inference_mode()
+def check_logit_head(model: PreTrainedModel, head: LogitHead, tokens: int = 4) -> None:
+    """Compare ``head`` applied to the base model's last hidden states with the model's own logits on ``tokens`` ids.
+
+    Raises:
+        ValueError: when they differ beyond rounding (float32: 1e-3, else 5e-2, relative to the logits' scale).
+    """
+    vocab = head.weight.shape[0]
+    ids = (torch.arange(1, tokens + 1, device=model.device) * 7919 % vocab)[None]
+    own = model(input_ids=ids).logits[0].float()
+    hidden = model.base_model(input_ids=ids).last_hidden_state[0]
+    ours = head(hidden).float()
+    tol = (1e-3 if head.weight.dtype == torch.float32 else 5e-2) * (1.0 + float(own.abs().max()))
+    diff = float((own - ours).abs().max())
+    if diff > tol:
+        raise ValueError(f"{type(model).__name__} computes its logits in a way BlockPilot does not reproduce (max difference "
+                         f"{diff:.3g} > {tol:.3g} on a probe): supported heads are linear with optional bias, logit_scale, "
+                         "logits_scaling and final_logit_softcapping; this target cannot be served losslessly")

@@ -47,6 +47,25 @@ class Predictor:
     candidates: list[int]
     meta: dict
 
+    def __post_init__(self) -> None:
+        """Check the candidates against the net and the fallback against the candidates.
+
+        Raises:
+            ValueError: for duplicate candidates, a class count that differs from the number of candidates, or a
+                fallback block size that is not a candidate (the safety fallback would silently not apply).
+        """
+        self.candidates = [int(c) for c in self.candidates]
+        if not self.candidates or len(set(self.candidates)) != len(self.candidates):
+            raise ValueError(f"predictor candidates {self.candidates} must be distinct block sizes, one per class")
+        classes = getattr(self.net, "config", {}).get("num_classes")
+        if classes is not None and int(classes) != len(self.candidates):
+            raise ValueError(f"predictor net has {classes} classes but {len(self.candidates)} candidates "
+                             f"{self.candidates}: its {CONFIG} does not belong to these weights; re-export it with make train")
+        fallback = self.meta.get("fallback")
+        if fallback and int(fallback["block_size"]) not in self.candidates:
+            raise ValueError(f"predictor fallback block size {fallback['block_size']} is not one of its candidates "
+                             f"{self.candidates}, so the safety fallback could never apply; re-export it with make train")
+
     @property
     def name(self) -> str:
         return str(self.meta.get("name", self.meta.get("arch", "predictor")))
@@ -62,7 +81,7 @@ class Predictor:
         """Block sizes (tokens) for scores [b, C]: the argmax, or with a ``fallback`` entry in ``meta``
         (``{"block_size", "margin"}``, set by the train stage) the rule of ``pipeline.policy.fallback``."""
         fallback = self.meta.get("fallback")
-        if fallback and int(fallback["block_size"]) in self.candidates:
+        if fallback:  # a fallback block size among the candidates (checked in __post_init__)
             index = apply_fallback(scores, self.candidates.index(int(fallback["block_size"])), float(fallback["margin"]))
         else:
             index = scores.argmax(-1)
@@ -113,7 +132,8 @@ def load_predictor(directory: str | Path, device: str | torch.device = "cpu") ->
 
     Raises:
         FileNotFoundError: when ``directory`` lacks the two files (names ``make train``).
-        ValueError: for a file of another format or version.
+        ValueError: for a file of another format or version, weights that do not fit ``arch_config``, a candidate
+            list whose length differs from the net's classes, or a fallback block size outside the candidates.
     """
     directory = Path(directory)
     if not (directory / CONFIG).exists() or not (directory / WEIGHTS).exists():
@@ -124,6 +144,14 @@ def load_predictor(directory: str | Path, device: str | torch.device = "cpu") ->
         raise ValueError(f"{directory / CONFIG} is not a {FORMAT} v{VERSION} file; re-export it with make train")
     cfg = dict(meta["arch_config"])
     net = build_predictor(meta["arch"], cfg.pop("in_dim"), cfg.pop("num_classes"), **cfg)
-    net.load_state_dict(load_file(directory / WEIGHTS))
+    try:
+        net.load_state_dict(load_file(directory / WEIGHTS))
+    except RuntimeError as err:
+        raise ValueError(f"{directory / WEIGHTS} does not fit the net described in {directory / CONFIG} "
+                         f"(arch {meta['arch']!r}, {meta['arch_config']}): {str(err).splitlines()[-1].strip()}; "
+                         "the two files come from different exports, re-export with make train") from err
     net.to(device).eval()
-    return Predictor(net, Featurizer(FeatureSpec.from_dict(meta["features"])), [int(c) for c in meta["candidates"]], meta)
+    try:
+        return Predictor(net, Featurizer(FeatureSpec.from_dict(meta["features"])), [int(c) for c in meta["candidates"]], meta)
+    except ValueError as err:
+        raise ValueError(f"{directory / CONFIG}: {err}") from err

@@ -1,0 +1,137 @@
+"""Configuration checks that run before any model loads: ``validate_config(cfg, stage)``.
+
+Every stage entry point calls ``validate_config`` first, so a bad value (``model.candidates=[0,8]``,
+``decode.block_size=-2``, ``decode.temperature=nan``, an unknown ``eval.methods`` entry) fails in
+milliseconds with a message naming the key and the fix, not after loading a target and decoding.
+Checks that need the loaded models (a block size beyond the drafter's limit, a predictor's vocabulary)
+stay with the code that loads them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+STAGES = ("label", "dataset", "train", "eval", "bench_label", "draft")
+EVAL_METHODS = ("ar", "fixed", "ema", "best_fixed", "oracle", "blockpilot", "full_vocab")
+PREDICTOR_METHODS = ("blockpilot", "full_vocab")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_block_size_value(value: Any, key: str) -> int:
+    """``value`` as a block size B >= 1 (tokens).
+
+    Raises:
+        ValueError: for a non-integer or B < 1 (0 included), naming ``key``.
+    """
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{key}={value!r}: a block size must be an integer >= 1 (1 = autoregressive); "
+                         f"set {key} to e.g. 8" + (" or null (the drafter's training block size)" if key == "decode.block_size" else ""))
+    return int(value)
+
+
+def check_block_sizes(values: Any, key: str) -> list[int]:
+    """A non-empty list of distinct block sizes >= 1.
+
+    Raises:
+        ValueError: for an empty list, a duplicate or a bad entry, naming ``key``.
+    """
+    if values is None or isinstance(values, (str, int)) or len(values) == 0:
+        raise ValueError(f"{key}={values!r}: give a non-empty list of block sizes, e.g. {key}=[6,7,8,9,10]")
+    out = [check_block_size_value(v, f"{key} entry") for v in values]
+    if len(set(out)) != len(out):
+        raise ValueError(f"{key}={out} has duplicates; list each block size once")
+    return out
+
+
+def check_temperature(value: Any, key: str = "decode.temperature") -> float:
+    """A finite temperature >= 0 (0 = greedy).
+
+    Raises:
+        ValueError: for a negative, NaN or infinite value (NaN passes a ``< 0`` test and would emit token 0 forever).
+    """
+    try:
+        t = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key}={value!r}: the temperature must be a number >= 0 (0 = greedy)") from None
+    if not math.isfinite(t) or t < 0:
+        raise ValueError(f"{key}={value!r}: the temperature must be a finite number >= 0 (0 = greedy), e.g. {key}=0.7")
+    return t
+
+
+def _check_decode(decode) -> None:
+    if not _is_int(decode.get("max_new_tokens")) or decode.max_new_tokens < 1:
+        raise ValueError(f"decode.max_new_tokens={decode.get('max_new_tokens')!r}: must be an integer >= 1")
+    check_temperature(decode.get("temperature", 0.0))
+    if not _is_int(decode.get("seed", 0)):
+        raise ValueError(f"decode.seed={decode.get('seed')!r}: must be an integer")
+    if decode.get("block_size") is not None:
+        check_block_size_value(decode.block_size, "decode.block_size")
+
+
+def _check_model(model) -> None:
+    check_block_sizes(model.get("candidates"), "model.candidates")
+    if model.get("training_block_size") is not None:
+        check_block_size_value(model.training_block_size, "model.training_block_size")
+
+
+def _check_eval(cfg) -> None:
+    methods = cfg.eval.get("methods")
+    if not methods or isinstance(methods, str):
+        raise ValueError(f"eval.methods={methods!r}: give a list, e.g. 'eval.methods=[ar,fixed]'")
+    unknown = [m for m in methods if m not in EVAL_METHODS]
+    if unknown:
+        raise ValueError(f"unknown eval.methods {unknown}; choose from {list(EVAL_METHODS)}")
+    for m in methods:
+        if m in PREDICTOR_METHODS and m not in (cfg.eval.get("predictors") or {}):
+            raise ValueError(f"eval method {m!r} needs eval.predictors.{m} (the predictor's sub-folder), e.g. eval.predictors.{m}=mlp")
+    split = str(cfg.eval.get("split", "auto") or "all")
+    if split not in ("auto", "all", "train", "validation", "test"):
+        raise ValueError(f"eval.split must be auto, all, train, validation or test; got {split!r}")
+
+
+def _check_label(cfg) -> None:
+    from pipeline.labeling.oracle import MODES
+    from pipeline.labeling.replay import LM_HEAD_MODES
+
+    label = cfg.label
+    check_block_sizes(label.get("block_sizes"), "label.block_sizes")
+    if str(label.get("mode", "replay")) not in MODES:
+        raise ValueError(f"label.mode={label.get('mode')!r}: choose one of {list(MODES)}")
+    if str(label.get("turns", "all")) not in ("all", "first"):
+        raise ValueError(f"label.turns must be 'all' or 'first', got {label.get('turns')!r}")
+    if str(label.get("lm_head", "auto")) not in LM_HEAD_MODES:
+        raise ValueError(f"label.lm_head={label.get('lm_head')!r}: choose one of {list(LM_HEAD_MODES)}")
+
+
+def validate_config(cfg, stage: str) -> None:
+    """Check the composed config of ``stage`` before any model or data loads.
+
+    Checks, where the groups exist: ``model.candidates`` (distinct integers >= 1), ``decode.max_new_tokens``
+    (>= 1), ``decode.temperature`` (finite, >= 0), ``decode.block_size`` (null or >= 1; 0 is not "default"),
+    ``data.limit`` (null or >= 0); for ``eval``: every ``eval.methods`` entry is known and each predictor
+    method has an ``eval.predictors`` entry, ``eval.split``; for ``label``: ``label.block_sizes``, ``mode``,
+    ``turns``, ``lm_head``.
+
+    Args:
+        cfg: the stage's composed ``DictConfig``.
+        stage: one of ``STAGES``.
+    Raises:
+        ValueError: for the first bad value, naming the key and the fix.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; one of {STAGES}")
+    if cfg.get("model") is not None and cfg.model.get("candidates") is not None:
+        _check_model(cfg.model)
+    if cfg.get("decode") is not None:
+        _check_decode(cfg.decode)
+    data = cfg.get("data")
+    if data is not None and data.get("limit") is not None and (not _is_int(data.limit) or data.limit < 0):
+        raise ValueError(f"data.limit={data.limit!r}: must be null (all prompts) or an integer >= 0")
+    if stage == "eval":
+        _check_eval(cfg)
+    if stage == "label":
+        _check_label(cfg)

@@ -1,0 +1,106 @@
+"""``validate_config``: bad settings fail before any model loads, with the key and the fix in the message
+(issue 15 items 1, 7 and 12)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipeline.config_checks import validate_config
+from pipeline.decoding import DecodeConfig
+from pipeline.decoding.sampling import PositionKeyedSampler
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Make every stage's model loading fail loudly, so a check that runs too late shows up as AssertionError."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the config was checked")
+
+    import pipeline.evaluate
+    import pipeline.labeling.runner
+
+    monkeypatch.setattr(pipeline.evaluate, "build_decoder", refuse)
+    monkeypatch.setattr(pipeline.labeling.runner, "build_decoder", refuse)
+
+
+def _eval_cfg(compose_config, tiny, tmp_path, *overrides):
+    return compose_config("evaluate", [f"model.target={tiny.target_dir('llama')}", f"model.drafter={tiny.drafter_dir('llama')}",
+                                       "logger.enabled=false", f"paths.data={tmp_path}", "eval.warmup=false", *overrides])
+
+
+@pytest.mark.parametrize("value", [0, -1, -2])
+def test_decode_block_size_zero_raises_like_negative(value, compose_config, tiny, tmp_path, no_model_load):
+    """Item 1: decode.block_size=0 used to become the training block size silently; 0, -1, -2 now fail alike, first."""
+    from pipeline.evaluate import evaluate
+
+    cfg = _eval_cfg(compose_config, tiny, tmp_path, f"decode.block_size={value}")
+    with pytest.raises(ValueError, match=rf"decode.block_size={value}: a block size must be an integer >= 1"):
+        evaluate(cfg)
+
+
+def test_block_size_beyond_the_drafter_fails_before_any_decode(compose_config, tiny, tmp_path):
+    """decode.block_size=17 (beyond the random drafter's limit 16) is refused when the schedules are built, not mid-run."""
+    from pipeline.evaluate import method_schedules
+
+    cfg = _eval_cfg(compose_config, tiny, tmp_path, "decode.block_size=17")
+    with pytest.raises(ValueError, match=r"decode.block_size=17: block size 17 is beyond this drafter's limit 16"):
+        method_schedules(cfg, tiny.decoder("llama"))
+    assert method_schedules(_eval_cfg(compose_config, tiny, tmp_path, "decode.block_size=16"), tiny.decoder("llama"))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.candidates=[0,8]", r"model.candidates entry=0: a block size must be an integer >= 1"),
+    ("model.candidates=[8,8]", r"model.candidates=\[8, 8\] has duplicates"),
+    ("model.candidates=[]", r"model.candidates=\[\]: give a non-empty list"),
+    ("decode.block_size=-2", r"decode.block_size=-2"),
+    ("decode.max_new_tokens=0", r"decode.max_new_tokens=0: must be an integer >= 1"),
+    ("decode.temperature=-0.5", r"decode.temperature=-0.5: the temperature must be a finite number >= 0"),
+    ("decode.temperature=nan", r"decode.temperature=nan: the temperature must be a finite number >= 0"),
+    ("decode.temperature=inf", r"decode.temperature=inf: the temperature must be a finite number >= 0"),
+    ("eval.methods=[ar,beam]", r"unknown eval.methods \['beam'\]; choose from"),
+    ("eval.split=dev", r"eval.split must be auto, all, train, validation or test; got 'dev'"),
+])
+def test_eval_config_is_checked_before_any_model_loads(override, message, compose_config, tiny, tmp_path, no_model_load):
+    """Item 12 (and 7): each of these used to pass silently or fail only after loading the target (and decoding)."""
+    from pipeline.evaluate import evaluate
+
+    with pytest.raises(ValueError, match=message):
+        evaluate(_eval_cfg(compose_config, tiny, tmp_path, override))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.candidates=[0,8]", r"label.block_sizes entry=0|model.candidates entry=0"),
+    ("label.block_sizes=[4,0]", r"label.block_sizes entry=0"),
+    ("decode.temperature=nan", r"decode.temperature=nan"),
+    ("label.mode=oracle", r"label.mode='oracle': choose one of"),
+])
+def test_label_config_is_checked_before_the_model_loads(override, message, compose_config, tiny, tmp_path, no_model_load):
+    from pipeline.labeling.runner import run_label
+
+    cfg = compose_config("label", [f"model.target={tiny.target_dir('llama')}", f"model.drafter={tiny.drafter_dir('llama')}",
+                                   "logger.enabled=false", f"paths.data={tmp_path}", override])
+    with pytest.raises(ValueError, match=message):
+        run_label(cfg)
+    assert not (tmp_path / "labels").exists()  # nothing written either
+
+
+def test_every_stage_config_passes_as_shipped(compose_config):
+    for stage, name in (("eval", "evaluate"), ("label", "label"), ("bench_label", "bench_label"), ("dataset", "dataset"),
+                        ("train", "train"), ("draft", "draft")):
+        validate_config(compose_config(name), stage)
+    validate_config(compose_config("evaluate", ["model=qwen3_4b", "decode.temperature=0.7",
+                                                "eval.methods=[ar,fixed,best_fixed,blockpilot,full_vocab,ema,oracle]"]), "eval")
+
+
+@pytest.mark.parametrize("temperature", [math.nan, math.inf, -math.inf])
+def test_non_finite_temperature_is_rejected_by_the_sampler_and_decoder(temperature, tiny):
+    """Item 7: NaN passed the old ``< 0`` check and every Gumbel-max pick became token 0."""
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        PositionKeyedSampler(temperature, 0, 16)
+    decoder = tiny.decoder("llama", kind=None)
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        decoder.generate(torch.tensor([[5, 6, 7]]), 1, DecodeConfig(4, temperature, 0))
