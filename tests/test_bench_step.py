@@ -1,0 +1,37 @@
+"""The step benchmark runs on tiny models (seconds): the CLI writes the JSON with the documented keys and
+a Markdown table. Speed goals are printed by the benchmark, not tested."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from pipeline import PROJECT_ROOT
+
+
+def test_bench_step_cli_writes_the_documented_keys(tiny, tmp_path):
+    out = tmp_path / "step.json"
+    cmd = [sys.executable, "-m", "pipeline.bench_step", f"model.target={tiny.target_dir('llama')}",
+           f"model.drafter={tiny.drafter_dir('llama', 'trained')}", "contexts=[16,40]", "widths=[1,2,8]",
+           "block_sizes=[2,8]", "repeats=2", "warmup=1", "num_threads=1", "'backends=[auto,eager]'",
+           f"out={out}", f"hydra.run.dir={tmp_path / 'run'}"]
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
+    result = subprocess.run(" ".join(cmd), shell=True, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    keys = ("ar_ms", "forward_ms", "drafter_ms", "step_ms", "step_over_ar")
+    assert data["backend"] == "onednn" and set(data["by_backend"]) == {"onednn", "eager"}
+    for per in [data, *data["by_backend"].values()]:
+        assert set(per["by_context"]) == {"16", "40"}
+        for fig in [per, *per["by_context"].values()]:
+            assert set(keys) <= set(fig)
+            assert set(fig["forward_ms"]) == {"1", "2", "8"}
+            assert set(fig["drafter_ms"]) == set(fig["step_ms"]) == set(fig["step_over_ar"]) == {"2", "8"}
+            assert fig["ar_ms"] > 0 and all(v > 0 for v in fig["step_ms"].values())
+            assert fig["step_over_ar"]["8"] == fig["step_ms"]["8"] / fig["ar_ms"]
+    assert data["by_backend"]["onednn"]["ar_ms"] == data["ar_ms"]  # the top level is the first context of the first backend
+    table = out.with_suffix(".md").read_text()
+    assert table.startswith("| backend | context | ar_ms") and table.count("\n") == 2 + 4
