@@ -8,10 +8,12 @@ committed; under CI a missing drafter fails the test, elsewhere it skips it.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import require
 from pipeline import PROJECT_ROOT
 from pipeline.decoding import DecodeConfig
+from pipeline.models.backend import module_backend, set_backend
 from pipeline.models.loading import build_decoder
 from pipeline.models.target import load_target
 from pipeline.prompts import chat_input_ids, load_prompt_set
@@ -38,11 +40,13 @@ def test_embedded_target(smollm2):
 def test_shipped_drafter_is_lossless_on_humaneval(smollm2, compose_config):
     require((SHIPPED_DRAFTER / "config.json").exists(),
             f"{SHIPPED_DRAFTER.relative_to(PROJECT_ROOT)} is not there yet (train it with `make draft`)")
-    # the default eval config: the embedded target + the shipped drafter (relative path, resolved from the root)
+    # the default eval config: the embedded target + the shipped drafter (relative path, resolved from the
+    # root) on the CPU default backend (model.backend=auto -> onednn)
     decoder = build_decoder(compose_config("evaluate").model)
     assert decoder.drafter.block_size == 8 and decoder.drafter.max_block_size == 16
+    assert decoder.backend == "onednn" and module_backend(decoder.target.model) == "onednn"
     config = DecodeConfig(max_new_tokens=32)
-    taus = []
+    taus, outputs = [], {}
     for prompt in load_prompt_set("humaneval", limit=3):
         ids = chat_input_ids(decoder.target.tokenizer, prompt.turns)
         ar = decoder.generate(ids, 1, config)
@@ -50,4 +54,11 @@ def test_shipped_drafter_is_lossless_on_humaneval(smollm2, compose_config):
         assert speculative.output_ids == ar.output_ids, f"B=8 diverges from ar on {prompt.id}"
         assert ar.new_tokens == 32 and not ar.stopped  # HumanEval answers run past 32 tokens
         taus.append(speculative.tau)
+        outputs[prompt.id] = (ids, ar.output_ids)
     assert sum(taus) / len(taus) > 1.0, taus  # the trained drafter gets drafts accepted
+    # the independent reference: transformers' own greedy generate on its own (eager) path
+    model = set_backend(decoder.target.model, "eager")
+    for prompt_id, (ids, ours) in outputs.items():
+        reference = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
+                                   eos_token_id=sorted(decoder.stop_ids), pad_token_id=decoder.target.tokenizer.pad_token_id)
+        assert ours == reference[0, ids.shape[1]:].tolist(), f"B=1 on onednn differs from generate on {prompt_id}"
