@@ -1,6 +1,7 @@
-"""The forward-path backends (``pipeline.models.backend``): oneDNN-prepacked linears give F.linear's
-values, are batch-invariant row by row, follow weight updates and gradients, and every decoder output
-on them is token-identical to transformers' own greedy ``generate`` and to B=1 for every B."""
+"""The forward-path backends (``pipeline.models.backend``): packed linears (oneDNN, and the smallm AVX2
+kernel) give F.linear's values, are batch-invariant row by row, follow weight updates and gradients, and
+every decoder output on them is token-identical to transformers' own greedy ``generate`` and to B=1 for
+every B."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipeline.decoding import DecodeConfig, SpeculativeDecoder
-from pipeline.models.backend import LMHead, OneDNNLinear, module_backend, resolve_backend, set_backend
+from pipeline.models.backend import SMALLM_MAX_ROWS, LMHead, PackedLinear, module_backend, resolve_backend, set_backend
 from pipeline.prompts import chat_input_ids
 
 PROMPTS = ["def add(a, b):", "Natalia sold clips to 48 of her friends", "The quick brown fox"]
@@ -32,27 +33,45 @@ def hf_greedy(target, ids: torch.Tensor, max_new_tokens: int, stop_ids) -> list[
     return out[0, ids.shape[1]:].tolist()
 
 
-@pytest.mark.parametrize("shape", [(576, 576), (37, 24), (1536, 576)])
-def test_onednn_linear_matches_f_linear_and_is_batch_invariant(shape):
+PACKED = ["onednn", "smallm"]
+
+
+@pytest.mark.parametrize("backend", PACKED)
+@pytest.mark.parametrize("shape", [(576, 576), (37, 24), (1536, 576), (16, 7)])
+def test_packed_linear_matches_f_linear_and_is_batch_invariant(shape, backend):
     torch.manual_seed(0)
     layer = nn.Linear(shape[1], shape[0], bias=True)
-    x = torch.randn(16, shape[1])
+    x = torch.randn(SMALLM_MAX_ROWS, shape[1])
     with torch.inference_mode():
         reference = F.linear(x, layer.weight, layer.bias)
-        set_backend(layer, "onednn")
-        assert type(layer) is OneDNNLinear and module_backend(layer) == "onednn"
+        state = {k: v.clone() for k, v in layer.state_dict().items()}
+        set_backend(layer, backend)
+        assert type(layer) is PackedLinear and module_backend(layer) == backend
         full = layer(x)
         torch.testing.assert_close(full, reference, atol=1e-4, rtol=1e-4)
-        for m in (1, 2, 3, 8):  # a row's result does not depend on how many rows share the call
-            assert torch.equal(layer(x[:m]), full[:m])
-        assert torch.equal(layer(x.view(2, 8, -1)).reshape(16, -1), full)  # [..., K] inputs
+        for m in (1, 2, 3, 5, 7, 8, 13, 16):  # a row's result does not depend on how many rows share the call
+            assert torch.equal(layer(x[:m]), full[:m]), f"{m} rows"
+        assert torch.equal(layer(x[:16].view(2, 8, -1)).reshape(16, -1), full[:16])  # [..., K] inputs
+        many = torch.randn(SMALLM_MAX_ROWS + 5, shape[1])  # a prefill-sized input
+        torch.testing.assert_close(layer(many), F.linear(many, layer.weight, layer.bias), atol=1e-4, rtol=1e-4)
     set_backend(layer, "eager")
     assert type(layer) is nn.Linear and not hasattr(layer, "_bp_packed")
+    assert all(torch.equal(v, state[k]) for k, v in layer.state_dict().items())
 
 
-def test_onednn_linear_repacks_after_a_weight_update_and_passes_gradients():
+def test_set_backend_switches_between_packed_backends():
+    layer = nn.Linear(8, 16)
+    set_backend(layer, "onednn")
+    set_backend(layer, "smallm")
+    assert module_backend(layer) == "smallm" and layer._bp_packed.kind == "smallm"
+    with pytest.raises(ValueError, match="resolve 'auto' first"):
+        set_backend(layer, "auto")
+
+
+@pytest.mark.parametrize("backend", PACKED)
+def test_packed_linear_repacks_after_a_weight_update_and_passes_gradients(backend):
     torch.manual_seed(0)
-    layer = set_backend(nn.Linear(16, 8, bias=False), "onednn")
+    layer = set_backend(nn.Linear(16, 8, bias=False), backend)
     x = torch.randn(3, 16)
     with torch.no_grad():
         before = layer(x)
@@ -66,16 +85,17 @@ def test_onednn_linear_repacks_after_a_weight_update_and_passes_gradients():
 def test_lm_head_backends_agree():
     torch.manual_seed(0)
     weight, hidden = torch.randn(1000, 64), torch.randn(2, 8, 64)
-    eager, onednn = LMHead(weight, "eager")(hidden), LMHead(weight, "onednn")(hidden)
-    assert eager.shape == onednn.shape == (2, 8, 1000)
-    torch.testing.assert_close(onednn, hidden @ weight.T, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(eager, hidden @ weight.T, atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="eager' or 'onednn"):
+    for backend in ["eager", *PACKED]:
+        logits = LMHead(weight, backend)(hidden)
+        assert logits.shape == (2, 8, 1000)
+        torch.testing.assert_close(logits, hidden @ weight.T, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="'eager', 'onednn' or 'smallm'"):
         LMHead(weight, "auto")
 
 
 def test_resolve_backend_names_the_fix():
-    assert resolve_backend("auto", "cpu", torch.float32) == "onednn"
+    assert resolve_backend("auto", "cpu", torch.float32) == "smallm"  # the CI CPU has AVX2
+    assert resolve_backend("smallm", "cpu", torch.float32) == "smallm"
     assert resolve_backend("auto", "cpu", torch.bfloat16) == "eager"
     assert resolve_backend("eager", "cpu", torch.float32) == "eager"
     with pytest.raises(ValueError, match="must be one of"):
@@ -83,10 +103,10 @@ def test_resolve_backend_names_the_fix():
     with pytest.raises(ValueError, match="float32 on CPU only"):
         resolve_backend("onednn", "cpu", torch.bfloat16)
     with pytest.raises(ValueError, match="float32 on CPU only"):
-        resolve_backend("onednn", "cuda", torch.float32)
+        resolve_backend("smallm", "cuda", torch.float32)
 
 
-@pytest.mark.parametrize("backend", ["eager", "onednn"])
+@pytest.mark.parametrize("backend", ["eager", *PACKED])
 def test_b1_equals_transformers_generate(tiny, arch, backend, eager_afterwards):
     """The independent reference: B=1 is transformers' greedy decoding, token for token."""
     target = tiny.target(arch)
@@ -102,17 +122,18 @@ def test_b1_equals_transformers_generate(tiny, arch, backend, eager_afterwards):
         assert ours == reference, f"B=1 on {backend} differs from generate on {text!r}"
 
 
-def test_onednn_is_lossless_for_every_block_size(tiny, eager_afterwards):
+@pytest.mark.parametrize("backend", PACKED)
+def test_packed_backends_are_lossless_for_every_block_size(tiny, backend, eager_afterwards):
     target = tiny.target("llama")
-    decoder = SpeculativeDecoder(target, tiny.drafter("llama", "trained"), backend="onednn")
-    assert module_backend(decoder.drafter) == "onednn" and decoder.head.backend == "onednn"
+    decoder = SpeculativeDecoder(target, tiny.drafter("llama", "trained"), backend=backend)
+    assert module_backend(decoder.drafter) == backend and decoder.head.backend == backend
     config, accepted = DecodeConfig(max_new_tokens=32), 0
     for text in PROMPTS:
         ids = chat_input_ids(target.tokenizer, [text])
         reference = decoder.generate(ids, 1, config).output_ids
         for B in range(2, 17):
             stats = decoder.generate(ids, B, config)
-            assert stats.output_ids == reference, f"B={B} on onednn diverges from B=1 on {text!r}"
+            assert stats.output_ids == reference, f"B={B} on {backend} diverges from B=1 on {text!r}"
             accepted += sum(t > 1 for t in stats.taus)
     assert accepted > 20  # drafts really were accepted
 

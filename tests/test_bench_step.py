@@ -23,7 +23,7 @@ def test_bench_step_cli_writes_the_documented_keys(tiny, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(out.read_text())
     keys = ("ar_ms", "forward_ms", "drafter_ms", "step_ms", "step_over_ar")
-    assert data["backend"] == "onednn" and set(data["by_backend"]) == {"onednn", "eager"}
+    assert data["backend"] == "smallm" and set(data["by_backend"]) == {"smallm", "eager"}
     for per in [data, *data["by_backend"].values()]:
         assert set(per["by_context"]) == {"16", "40"}
         for fig in [per, *per["by_context"].values()]:
@@ -32,6 +32,6 @@ def test_bench_step_cli_writes_the_documented_keys(tiny, tmp_path):
             assert set(fig["drafter_ms"]) == set(fig["step_ms"]) == set(fig["step_over_ar"]) == {"2", "8"}
             assert fig["ar_ms"] > 0 and all(v > 0 for v in fig["step_ms"].values())
             assert fig["step_over_ar"]["8"] == fig["step_ms"]["8"] / fig["ar_ms"]
-    assert data["by_backend"]["onednn"]["ar_ms"] == data["ar_ms"]  # the top level is the first context of the first backend
+    assert data["by_backend"]["smallm"]["ar_ms"] == data["ar_ms"]  # the top level is the first context of the first backend
     table = out.with_suffix(".md").read_text()
     assert table.startswith("| backend | context | ar_ms") and table.count("\n") == 2 + 4
