@@ -58,7 +58,9 @@ def smallm_kernel():
     from torch.utils.cpp_extension import load
 
     try:
-        return load("blockpilot_smallm", [str(_KERNEL)], extra_cflags=["-O3", "-mavx2", "-mfma"], verbose=False)
+        # -fopenmp: at::parallel_for runs on torch's OpenMP threads (torch's own libgomp.so.1 is already loaded)
+        return load("blockpilot_smallm", [str(_KERNEL)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as err:  # compiler, ninja or header problems
         raise RuntimeError(f"could not build the smallm kernel ({err}); install a C++ compiler and ninja, "
                            "or use model.backend=onednn") from err
