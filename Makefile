@@ -7,6 +7,7 @@
 #                                 shipped one in data/drafters/ came from scripts/gpu_draft.sh (one GPU, 6 min)
 #   make label|dataset|train|eval one stage; Hydra overrides go in ARGS="key=value ..."
 #   make bench-label              labelling speed benchmark
+#   make serve                    OpenAI-compatible server on 127.0.0.1:8000 (ARGS="serve.policy=blockpilot serve.record=true ...")
 #   make notebook                 execute notebooks/*.ipynb in place (on RUN's labels and results)
 #
 # Stage commands share RUN (run_name) and PROFILE (overrides every stage accepts, e.g. seed=1
@@ -45,7 +46,7 @@ DATASET_CMD = $(call STAGE,dataset) $(DATASET_ARGS)
 TRAIN_CMD = $(call STAGE,train) $(TRAIN_ARGS)
 EVAL_CMD = $(call STAGE,evaluate) $(DECODE_ARGS) $(EVAL_ARGS)
 
-.PHONY: help install test draft label dataset train eval all bench-label notebook clean
+.PHONY: help install test draft label dataset train eval all bench-label serve notebook clean
 
 help:
 	@awk 'NR > 1 && /^$$/ { exit } { sub(/^# ?/, ""); print }' Makefile
@@ -102,6 +103,9 @@ all: $(STAMP)
 
 bench-label: $(STAMP)
 	$(PY) -m pipeline.bench_label $(ARGS)
+
+serve: $(STAMP)
+	$(PY) -m pipeline.serve run_name=$(RUN) $(PROFILE) $(ARGS)
 
 NOTEBOOKS ?= $(wildcard notebooks/*.ipynb)
 notebook: $(STAMP)
