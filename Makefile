@@ -7,6 +7,7 @@
 #                                 shipped one in data/drafters/ came from scripts/gpu_draft.sh (one GPU, 6 min)
 #   make label|dataset|train|eval one stage; Hydra overrides go in ARGS="key=value ..."
 #   make bench-label              labelling speed benchmark
+#   make demo                     ~2 min: one prompt per benchmark set with ar, fixed B and ema; prints tokens/s, speedups
 #   make serve                    OpenAI-compatible server on 127.0.0.1:8000 (ARGS="serve.policy=blockpilot serve.record=true ...")
 #   make notebook                 execute notebooks/*.ipynb in place (on RUN's labels and results)
 #
@@ -46,7 +47,7 @@ DATASET_CMD = $(call STAGE,dataset) $(DATASET_ARGS)
 TRAIN_CMD = $(call STAGE,train) $(TRAIN_ARGS)
 EVAL_CMD = $(call STAGE,evaluate) $(DECODE_ARGS) $(EVAL_ARGS)
 
-.PHONY: help install test draft label dataset train eval all bench-label serve notebook clean
+.PHONY: help install test draft label dataset train eval all bench-label serve demo notebook clean
 
 help:
 	@awk 'NR > 1 && /^$$/ { exit } { sub(/^# ?/, ""); print }' Makefile
@@ -103,6 +104,11 @@ all: $(STAMP)
 
 bench-label: $(STAMP)
 	$(PY) -m pipeline.bench_label $(ARGS)
+
+# A short look at the decoder: needs no labels or predictors (RUN=demo keeps it apart from other runs).
+DEMO_ARGS ?= data=mix data.limit=1 decode.max_new_tokens=48 'eval.methods=[ar,fixed,ema]' eval.report=false logger.enabled=false
+demo: $(STAMP)
+	$(PY) -m pipeline.evaluate run_name=demo $(PROFILE) $(DEMO_ARGS) $(ARGS)
 
 serve: $(STAMP)
 	$(PY) -m pipeline.serve run_name=$(RUN) $(PROFILE) $(ARGS)
