@@ -29,9 +29,9 @@ def build_recorder(cfg: DictConfig, decoder):
     """
     if not cfg.serve.record:
         return None
-    from pipeline.labeling.latency import LatencyModel, measure_latency
+    from pipeline.labeling.latency import LatencyModel, measure_latency_cached
     from pipeline.labeling.oracle import check_candidates
-    from pipeline.labeling.runner import load_latency
+    from pipeline.labeling.runner import latency_identity, load_latency
     from pipeline.labeling.store import LabelStore
     from pipeline.serving.recorder import Recorder
 
@@ -46,8 +46,9 @@ def build_recorder(cfg: DictConfig, decoder):
         latency = load_latency(cfg.serve.latency_path)
     else:
         log.info("serve.record: measuring the latency model once for %s (label.latency)", cfg.serve.record_dir)
-        latency = measure_latency(decoder, candidates, list(cfg.label.latency.context_buckets),
-                                  int(cfg.label.latency.repeats), temperature, int(cfg.seed))
+        latency = measure_latency_cached(decoder, candidates, list(cfg.label.latency.context_buckets),
+                                         int(cfg.label.latency.repeats), temperature, int(cfg.seed),
+                                         cfg.label.latency.get("cache"), latency_identity(cfg.model))
     drafter = decoder.drafter
     meta = {
         "target": str(cfg.model.target), "drafter": str(cfg.model.drafter), "training_block_size": int(drafter.block_size),
