@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -48,8 +49,19 @@ def _extensions(req: SamplingRequest, completion: Completion) -> dict:
 
 
 def create_app(engine: Engine) -> FastAPI:
-    """The FastAPI app serving ``engine`` (the caller owns the engine; ``engine.close()`` on shutdown)."""
-    app = FastAPI(title="BlockPilot", summary="DFlash speculative decoding with a per-request block size, OpenAI API")
+    """The FastAPI app serving ``engine``. On shutdown (the ASGI lifespan) it waits for queued work and flushes the
+    recorder (``engine.drain``): uvicorn re-raises SIGTERM/SIGINT after a graceful shutdown, so code after
+    ``uvicorn.run`` may never run. The caller still owns the engine (``engine.close()``)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, engine.drain)
+        if engine.recorder is not None:
+            log.info("recorder: %s", engine.recorder.stats())
+
+    app = FastAPI(title="BlockPilot", summary="DFlash speculative decoding with a per-request block size, OpenAI API",
+                  lifespan=lifespan)
     app.state.engine = engine
 
     @app.exception_handler(RequestValidationError)

@@ -161,6 +161,7 @@ class Engine:
         self.in_flight = 0  # admitted and not finished; touched only on the event loop's thread
         self.served = 0
         self.failed = 0
+        self._closed = False
 
     # -- request checks (event loop thread, before queueing) ----------------------------------------
     def decode_config(self, n_prompt: int, max_tokens: int | None, temperature: float | None, seed: int | None) -> DecodeConfig:
@@ -269,7 +270,10 @@ class Engine:
             self.recorder.flush()
 
     def close(self) -> None:
-        """Finish queued work, flush the recorder and stop the worker."""
+        """Finish queued work, flush the recorder and stop the worker (a second call does nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.drain()
         finally:
