@@ -323,3 +323,14 @@ def test_recorded_requests_are_the_label_stages_rows_and_feed_the_dataset_stage(
         predictor_dir = train_predictor(tcfg)
     policy = build_policy("blockpilot", trained_decoder, predictor_dir=str(predictor_dir))  # servable
     assert policy.make().max_block_size == max(CANDIDATES)
+
+
+def test_the_decoders_on_tokens_hook_sees_every_token_in_order_and_can_end_the_decode(trained_decoder):
+    ids = chat_input_ids(trained_decoder.target.tokenizer, [PROMPTS[0]])
+    full = trained_decoder.generate(ids, 8, DecodeConfig(24))
+    seen: list[list[int]] = []
+    again = trained_decoder.generate(ids, 8, DecodeConfig(24), on_tokens=lambda new: seen.append(list(new)))
+    assert again.output_ids == full.output_ids and [t for step in seen for t in step] == full.output_ids
+    assert [len(step) for step in seen[1:]] == full.taus  # the prefill's token, then one call per verify step
+    halted = trained_decoder.generate(ids, 8, DecodeConfig(24), on_tokens=lambda new: True)
+    assert halted.output_ids == full.output_ids[:1] and halted.taus == []  # ended right after the prefill's token
