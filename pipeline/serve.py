@@ -77,7 +77,7 @@ def build_engine(cfg: DictConfig, decoder=None):
     predictor_dir = resolve_path(str(s.predictor_dir)) if s.get("predictor_dir") else None
     policy = build_policy(str(s.policy), decoder, s.get("block_size"), predictor_dir, list(cfg.model.candidates), s.get("ema"))
     return Engine(decoder, policy, str(s.model_name), int(s.max_queue), int(s.default_max_tokens), int(s.max_tokens),
-                  int(cfg.decode.seed), build_recorder(cfg, decoder))
+                  int(cfg.decode.seed), build_recorder(cfg, decoder), float(cfg.decode.temperature))
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="serve")

@@ -145,18 +145,20 @@ class Engine:
         decoder: the decoder; policy: the configured ``Policy``; model_name: the id served at ``/v1/models``;
         max_queue: requests that may wait while one runs (more get ``QueueFull``);
         default_max_tokens: ``max_tokens`` of a request that sends none; max_tokens: the largest allowed;
-        default_seed: the seed of a request that sends none; recorder: a ``Recorder`` or None.
+        default_seed: the seed of a request that sends none; recorder: a ``Recorder`` or None;
+        default_temperature: the temperature of a request that sends none (``decode.temperature``; OpenAI's is 1).
     """
 
     def __init__(self, decoder: SpeculativeDecoder, policy: Policy, model_name: str, max_queue: int = 64,
                  default_max_tokens: int = 256, max_tokens: int = 4096, default_seed: int = 0,
-                 recorder: Recorder | None = None):
+                 recorder: Recorder | None = None, default_temperature: float = 0.0):
         if max_queue < 0:
             raise ValueError(f"serve.max_queue must be >= 0, got {max_queue}")
         self.decoder, self.policy, self.model_name = decoder, policy, model_name
         self.tokenizer = decoder.target.tokenizer
         self.max_queue, self.default_max_tokens, self.max_tokens = int(max_queue), int(default_max_tokens), int(max_tokens)
         self.default_seed, self.recorder = int(default_seed), recorder
+        self.default_temperature = float(default_temperature)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decoder")
         self.in_flight = 0  # admitted and not finished; touched only on the event loop's thread
         self.served = 0
@@ -183,7 +185,8 @@ class Engine:
             raise RequestError(f"the prompt has {n_prompt} tokens and max_tokens={max_tokens}, beyond this model's "
                                f"context of {self.decoder.max_context} tokens: shorten the prompt or lower max_tokens",
                                param="max_tokens", code="context_length_exceeded")
-        return DecodeConfig(int(max_tokens), float(temperature or 0.0), self.default_seed if seed is None else int(seed))
+        temperature = self.default_temperature if temperature is None else float(temperature)
+        return DecodeConfig(int(max_tokens), temperature, self.default_seed if seed is None else int(seed))
 
     def check_block_size(self, block_size: int | None) -> None:
         """Raise ``RequestError`` for a request's ``block_size`` the drafter cannot draft."""

@@ -58,7 +58,8 @@ class SamplingRequest(BaseModel):
 
     Attributes:
         max_tokens: cap on generated tokens (default: the server's ``serve.default_max_tokens``).
-        temperature: 0 (greedy) to 2; position-keyed sampling, so the text does not depend on B.
+        temperature: 0 (greedy) to 2; position-keyed sampling, so the text does not depend on B. Omitted: the
+            server's ``decode.temperature`` (0 by default, where OpenAI's default is 1).
         seed: sampling seed (default: ``decode.seed``); ignored at temperature 0.
         stop: up to 4 stop strings; the text ends before the first one (finish_reason ``stop``).
         block_size: extension: force this fixed B for the request.
