@@ -16,6 +16,7 @@ import logging
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -204,8 +205,6 @@ def create_app(engine: Engine) -> FastAPI:
             vocab = engine.decoder.lm_head.shape[0]
             if any(not 0 <= int(t) < vocab for t in prompt):
                 raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
-            import torch
-
             input_ids = torch.tensor([list(prompt)], dtype=torch.long)
         return await respond(req, make_job(req, input_ids, new_id("cmpl")), chat=False)
 
