@@ -59,13 +59,23 @@ def request_count(rows: list[dict]) -> int:
     return sum(len(r.get("chosen_bs") or [r.get("chosen_b")]) for r in rows)
 
 
-def block_sizes_used(rows: list[dict]) -> str:
-    """The B a method decoded with over ``rows``: ``8``, or ``6-10`` when it varied (per request or per step)."""
-    used = sorted({int(b) for r in rows for b in (r.get("block_sizes") or [])}
-                  | {int(b) for r in rows for b in (r.get("chosen_bs") or []) if b is not None})
-    if not used:
+PER_STEP_METHODS = ("ema",)
+"""Eval methods whose schedule changes B after every step (the B column says so)."""
+
+
+def block_sizes_used(rows: list[dict], per_step: bool = False) -> str:
+    """The B a method picked after prefill over ``rows``: ``8``, or ``6-10`` when it varied per request, plus
+    ``, per step up to 10`` when some step drafted a larger block than the prompt's first choices (a per-step
+    schedule; the clipped last block of a fixed B is never larger), or ``, per step`` for ``per_step`` methods
+    that never grew. ``–`` without rows."""
+    chosen = sorted({int(b) for r in rows for b in (r.get("chosen_bs") or [r.get("chosen_b")]) if b is not None})
+    if not chosen:
         return "–"
-    return str(used[0]) if len(used) == 1 else f"{used[0]}-{used[-1]}"
+    text = str(chosen[0]) if len(chosen) == 1 else f"{chosen[0]}-{chosen[-1]}"
+    first = {r["id"]: max(int(b) for b in (r.get("chosen_bs") or [r.get("chosen_b")]) if b is not None)
+             for r in rows if any(b is not None for b in (r.get("chosen_bs") or [r.get("chosen_b")]))}
+    larger = [int(b) for r in rows if r["id"] in first for b in (r.get("block_sizes") or []) if int(b) > first[r["id"]]]
+    return text + (f", per step up to {max(larger)}" if larger else (", per step" if per_step else ""))
 
 
 def speed_intervals(results: dict, method: str, source_set: str | None = None, samples: int = 1000,
@@ -132,7 +142,7 @@ def markdown_table(results: dict) -> str:
             mark = ""
             if requests is not None and requests < MIN_REQUESTS:
                 mark, few = " †", True
-            lines.append(f"| {method}{mark} | {block_sizes_used(rows)} | {_fmt(r.get('tau'))} | {speed} | {speedup} | "
+            lines.append(f"| {method}{mark} | {block_sizes_used(rows, method in PER_STEP_METHODS)} | {_fmt(r.get('tau'))} | {speed} | {speedup} | "
                          f"{share} | {_fmt(r.get('overhead_ms'), 3)} ({_fmt(r.get('overhead_pct'), 3)}%) | "
                          f"{_fmt(r.get('lossless'))} | {r.get('n_prompts')} ({requests}) |")
         lines.append("")

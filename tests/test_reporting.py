@@ -9,10 +9,10 @@ from pipeline.reporting import (MIN_REQUESTS, block_sizes_used, confusion, fallb
                                 speed_intervals, speedup_bars)
 
 
-def row(pid, source_set, tokens, ms, chosen, steps=4, tau=2.0):
+def row(pid, source_set, tokens, ms, chosen, steps=4, tau=2.0, block_sizes=None):
     return {"id": pid, "source_set": source_set, "new_tokens": tokens, "prefill_ms": 0.0, "schedule_ms": 0.0,
-            "decode_ms": ms, "chosen_b": chosen[0], "chosen_bs": chosen, "block_sizes": sorted(set(chosen)),
-            "steps": steps, "tau": tau}
+            "decode_ms": ms, "chosen_b": chosen[0], "chosen_bs": chosen, "steps": steps, "tau": tau,
+            "block_sizes": sorted(set(chosen)) if block_sizes is None else block_sizes}
 
 
 def results_of(rows: dict) -> dict:
@@ -25,12 +25,16 @@ def results_of(rows: dict) -> dict:
 
 def test_table_names_the_b_used_counts_requests_and_marks_small_rows():
     rows = {"ar": [row("a", "s", 10, 1000.0, [1]), row("b", "s", 10, 1000.0, [1, 1])],
-            "fixed": [row("a", "s", 10, 500.0, [8]), row("b", "s", 10, 2000.0, [8, 8])],
-            "ema": [row("a", "s", 10, 500.0, [6]), row("b", "s", 10, 500.0, [7, 10])]}
+            "fixed": [row("a", "s", 10, 500.0, [8], block_sizes=[2, 8]), row("b", "s", 10, 2000.0, [8, 8])],  # 2: clipped
+            "ema": [row("a", "s", 10, 500.0, [8], block_sizes=[6, 8, 10]), row("b", "s", 10, 500.0, [8, 8])]}
     results = results_of(rows)
     table = markdown_table(results)
     assert "block_size=None" not in table
-    assert request_count(rows["fixed"]) == 3 and block_sizes_used(rows["fixed"]) == "8" and block_sizes_used(rows["ema"]) == "6-10"
+    assert request_count(rows["fixed"]) == 3 and block_sizes_used(rows["fixed"]) == "8"
+    assert block_sizes_used(rows["ema"]) == "8, per step up to 10"
+    assert block_sizes_used([row("a", "s", 1, 1.0, [6]), row("b", "s", 1, 1.0, [9, 7])]) == "6-9"
+    assert block_sizes_used([row("a", "s", 1, 1.0, [8], block_sizes=[6, 8])], per_step=True) == "8, per step"
+    assert "| ema † | 8, per step up to 10 |" in table
     assert "| fixed † | 8 |" in table and "| 2 (3) |" in table and 3 < MIN_REQUESTS and "†: fewer than" in table
     ar_line = next(line for line in table.splitlines() if line.startswith("| ar"))
     assert "0.50" not in ar_line  # ar drafts nothing: no oracle gain share
