@@ -7,10 +7,13 @@
 #                                 shipped one in data/drafters/ came from scripts/gpu_draft.sh (one GPU, 6 min)
 #   make label|dataset|train|eval one stage; Hydra overrides go in ARGS="key=value ..."
 #   make bench-label              labelling speed benchmark
-#   make notebook                 execute notebooks/*.ipynb in place (on RUN's labels and results)
+#   make demo                     ~2 min: one prompt per benchmark set with ar, fixed B and ema; prints tokens/s, speedups
+#   make serve                    OpenAI-compatible server on 127.0.0.1:8000 (ARGS="serve.policy=blockpilot serve.record=true ...")
+#   make notebook                 execute copies of notebooks/*.ipynb into data/notebooks/<run>/ (on the run's results)
 #
-# Stage commands share RUN (run_name) and PROFILE (overrides every stage accepts, e.g. seed=1
-# paths.data=/scratch/bp logger.mode=online); see README.md.
+# Every stage reads EXPERIMENT (a run profile in conf/experiment/, default main; `make all EXPERIMENT=quick` is
+# the smallest run) and shares RUN (run_name, default the experiment's name) and PROFILE (overrides every
+# stage accepts, e.g. seed=1 paths.data=/scratch/bp logger.mode=online); see README.md.
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
@@ -24,28 +27,32 @@ TORCH_VERSION ?= 2.13.0
 # Weights & Biases: offline unless the caller says otherwise (WANDB_MODE=online + a key).
 export WANDB_MODE ?= offline
 
-RUN ?= main
+# Run profiles live in conf/experiment/*.yaml (main: the CPU main job, quick: the smallest run through every
+# stage, demo, t1: temperature 1, gpu: Qwen3-4B); every stage reads the same one. EXPERIMENT=none runs a stage
+# on its own defaults. RUN (run_name) defaults to the experiment's name (main for EXPERIMENT=none).
+EXPERIMENT ?= main
+RUN ?=
 PROFILE ?=
 ARGS ?=
 PYTEST_ARGS ?=
+EXP_ARG = $(if $(filter-out none,$(EXPERIMENT)),experiment=$(EXPERIMENT))
+RUN_NAME = $(or $(RUN),$(if $(EXP_ARG),$(EXPERIMENT),main))
 
-# Overrides of the stages that decode (label, eval): target, prompt sets, decoding. The default profile
-# sizes the main job for a 2-core CPU: 60 prompts from each of the 5 sets (300: code, math, chat),
-# 64 new tokens, replay labelling, a 70/15/15 train/validation/test split (see README for the measured wall time).
-DECODE_ARGS ?= data=mix data.limit=60 decode.max_new_tokens=64
-LABEL_ARGS ?= label.store_full_logits=true
-DATASET_ARGS ?= dataset.fractions.train=0.7 dataset.fractions.validation=0.15 dataset.fractions.test=0.15
+# Extra overrides on top of the experiment: DECODE_ARGS for both stages that decode (label, eval), one each per stage.
+DECODE_ARGS ?=
+LABEL_ARGS ?=
+DATASET_ARGS ?=
 TRAIN_ARGS ?=
-EVAL_METHODS ?= [ar,fixed,best_fixed,blockpilot,full_vocab,ema,oracle]
-EVAL_ARGS ?= 'eval.methods=$(EVAL_METHODS)'
+EVAL_ARGS ?=
 
-STAGE = $(PY) -m pipeline.$(1) run_name=$(RUN) $(PROFILE)
+STAGE = $(PY) -m pipeline.$(1) $(EXP_ARG) run_name=$(RUN_NAME) $(PROFILE)
+SAYS = @echo "[$(1)] $(if $(EXP_ARG),experiment=$(EXPERIMENT) (conf/experiment/$(EXPERIMENT).yaml),the stage's own defaults) run_name=$(RUN_NAME)"
 LABEL_CMD = $(call STAGE,label) $(DECODE_ARGS) $(LABEL_ARGS)
 DATASET_CMD = $(call STAGE,dataset) $(DATASET_ARGS)
 TRAIN_CMD = $(call STAGE,train) $(TRAIN_ARGS)
 EVAL_CMD = $(call STAGE,evaluate) $(DECODE_ARGS) $(EVAL_ARGS)
 
-.PHONY: help install test draft label dataset train eval all bench-label notebook clean
+.PHONY: help install test draft label dataset train eval all bench-label serve demo notebook clean
 
 help:
 	@awk 'NR > 1 && /^$$/ { exit } { sub(/^# ?/, ""); print }' Makefile
@@ -71,20 +78,25 @@ draft: $(STAMP)
 	$(PY) -m pipeline.draft $(ARGS)
 
 label: $(STAMP)
+	$(call SAYS,label)
 	$(LABEL_CMD) $(ARGS)
 
 dataset: $(STAMP)
+	$(call SAYS,dataset)
 	$(DATASET_CMD) $(ARGS)
 
 train: $(STAMP)
+	$(call SAYS,train)
 	$(TRAIN_CMD) $(ARGS)
 
 eval: $(STAMP)
+	$(call SAYS,eval)
 	$(EVAL_CMD) $(ARGS)
 
 # The main job; ARGS is not used here (stage-specific overrides go in LABEL_ARGS, DATASET_ARGS, ...).
 # The last line printed is results.json's path, as the eval config resolves it (Hydra's --cfg query).
 all: $(STAMP)
+	$(call SAYS,all)
 	@date -u +'[%FT%TZ] all: label'
 	$(LABEL_CMD)
 	@date -u +'[%FT%TZ] all: dataset'
@@ -103,10 +115,21 @@ all: $(STAMP)
 bench-label: $(STAMP)
 	$(PY) -m pipeline.bench_label $(ARGS)
 
+# A short look at the decoder (conf/experiment/demo.yaml): needs no labels or predictors.
+demo: $(STAMP)
+	$(PY) -m pipeline.evaluate experiment=demo $(PROFILE) $(ARGS)
+
+serve: $(STAMP)
+	$(PY) -m pipeline.serve run_name=$(RUN_NAME) $(PROFILE) $(ARGS)
+
+# Executed copies go to data/notebooks/<run>/; the tracked notebooks stay as they are.
 NOTEBOOKS ?= $(wildcard notebooks/*.ipynb)
 notebook: $(STAMP)
 	@test -n "$(NOTEBOOKS)" || { echo "no notebooks/*.ipynb to execute" >&2; exit 1; }
-	BLOCKPILOT_RUN=$(RUN) $(VENV)/bin/jupyter-execute --inplace --kernel_name=python3 --timeout=-1 $(NOTEBOOKS)
+	@mkdir -p data/notebooks/$(RUN_NAME) && cp $(NOTEBOOKS) data/notebooks/$(RUN_NAME)/
+	BLOCKPILOT_RUN=$(RUN_NAME) $(VENV)/bin/jupyter-execute --inplace --kernel_name=python3 --timeout=-1 \
+	  $(addprefix data/notebooks/$(RUN_NAME)/,$(notdir $(NOTEBOOKS)))
+	@echo "executed copies: data/notebooks/$(RUN_NAME)/"
 
 # Removes caches and Hydra's run folders; keeps .venv/ and data/ (cache, labels, features, results).
 clean:

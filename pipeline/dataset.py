@@ -152,6 +152,30 @@ def split_ids(df: pd.DataFrame, seed: int, fractions: dict[str, float], holdout_
     return {s: sorted(v) for s, v in out.items()}
 
 
+def check_split_sizes(df: pd.DataFrame, splits: dict[str, list[str]], fractions: dict[str, float],
+                      holdout_set: str | None = None) -> None:
+    """Refuse splits that the train and eval stages cannot use, before anything is written.
+
+    Train and validation are needed by ``make train`` (fitting, then the fallback check), test by ``make eval``'s
+    label and predictor methods; a split with a share > 0 must hold at least one request.
+
+    Raises:
+        ValueError: naming the empty splits, the prompts per source set, and what is needed (3 prompts per set
+            with the default fractions).
+    """
+    wanted = [s for s in SPLITS if float(fractions.get(s, 0.0)) > 0 and not (holdout_set and s == "test")]
+    if holdout_set:
+        wanted.append("test")
+    empty = [s for s in wanted if not splits[s]]
+    if empty:
+        per_set = df.assign(prompt=df["id"].map(prompt_id_of)).groupby("source_set")["prompt"].nunique().to_dict()
+        raise ValueError(
+            f"the {'/'.join(empty)} split{'s are' if len(empty) > 1 else ' is'} empty: {len(df)} requests from prompts per "
+            f"set {per_set}, fractions {fractions}. Every split needs at least one prompt; a source set is split "
+            "only from 3 prompts on (one each for train, validation, test). Label at least 3 prompts per set "
+            "(data.limit=3 or more; 20+ per set for a predictor worth deploying), or change dataset.fractions.")
+
+
 # -- features -----------------------------------------------------------------------------------------
 def _hf_features(featurizer: Featurizer, num_candidates: int):
     from datasets import Features, List, Value
@@ -223,6 +247,7 @@ def build_dataset(cfg: DictConfig) -> Path:
     spec.vocab_size = int(vocab[0])
     featurizer = Featurizer(spec)
     splits = split_ids(df, int(dcfg.seed), dict(dcfg.fractions), dcfg.get("holdout_set"))
+    check_split_sizes(df, splits, dict(dcfg.fractions), dcfg.get("holdout_set"))
     cols = featurize_labels(df, featurizer, candidates)
     features = _hf_features(featurizer, len(candidates))
     position = {pid: i for i, pid in enumerate(cols["id"])}

@@ -603,7 +603,7 @@ def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, input
     for m in methods:
         results["methods"][m]["rows"] = [{k: v for k, v in r.items() if k != "output_ids"} for r in rows[m]]
     if inputs.predictors:
-        results["predictors"] = {m: {k: p.meta.get(k) for k in ("arch", "num_parameters", "features", "candidates", "inference_ms")}
+        results["predictors"] = {m: {k: p.meta.get(k) for k in ("arch", "num_parameters", "features", "candidates", "inference_ms", "fallback")}
                                  for m, p in inputs.predictors.items()}
     return results
 

@@ -166,8 +166,18 @@ def chat_input_ids(tokenizer, turns: Sequence[str], replies: Sequence[str] = ())
         messages.append({"role": "user", "content": turn})
         if i < len(replies):
             messages.append({"role": "assistant", "content": replies[i]})
+    return messages_input_ids(tokenizer, messages)
+
+
+def messages_input_ids(tokenizer, messages: Sequence[dict], **template_kwargs) -> torch.Tensor:
+    """Chat-templated prompt ids [1, n] of OpenAI-style ``messages`` (``{"role", "content"}`` dicts), asking for
+    the assistant's next reply. ``template_kwargs`` go to the chat template (e.g. ``enable_thinking``).
+    Models without a chat template get the contents joined by blank lines.
+    """
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True, return_tensors="pt")["input_ids"]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True, return_tensors="pt",
+                                            **template_kwargs)["input_ids"]
     else:
         ids = tokenizer("\n\n".join(m["content"] for m in messages), return_tensors="pt")["input_ids"]
     return ids.reshape(1, -1)

@@ -51,34 +51,120 @@ def _exact(r: dict) -> str:
     return _fmt(r.get("lossless"))
 
 
+MIN_REQUESTS = 10
+"""Rows with fewer requests than this are marked in ``markdown_table``: their tokens/s and speedups are anecdotes."""
+
+
+def method_rows(results: dict, method: str, source_set: str | None = None) -> list[dict]:
+    """The per-prompt rows of ``method`` (of one source set when given)."""
+    rows = results["methods"].get(method, {}).get("rows", [])
+    return [r for r in rows if source_set is None or r.get("source_set") == source_set]
+
+
+def request_count(rows: list[dict]) -> int:
+    """Requests (turns) behind per-prompt rows: an MT-Bench prompt is two requests."""
+    return sum(len(r.get("chosen_bs") or [r.get("chosen_b")]) for r in rows)
+
+
+PER_STEP_METHODS = ("ema",)
+"""Eval methods whose schedule changes B after every step (the B column says so)."""
+
+
+def block_sizes_used(rows: list[dict], per_step: bool = False) -> str:
+    """The B a method picked after prefill over ``rows``: ``8``, or ``6-10`` when it varied per request, plus
+    ``, per step up to 10`` when some step drafted a larger block than the prompt's first choices (a per-step
+    schedule; the clipped last block of a fixed B is never larger), or ``, per step`` for ``per_step`` methods
+    that never grew. ``–`` without rows."""
+    chosen = sorted({int(b) for r in rows for b in (r.get("chosen_bs") or [r.get("chosen_b")]) if b is not None})
+    if not chosen:
+        return "–"
+    text = str(chosen[0]) if len(chosen) == 1 else f"{chosen[0]}-{chosen[-1]}"
+    first = {r["id"]: max(int(b) for b in (r.get("chosen_bs") or [r.get("chosen_b")]) if b is not None)
+             for r in rows if any(b is not None for b in (r.get("chosen_bs") or [r.get("chosen_b")]))}
+    larger = [int(b) for r in rows if r["id"] in first for b in (r.get("block_sizes") or []) if int(b) > first[r["id"]]]
+    return text + (f", per step up to {max(larger)}" if larger else (", per step" if per_step else ""))
+
+
+def speed_intervals(results: dict, method: str, source_set: str | None = None, samples: int = 1000,
+                    seed: int = 0) -> dict[str, list[float | None]]:
+    """Percentile bootstrap 95% intervals over prompts of ``tokens_per_s`` and of ``speedup`` (paired with ``ar``).
+
+    tokens/s of a resample = its new tokens / its prefill + schedule + decode seconds; the speedup divides by
+    ``ar``'s tokens/s over the same prompts. Returns ``{"tokens_per_s": [lo, hi], "speedup": [lo, hi]}``
+    (``[None, None]`` without rows).
+    """
+    rows = {r["id"]: r for r in method_rows(results, method, source_set)}
+    ar = {r["id"]: r for r in method_rows(results, "ar", source_set)}
+    ids = [i for i in rows if i in ar]
+    if not ids:
+        return {"tokens_per_s": [None, None], "speedup": [None, None]}
+
+    def arrays(table):
+        tokens = np.array([table[i]["new_tokens"] for i in ids], dtype=float)
+        seconds = np.array([(table[i]["prefill_ms"] + table[i]["schedule_ms"] + table[i]["decode_ms"]) / 1e3 for i in ids])
+        return tokens, seconds
+
+    tokens, seconds = arrays(rows)
+    ar_tokens, ar_seconds = arrays(ar)
+    idx = np.random.default_rng(seed).integers(0, len(ids), size=(samples, len(ids)))
+    speed = tokens[idx].sum(1) / np.maximum(seconds[idx].sum(1), 1e-12)
+    ar_speed = ar_tokens[idx].sum(1) / np.maximum(ar_seconds[idx].sum(1), 1e-12)
+    ratio = speed / np.maximum(ar_speed, 1e-12)
+    return {"tokens_per_s": [float(np.percentile(speed, 2.5)), float(np.percentile(speed, 97.5))],
+            "speedup": [float(np.percentile(ratio, 2.5)), float(np.percentile(ratio, 97.5))]}
+
+
 def markdown_table(results: dict) -> str:
-    """Markdown tables of ``results`` (overall, then one per source set)."""
-    header = ("| method | tau | tokens/s | speedup | oracle gain share [95% CI] | overhead ms (% decode) | lossless (= ar) | prompts |\n"
-              "|---|---|---|---|---|---|---|---|")
-    sections = [("All prompts", results["methods"])] + [(f"Source set `{s}`", b) for s, b in sorted(results.get("per_set", {}).items())]
+    """Markdown tables of ``results`` (overall, then one per source set).
+
+    Columns: the B each method decoded with, tau, tokens/s and speedup with bootstrap 95% intervals over
+    prompts, the oracle gain share (none for ``ar``, which drafts nothing), overhead, losslessness, and the
+    prompt and request counts; a row with fewer than ``MIN_REQUESTS`` requests is marked.
+    """
+    header = ("| method | B | tau | tokens/s [95% CI] | speedup [95% CI] | oracle gain share [95% CI] | overhead ms (% decode) | "
+              "lossless | prompts (requests) |\n|---|---|---|---|---|---|---|---|---|")
+    sections = [("All prompts", None, results["methods"])] + [(f"Source set `{s}`", s, b) for s, b in sorted(results.get("per_set", {}).items())]
     lines = ["# Eval results", ""]
-    config = results.get("config", {})
+    config = {k: v for k, v in results.get("config", {}).items() if k != "block_size"}
     if config:
         lines += ["Decode config: " + ", ".join(f"{k}={v}" for k, v in config.items()), ""]
-    for title, block in sections:
+    few = False
+    for title, source_set, block in sections:
         lines += [f"## {title}", "", header]
         for method, r in block.items():
+            rows = method_rows(results, method, source_set)
+            share = "" if method == "ar" else _fmt(r.get("oracle_gain_share"))
             ci = r.get("oracle_gain_share_ci")
-            share = _fmt(r.get("oracle_gain_share"))
-            if ci and ci[0] is not None:
+            if method != "ar" and ci and ci[0] is not None:
                 share += f" [{_fmt(ci[0])}, {_fmt(ci[1])}]"
-            lines.append(f"| {method} | {_fmt(r.get('tau'))} | {_fmt(r.get('tokens_per_s'), 1)} | {_fmt(r.get('speedup'))}x | "
+            speed = f"{_fmt(r.get('tokens_per_s'))}"
+            speedup = f"{_fmt(r.get('speedup'))}x"
+            if rows and method != "ar":
+                intervals = speed_intervals(results, method, source_set)
+                lo, hi = intervals["tokens_per_s"]
+                speed += f" [{_fmt(lo)}, {_fmt(hi)}]"
+                lo, hi = intervals["speedup"]
+                speedup += f" [{_fmt(lo)}, {_fmt(hi)}]"
+            requests = request_count(rows) if rows else r.get("n_prompts")
+            mark = ""
+            if requests is not None and requests < MIN_REQUESTS:
+                mark, few = " †", True
+            lines.append(f"| {method}{mark} | {block_sizes_used(rows, method in PER_STEP_METHODS)} | {_fmt(r.get('tau'))} | {speed} | {speedup} | "
                          f"{share} | {_fmt(r.get('overhead_ms'), 3)} ({_fmt(r.get('overhead_pct'), 3)}%) | "
-                         f"{_exact(r)} | {r.get('n_prompts')} |")
+                         f"{_exact(r)} | {r.get('n_prompts')} ({requests}) |")
         lines.append("")
-    lines += ["tau: mean acceptance length (tokens per target verify). speedup: tokens/s over `ar` in the same run. "
-              "oracle gain share: (tau - tau_fixed) / (tau_oracle - tau_fixed), bootstrap 95% interval over prompts. "
-              "overhead: time choosing B per prompt (the predictor's featurize + forward), and its share of decode time.", ""]
+    lines += ["B: the block sizes decoded with (a range when they varied per request or per step). tau: mean acceptance length "
+              "(tokens per target verify). speedup: tokens/s over `ar` in the same run; intervals are percentile bootstrap "
+              "95% over prompts (speedup paired with `ar` on the same prompts). oracle gain share: (tau - tau_fixed) / "
+              "(tau_oracle - tau_fixed), bootstrap 95% interval over prompts. overhead: time choosing B per request (the "
+              "predictor's featurize + forward), and its share of decode time.", ""]
+    if few:
+        lines += [f"†: fewer than {MIN_REQUESTS} requests; its tokens/s and speedup are not a finding.", ""]
     return "\n".join(lines)
 
 
 def tau_curves(labels: pd.DataFrame, normalize: bool = False) -> Figure:
-    """Mean tau(B) over prompts per source set (and over all prompts), from label rows.
+    """Mean tau(B) over requests per source set (and over all requests), from label rows (one per request).
 
     Args:
         labels: label rows (``source_set``, ``candidates``, ``tau``).
@@ -104,7 +190,7 @@ def tau_curves(labels: pd.DataFrame, normalize: bool = False) -> Figure:
 
 
 def optimal_b_hist(labels: pd.DataFrame, column: str = "label_tau") -> Figure:
-    """Share of prompts whose label (``column``) is each candidate, per source set (grouped bars)."""
+    """Share of requests whose label (``column``) is each candidate, per source set (grouped bars)."""
     fig = Figure(figsize=(6, 4), layout="constrained")
     ax = fig.add_subplot()
     candidates = list(labels["candidates"].iloc[0])
@@ -116,8 +202,8 @@ def optimal_b_hist(labels: pd.DataFrame, column: str = "label_tau") -> Figure:
         ax.bar(np.arange(len(candidates)) + (i - (len(sets) - 1) / 2) * width, share, width, label=f"{s} (n={int(counts.sum())})")
     ax.set_xticks(range(len(candidates)), [str(b) for b in candidates])
     ax.set_xlabel(f"optimal block size ({column})")
-    ax.set_ylabel("share of prompts")
-    ax.set_title("optimal B per prompt")
+    ax.set_ylabel("share of requests")
+    ax.set_title("optimal B per request")
     ax.legend(fontsize=8)
     return fig
 
@@ -132,8 +218,10 @@ def confusion_counts(predicted: list[int], label: list[int], candidates: list[in
     return counts
 
 
-def confusion(predicted: list[int], label: list[int], candidates: list[int], title: str = "blockpilot vs label") -> Figure:
-    """Heat map of ``confusion_counts`` with the counts written in the cells and the accuracy in the title."""
+def confusion(predicted: list[int], label: list[int], candidates: list[int], title: str = "blockpilot vs label",
+              note: str | None = None) -> Figure:
+    """Heat map of ``confusion_counts`` with the counts written in the cells, the accuracy in the title and
+    ``note`` under it (e.g. that the deploy check fell back to the training B)."""
     counts = confusion_counts(predicted, label, candidates)
     fig = Figure(figsize=(4.5, 4), layout="constrained")
     ax = fig.add_subplot()
@@ -146,27 +234,37 @@ def confusion(predicted: list[int], label: list[int], candidates: list[int], tit
     ax.set_xlabel("predicted B")
     ax.set_ylabel("label B")
     acc = np.trace(counts) / max(1, counts.sum())
-    ax.set_title(f"{title} (acc {acc:.2f}, n={counts.sum()})")
+    ax.set_title(f"{title} (acc {acc:.2f}, n={counts.sum()} requests)" + (f"\n{note}" if note else ""), fontsize=10)
     return fig
 
 
+def fallback_note(results: dict, method: str) -> str | None:
+    """A line for the confusion matrix of ``method`` when its exported predictor always keeps the training B
+    (the train stage's bootstrap check rejected its departures), else None."""
+    fallback = (results.get("predictors", {}).get(method) or {}).get("fallback") or {}
+    if fallback.get("margin") is not None and float(fallback["margin"]) > 1.0:
+        return f"deploy check fell back: always B_train={fallback.get('block_size')}"
+    return None
+
+
 def speedup_bars(results: dict) -> Figure:
-    """Speedup vs ``ar`` per method (bars), overall and per source set."""
+    """Speedup vs ``ar`` per method (bars), overall and per source set (groups on the x axis), at a fixed size
+    (9 x 4.5 in: 1080 x 540 px at the report's 120 dpi)."""
     frame = results_frame(results)
-    methods = list(results["methods"])
+    methods = [m for m in results["methods"] if m != "ar"]
     sets = ["all"] + sorted(results.get("per_set", {}))
-    fig = Figure(figsize=(max(6, 1.2 * len(methods) * max(1, len(sets)) / 2), 4), layout="constrained")
+    fig = Figure(figsize=(9, 4.5), layout="constrained")
     ax = fig.add_subplot()
-    width = 0.8 / len(sets)
-    for i, s in enumerate(sets):
-        sub = frame[frame["set"] == s].set_index("method")
-        values = [float(sub.loc[m, "speedup"]) if m in sub.index and sub.loc[m, "speedup"] is not None else 0.0 for m in methods]
-        ax.bar(np.arange(len(methods)) + (i - (len(sets) - 1) / 2) * width, values, width, label=s)
-    ax.axhline(1.0, color="grey", lw=1, ls="--")
-    ax.set_xticks(range(len(methods)), methods)
+    width = 0.8 / max(1, len(methods))
+    for i, m in enumerate(methods):
+        sub = frame[frame["method"] == m].set_index("set")
+        values = [float(sub.loc[s, "speedup"]) if s in sub.index and sub.loc[s, "speedup"] is not None else 0.0 for s in sets]
+        ax.bar(np.arange(len(sets)) + (i - (len(methods) - 1) / 2) * width, values, width, label=m)
+    ax.axhline(1.0, color="grey", lw=1, ls="--", label="ar")
+    ax.set_xticks(range(len(sets)), sets)
     ax.set_ylabel("speedup vs ar (tokens/s)")
-    ax.set_title("speedup per method")
-    ax.legend(fontsize=8)
+    ax.set_title("speedup per method and source set")
+    ax.legend(fontsize=9, ncols=min(4, len(methods) + 1), loc="upper left", bbox_to_anchor=(0, -0.12))
     return fig
 
 
@@ -205,7 +303,8 @@ def write_report(results: dict, out_dir: str | Path, labels: pd.DataFrame | None
         for method in predictor_methods:
             predicted, label = predicted_vs_label(results, labels, method, label_column)
             if predicted:
-                figures[f"confusion_{method}"] = confusion(predicted, label, candidates, f"{method} vs label")
+                figures[f"confusion_{method}"] = confusion(predicted, label, candidates, f"{method} vs label",
+                                                           fallback_note(results, method))
     for name, fig in figures.items():
         paths[name] = out_dir / f"{name}.png"
         fig.savefig(paths[name], dpi=120)

@@ -113,3 +113,39 @@ def test_eval_config_runs_on_a_tiny_target(compose_config, tiny, tmp_path):
     assert methods["fixed"]["lossless"] == 1.0 and methods["fixed"]["n_prompts"] == 2
     assert methods["fixed"]["new_tokens"] == methods["ar"]["new_tokens"] == 2 * 16 + 16  # prompt b has two turns
     assert methods["fixed"]["tau"] > 1.0  # the trained tiny drafter gets drafts accepted
+
+
+EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+STAGES = ("label", "dataset", "train", "evaluate")
+
+
+def test_every_experiment_selects_one_profile_for_every_stage(compose_config):
+    assert {"main", "quick", "demo", "t1", "gpu"} <= set(EXPERIMENTS)
+    for name in EXPERIMENTS:
+        cfgs = {stage: compose_config(stage, [f"experiment={name}"]) for stage in STAGES}
+        for cfg in cfgs.values():
+            OmegaConf.to_container(cfg, resolve=True)
+        assert {c.run_name for c in cfgs.values()} == {name}  # every stage reads and writes the same run
+        assert len({(c.data.limit, c.decode.max_new_tokens, c.decode.temperature, c.model.target) for c in cfgs.values()}) == 1
+    main = {stage: compose_config(stage, ["experiment=main"]) for stage in STAGES}
+    assert [s["name"] for s in main["label"].data.sets] == ["humaneval", "mbpp", "gsm8k", "math500", "mt_bench"]
+    assert (main["label"].data.limit, main["label"].decode.max_new_tokens, main["label"].label.store_full_logits) == (60, 64, True)
+    assert dict(main["dataset"].dataset.fractions) == {"train": 0.7, "validation": 0.15, "test": 0.15}
+    assert list(main["evaluate"].eval.methods) == ["ar", "fixed", "best_fixed", "blockpilot", "full_vocab", "ema", "oracle"]
+    assert compose_config("evaluate", ["experiment=gpu"]).model.target == "Qwen/Qwen3-4B"
+    assert compose_config("evaluate").data.sets[0]["name"] == "humaneval"  # no experiment: the stage's own defaults
+
+
+def test_the_makefile_passes_one_experiment_to_every_stage():
+    import subprocess
+
+    def dry(*args: str) -> str:
+        return subprocess.run(["make", "-n", "-o", ".venv/.installed", *args], cwd=PROJECT_ROOT, capture_output=True,
+                              text=True, check=True).stdout
+
+    plan = dry("all", "EXPERIMENT=quick")
+    stages = [line for line in plan.splitlines() if " -m pipeline." in line and "--cfg" not in line]
+    assert len(stages) == 6 and all("experiment=quick run_name=quick" in line for line in stages)
+    assert "experiment=main run_name=main" in dry("all")
+    assert "experiment=" not in dry("eval", "EXPERIMENT=none") and "run_name=main" in dry("eval", "EXPERIMENT=none")
+    assert "data/notebooks/main/analysis.ipynb" in dry("notebook")  # executes a copy, never the tracked notebook

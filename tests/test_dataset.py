@@ -166,3 +166,19 @@ def test_bad_inputs_name_the_fix(labels, tmp_path):
         build_dataset(dataset_cfg(tmp_path / "mixed", tmp_path / "o"))
     with pytest.raises(FileNotFoundError, match="make dataset"):
         load_feature_dataset(tmp_path / "missing")
+
+
+def test_too_few_prompts_per_set_is_refused_up_front_with_what_is_needed(tmp_path):
+    g = torch.Generator().manual_seed(0)
+
+    def labels_of(n: int, name: str) -> Path:
+        rows = [label_row(f"{s}-{i}", s, torch.randn(50, generator=g), [2, 3], [1.0, 2.0], [1.0, 2.0])
+                for s in ("a", "b") for i in range(n)]
+        return write_labels(tmp_path / name, rows, {"candidates": [2, 3]})
+
+    out = tmp_path / "features"
+    with pytest.raises(ValueError, match=r"validation/test splits are empty.*'a': 2.*at least 3 prompts per set"):
+        build_dataset(dataset_cfg(labels_of(2, "two"), out))
+    assert not out.exists()  # refused before writing
+    dd, info = load_feature_dataset(build_dataset(dataset_cfg(labels_of(3, "three"), out)))
+    assert {s: len(dd[s]) for s in ("train", "validation", "test")} == {"train": 2, "validation": 2, "test": 2}

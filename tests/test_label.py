@@ -347,14 +347,25 @@ def test_bad_label_settings_name_the_fix(label_setup, trained_decoder, tmp_path)
 
 def test_replay_measures_its_latency_model_once_per_run_dir(label_setup, trained_decoder, tmp_path):
     out = tmp_path / "measured"
+    cache = f"label.latency.cache={tmp_path}/latency-cache"
     run(label_setup(out, "label.latency.path=null", "label.latency.context_buckets=[8,32]", "label.latency.repeats=1",
-                    "data.limit=1"), trained_decoder)
+                    "data.limit=1", cache), trained_decoder)
     meta = LabelStore(out).read_meta()
     model = meta["latency_model"]
     assert model["context_buckets"] == [8, 32] and sorted(map(int, model["verify_ms"])) == [1, 2, 4, 8, 12]
-    run(label_setup(out, "label.latency.path=null", "label.latency.context_buckets=[8,32]"), trained_decoder)
+    run(label_setup(out, "label.latency.path=null", "label.latency.context_buckets=[8,32]", cache), trained_decoder)
     assert LabelStore(out).read_meta()["latency_model"] == model  # reused, not re-measured
     assert len(read_labels(out)) == len(TEXTS)
+    # a new run on the same machine and models reuses the stored model (measured timings never repeat exactly)
+    other = tmp_path / "another-run"
+    run(label_setup(other, "label.latency.path=null", "label.latency.context_buckets=[8,32]", "label.latency.repeats=1",
+                    "data.limit=1", cache), trained_decoder)
+    assert LabelStore(other).read_meta()["latency_model"] == model
+    assert len(list((tmp_path / "latency-cache").glob("latency-*.json"))) == 1
+    fresh = tmp_path / "fresh"
+    run(label_setup(fresh, "label.latency.path=null", "label.latency.context_buckets=[8,32]", "label.latency.repeats=1",
+                    "data.limit=1", "label.latency.cache=null"), trained_decoder)
+    assert LabelStore(fresh).read_meta()["latency_model"]["verify_ms"] != model["verify_ms"]
 
 
 def test_qwen3_target_label_path(tiny, tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from transformers import DynamicCache
@@ -313,9 +314,14 @@ class SpeculativeDecoder:
         return PrefillResult(input_ids, cache, last_logits[0], features, first, prefill_ms)
 
     @torch.inference_mode()
-    def decode(self, prefill: PrefillResult, schedule: BlockSizeSchedule | int, config: DecodeConfig) -> RequestStats:
+    def decode(self, prefill: PrefillResult, schedule: BlockSizeSchedule | int, config: DecodeConfig,
+               on_tokens: Callable[[list[int]], bool | None] | None = None) -> RequestStats:
         """Decode after ``prefill`` with block sizes from ``schedule`` (an int means a fixed B).
 
+        Args:
+            on_tokens: called with the new token ids of the prefill's first token and then of every
+                step (accepted drafts + bonus, the stop token included), in order; a true return ends
+                the decode after that step (a server's stop string or a client that went away).
         Returns:
             ``RequestStats`` with the output ids and per-step tau. The output never exceeds
             ``config.max_new_tokens`` and ends at the first stop token.
@@ -339,7 +345,8 @@ class SpeculativeDecoder:
         state = self.new_state(prefill, use_drafter)
         stats.output_ids.append(state.pending)
         stats.stopped = state.pending in self.stop_ids
-        while not stats.stopped and stats.new_tokens < config.max_new_tokens:
+        halted = on_tokens is not None and bool(on_tokens([state.pending]))
+        while not halted and not stats.stopped and stats.new_tokens < config.max_new_tokens:
             self.check_block_size(block_size)
             b = min(block_size, config.max_new_tokens - stats.new_tokens)
             new, _ = self.step(state, b, sampler)
@@ -352,14 +359,16 @@ class SpeculativeDecoder:
             stats.taus.append(len(new))
             stats.block_sizes.append(b)
             block_size = schedule.next(len(new), b)
+            halted = on_tokens is not None and bool(on_tokens(new))
 
         stats.decode_ms = (_now(self.device) - t0) * 1e3
         return stats
 
-    def generate(self, input_ids: torch.Tensor, schedule: BlockSizeSchedule | int, config: DecodeConfig) -> RequestStats:
+    def generate(self, input_ids: torch.Tensor, schedule: BlockSizeSchedule | int, config: DecodeConfig,
+                 on_tokens: Callable[[list[int]], bool | None] | None = None) -> RequestStats:
         """Prefill then decode one request; see ``prefill`` and ``decode``."""
         if isinstance(schedule, int):
             self.check_block_size(schedule)
             schedule = FixedSchedule(schedule)
         prefill = self.prefill(input_ids, config, want_features=schedule.max_block_size > 1)
-        return self.decode(prefill, schedule, config)
+        return self.decode(prefill, schedule, config, on_tokens)

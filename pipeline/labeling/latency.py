@@ -17,8 +17,13 @@ extrapolation outside the measured range).
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import math
+import os
 import platform
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
 
@@ -29,6 +34,8 @@ from transformers import DynamicCache
 from pipeline.decoding.sampling import PositionKeyedSampler
 from pipeline.decoding.speculative import RequestStats, SpeculativeDecoder, _now, crop_to
 from pipeline.models.target import new_cache
+
+log = logging.getLogger(__name__)
 
 
 def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -200,6 +207,9 @@ def measure_latency(decoder: SpeculativeDecoder, block_sizes: Sequence[int], con
     verify = {b: [] for b in widths}
     draft = {b: [] for b in widths if b > 1}
     prefill_ms = []
+    from tqdm.auto import tqdm
+
+    progress = tqdm(total=len(buckets) * (1 + len(widths)), desc="latency model", unit="timing")
     for length in buckets:
         state = {}
 
@@ -211,8 +221,10 @@ def measure_latency(decoder: SpeculativeDecoder, block_sizes: Sequence[int], con
             state["cache"], state["features"] = cache, features
 
         prefill_ms.append(timed(prefill))
+        progress.update(1)
         cache, features = state["cache"], state["features"]
         for b in widths:
+            progress.update(1)
             block = ids[:, length : length + b]
 
             def verify_step() -> None:
@@ -236,7 +248,7 @@ def measure_latency(decoder: SpeculativeDecoder, block_sizes: Sequence[int], con
                 sampler.pick(decoder.drafter_head(hidden[0, 1:]).float(), length + 1, decoder.draft_vocab)
 
             draft[b].append(timed(draft_step))
-
+    progress.close()
     noise_ms = 0.0
     if temperature > 0:
         fresh = PositionKeyedSampler(temperature, seed + 1, vocab)
@@ -248,6 +260,38 @@ def measure_latency(decoder: SpeculativeDecoder, block_sizes: Sequence[int], con
         "temperature": temperature, "repeats": repeats,
     }
     return LatencyModel(buckets, widths, verify, draft, prefill_ms, noise_ms, info, fit)
+
+
+def measure_latency_cached(decoder: SpeculativeDecoder, block_sizes: Sequence[int], context_buckets: Sequence[int],
+                           repeats: int = 3, temperature: float = 0.0, seed: int = 0, cache_dir: str | Path | None = None,
+                           identity: dict | None = None) -> LatencyModel:
+    """``measure_latency``, reused across runs: the model is kept in ``cache_dir/<key>.json``, the key hashing
+    ``identity`` (target, drafter, dtype, device), this host, torch's thread count and the arguments.
+
+    A new run on the same machine and models reuses the stored model instead of measuring it again (about
+    half a minute for the embedded default); delete the file, or pass ``cache_dir=None``
+    (``label.latency.cache=null``), to measure afresh.
+
+    Raises:
+        ValueError: as ``measure_latency``.
+    """
+    if cache_dir is None:
+        return measure_latency(decoder, block_sizes, context_buckets, repeats, temperature, seed)
+    key = {"identity": identity or {}, "host": platform.node(), "threads": torch.get_num_threads(),
+           "block_sizes": sorted(int(b) for b in block_sizes), "context_buckets": sorted(int(c) for c in context_buckets),
+           "repeats": int(repeats), "temperature": float(temperature), "seed": int(seed)}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / f"latency-{digest}.json"
+    if path.is_file():
+        log.info("reusing the latency model measured earlier on this machine: %s (delete it to remeasure)", path)
+        return LatencyModel.from_dict(json.loads(path.read_text())["latency_model"])
+    model = measure_latency(decoder, block_sizes, context_buckets, repeats, temperature, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"key": key, "latency_model": model.to_dict()}, indent=2))
+    os.replace(tmp, path)
+    log.info("latency model stored for later runs: %s", path)
+    return model
 
 
 # ------------------------------------------------------------------------------------------------

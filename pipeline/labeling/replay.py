@@ -138,6 +138,45 @@ def target_trace(decoder: SpeculativeDecoder, prefill: PrefillResult, config: De
     return Trace(tokens, torch.cat(features, dim=1), n, stopped, decode_ms, sampler, shortlist_ids, gaps)
 
 
+@torch.inference_mode()
+def trace_from_output(decoder: SpeculativeDecoder, prefill: PrefillResult, tokens: list[int], config: DecodeConfig,
+                      decode_ms: float = 0.0, shortlist: int = 32) -> Trace:
+    """The ``Trace`` of an output that was already decoded (e.g. a served request), by ONE teacher-forced target pass.
+
+    ``target_trace`` feeds the target one token at a time; when the continuation is known, one forward
+    over ``tokens[:-1]`` at positions n..n+m-2 gives the same context features and target scores (up to
+    floating-point ties between batched and one-row products), so ``replay`` can label it.
+
+    Args:
+        prefill: the request's prefill, its cache over the n prompt tokens unconsumed (pass a
+            ``copy.deepcopy`` of the cache taken before decoding) and its drafter ``features`` kept.
+        tokens: the m >= 1 output token ids (positions n..n+m-1), the stop token included when one ended it.
+        config: the request's decode settings (temperature and seed key the scores at T>0).
+        decode_ms: the decode's wall time, kept in ``Trace.decode_ms``.
+        shortlist: the target's best-scoring ids kept per position (0: none).
+    Returns:
+        a ``Trace`` with ``features`` [1, n + m - 1, F] and ``shortlist`` [m, k].
+    Raises:
+        ValueError: without a drafter, prefill features or tokens.
+    """
+    if decoder.drafter is None or prefill.features is None:
+        raise ValueError("a trace needs a drafter and a prefill with features (prefill(want_features=True))")
+    if not tokens:
+        raise ValueError("a trace needs at least one output token")
+    sampler = PositionKeyedSampler(config.temperature, config.seed, decoder.lm_head.shape[0])
+    n, m = prefill.input_ids.shape[1], len(tokens)
+    logits = prefill.last_logits[None]
+    features = [prefill.features]
+    if m > 1:
+        fed = torch.tensor([tokens[:-1]], dtype=torch.long, device=decoder.device)
+        rest, new_features = decoder._target_forward(fed, prefill.cache, n, want_features=True)
+        logits = torch.cat([logits, rest])
+        features.append(new_features)
+    k = min(shortlist, logits.shape[-1])
+    short = pick_scores(sampler, logits, list(range(n, n + m))).topk(k, dim=-1).indices if k > 0 else None
+    return Trace(list(tokens), torch.cat(features, dim=1), n, tokens[-1] in decoder.stop_ids, decode_ms, sampler, short)
+
+
 class DrafterContext:
     """Per draft layer, the context keys/values of every position, projected once.
 

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from pipeline.config_checks import validate_config
 from pipeline.decoding.speculative import DecodeConfig, PromptTooLongError, SpeculativeDecoder
-from pipeline.labeling.latency import LatencyModel, measure_latency
+from pipeline.labeling.latency import LatencyModel, measure_latency_cached
 from pipeline.labeling.oracle import LabelSettings, check_candidates, label_prompt
 from pipeline.labeling.store import LabelStore
 from pipeline.models.loading import build_decoder, resolve_path
@@ -107,6 +107,11 @@ def load_latency(path: str | Path) -> LatencyModel:
     return LatencyModel.from_dict(data)
 
 
+def latency_identity(model_cfg) -> dict:
+    """What a stored latency model must match besides the machine: target, drafter, dtype, device."""
+    return {k: str(model_cfg.get(k)) for k in ("target", "drafter", "dtype", "device")}
+
+
 def run_meta(cfg: DictConfig, settings: LabelSettings, decoder: SpeculativeDecoder) -> dict:
     """The ``meta.json`` of this run (without the latency model)."""
     drafter = decoder.drafter
@@ -169,8 +174,9 @@ def run_label(cfg: DictConfig, decoder: SpeculativeDecoder | None = None,
             latency = load_latency(cfg.label.latency.path)
         else:
             log.info("measuring the latency model (label.latency.context_buckets=%s)", list(cfg.label.latency.context_buckets))
-            latency = measure_latency(decoder, settings.candidates, list(cfg.label.latency.context_buckets),
-                                      int(cfg.label.latency.repeats), settings.temperature, int(cfg.seed))
+            latency = measure_latency_cached(decoder, settings.candidates, list(cfg.label.latency.context_buckets),
+                                             int(cfg.label.latency.repeats), settings.temperature, int(cfg.seed),
+                                             cfg.label.latency.get("cache"), latency_identity(cfg.model))
         meta["latency_model"] = latency.to_dict()
     meta = store.ensure_meta(meta)
     if settings.mode == "replay":

@@ -1,0 +1,283 @@
+"""The serving engine: one decoder, one request at a time (batch 1), a bounded queue in front of it.
+
+``Engine.run`` admits a request (``QueueFull`` when ``1 + max_queue`` requests are already in flight),
+runs prefill, the policy's choice of B and the decode in the engine's single worker thread
+(``SpeculativeDecoder.decode``, the same loop as ``pipeline.evaluate``), and returns a ``Completion``.
+Streaming passes ``on_text``, called from the worker with each text delta (``pipeline.serving.text``).
+With a ``Recorder``, the request's label row is computed in the same worker after the response is
+returned, ahead of requests admitted later (``pipeline.serving.recorder``).
+
+Policies (``serve.policy``): ``fixed`` (``serve.block_size``, default the drafter's training B), ``ar``
+(B=1), ``blockpilot`` (a trained predictor, ``serve.predictor_dir``, picks B once from the prefill
+logits) and ``ema`` (per-step adaptive B over ``model.candidates``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from pipeline.decoding import DecodeConfig, EMASchedule, FixedSchedule
+from pipeline.decoding.speculative import RequestStats, SpeculativeDecoder, _now
+from pipeline.serving.recorder import Recorder, Served
+from pipeline.serving.schemas import DecodeInfo, RequestError
+from pipeline.serving.text import TextStream
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("fixed", "ar", "blockpilot", "ema")
+
+
+class QueueFull(RuntimeError):
+    """Every slot (the running request + ``max_queue`` waiting) is taken; the caller answers 503."""
+
+
+class Policy:
+    """Builds a fresh block-size schedule per request.
+
+    Args:
+        name: one of ``POLICIES``; make: zero-argument schedule factory.
+    """
+
+    def __init__(self, name: str, make: Callable[[], object]):
+        self.name, self.make = name, make
+
+
+def build_policy(name: str, decoder: SpeculativeDecoder, block_size: int | None = None, predictor_dir: str | None = None,
+                 candidates=(), ema: dict | None = None) -> Policy:
+    """The ``serve.policy`` schedule factory, checked against the decoder.
+
+    Raises:
+        ValueError: for an unknown policy, a B the drafter cannot draft, or a predictor that does not fit.
+        FileNotFoundError: for ``blockpilot`` without a trained predictor at ``predictor_dir`` (names ``make train``).
+    """
+    if name == "ar":
+        return Policy(name, lambda: FixedSchedule(1))
+    if name == "fixed":
+        b = int(block_size or (decoder.drafter.block_size if decoder.drafter is not None else 1))
+        decoder.check_block_size(b)
+        return Policy(name, lambda: FixedSchedule(b))
+    if name == "ema":
+        cands = [int(c) for c in candidates]
+        EMASchedule(cands)  # raises for an empty list
+        decoder.check_block_size(max(cands))
+        ema = dict(ema or {})
+        return Policy(name, lambda: EMASchedule(cands, ema.get("alpha", 0.5), ema.get("margin", 1.0), ema.get("start")))
+    if name == "blockpilot":
+        from pipeline.policy.export import load_predictor
+        from pipeline.policy.schedule import PredictorSchedule
+
+        if not predictor_dir or not (Path(predictor_dir) / "predictor.json").is_file():
+            raise FileNotFoundError(f"serve.policy=blockpilot needs a trained predictor at {predictor_dir}: run "
+                                    "make label, make dataset and make train first (or serve.predictor_dir=...)")
+        predictor = load_predictor(predictor_dir, device=str(decoder.device))
+        vocab = predictor.featurizer.spec.vocab_size
+        if vocab and vocab != decoder.lm_head.shape[0]:
+            raise ValueError(f"predictor {predictor_dir} was trained on a vocabulary of {vocab}, the target has "
+                             f"{decoder.lm_head.shape[0]}: train it on labels of this target")
+        decoder.check_block_size(max(predictor.candidates))
+        return Policy(name, lambda: PredictorSchedule(predictor))
+    raise ValueError(f"serve.policy must be one of {POLICIES}, got {name!r}")
+
+
+class _Chosen:
+    """Wraps a schedule and keeps the B its ``first`` picked."""
+
+    def __init__(self, schedule):
+        self.schedule = schedule
+        self.max_block_size = schedule.max_block_size
+        self.chosen: int | None = None
+
+    def first(self, last_logits: torch.Tensor) -> int:
+        self.chosen = int(self.schedule.first(last_logits))
+        return self.chosen
+
+    def next(self, tau: int, block_size: int) -> int:
+        return self.schedule.next(tau, block_size)
+
+
+@dataclass
+class Job:
+    """One request for the worker.
+
+    Attributes:
+        request_id: the response id; input_ids: [1, n] prompt ids; config: decode settings;
+        stops: stop strings; block_size: a request's own fixed B (None: the policy);
+        on_text: called from the worker thread with each text delta (streaming), or None;
+        cancelled: set when the client went away (the decode ends after the current step).
+    """
+
+    request_id: str
+    input_ids: torch.Tensor
+    config: DecodeConfig
+    stops: list[str] = field(default_factory=list)
+    block_size: int | None = None
+    on_text: Callable[[str], None] | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Completion:
+    """A finished request: ``text`` (stop strings cut), ``finish_reason`` (``stop``|``length``|``abort``),
+    ``output_ids``, ``stats`` (the decoder's ``RequestStats``) and ``info`` (the ``blockpilot`` extension)."""
+
+    text: str
+    finish_reason: str
+    output_ids: list[int]
+    stats: RequestStats
+    info: DecodeInfo
+
+
+class Engine:
+    """Runs requests through one ``SpeculativeDecoder``, one at a time.
+
+    Args:
+        decoder: the decoder; policy: the configured ``Policy``; model_name: the id served at ``/v1/models``;
+        max_queue: requests that may wait while one runs (more get ``QueueFull``);
+        default_max_tokens: ``max_tokens`` of a request that sends none; max_tokens: the largest allowed;
+        default_seed: the seed of a request that sends none; recorder: a ``Recorder`` or None;
+        default_temperature: the temperature of a request that sends none (``decode.temperature``; OpenAI's is 1).
+    """
+
+    def __init__(self, decoder: SpeculativeDecoder, policy: Policy, model_name: str, max_queue: int = 64,
+                 default_max_tokens: int = 256, max_tokens: int = 4096, default_seed: int = 0,
+                 recorder: Recorder | None = None, default_temperature: float = 0.0):
+        if max_queue < 0:
+            raise ValueError(f"serve.max_queue must be >= 0, got {max_queue}")
+        self.decoder, self.policy, self.model_name = decoder, policy, model_name
+        self.tokenizer = decoder.target.tokenizer
+        self.max_queue, self.default_max_tokens, self.max_tokens = int(max_queue), int(default_max_tokens), int(max_tokens)
+        self.default_seed, self.recorder = int(default_seed), recorder
+        self.default_temperature = float(default_temperature)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decoder")
+        self.in_flight = 0  # admitted and not finished; touched only on the event loop's thread
+        self.served = 0
+        self.failed = 0
+        self._closed = False
+
+    # -- request checks (event loop thread, before queueing) ----------------------------------------
+    def decode_config(self, n_prompt: int, max_tokens: int | None, temperature: float | None, seed: int | None) -> DecodeConfig:
+        """The request's ``DecodeConfig``; ``max_tokens`` defaults to what fits the context.
+
+        Raises:
+            RequestError: for a prompt that leaves no room, ``max_tokens`` over the limit or beyond the context.
+        """
+        room = self.decoder.max_context - n_prompt
+        if room < 1:
+            raise RequestError(f"the prompt has {n_prompt} tokens; this model's context is {self.decoder.max_context} "
+                               "tokens: shorten the prompt", param="messages", code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = min(self.default_max_tokens, room, self.max_tokens)
+        if max_tokens > self.max_tokens:
+            raise RequestError(f"max_tokens={max_tokens} is above this server's limit of {self.max_tokens} "
+                               "(serve.max_tokens)", param="max_tokens")
+        if max_tokens > room:
+            raise RequestError(f"the prompt has {n_prompt} tokens and max_tokens={max_tokens}, beyond this model's "
+                               f"context of {self.decoder.max_context} tokens: shorten the prompt or lower max_tokens",
+                               param="max_tokens", code="context_length_exceeded")
+        temperature = self.default_temperature if temperature is None else float(temperature)
+        return DecodeConfig(int(max_tokens), temperature, self.default_seed if seed is None else int(seed))
+
+    def check_block_size(self, block_size: int | None) -> None:
+        """Raise ``RequestError`` for a request's ``block_size`` the drafter cannot draft."""
+        if block_size is None:
+            return
+        try:
+            self.decoder.check_block_size(int(block_size))
+        except ValueError as err:
+            raise RequestError(str(err), param="block_size") from err
+
+    # -- running ------------------------------------------------------------------------------------
+    async def run(self, job: Job) -> Completion:
+        """Admit ``job``, decode it in the worker, then (with a recorder) queue its label row.
+
+        Raises:
+            QueueFull: when ``1 + max_queue`` requests are in flight.
+            Exception: whatever the decode raised (the server answers 500 and keeps serving).
+        """
+        if self.in_flight >= 1 + self.max_queue:
+            raise QueueFull(f"the queue is full ({self.max_queue} waiting + 1 running); retry later")
+        self.in_flight += 1
+        loop = asyncio.get_running_loop()
+        try:
+            completion, served = await loop.run_in_executor(self.executor, self._generate, job)
+        except Exception:
+            self.failed += 1
+            raise
+        finally:
+            self.in_flight -= 1
+        self.served += 1
+        if served is not None:
+            self.executor.submit(self.recorder.record, served)
+        return completion
+
+    def _generate(self, job: Job) -> tuple[Completion, Served | None]:
+        """Worker thread: prefill, choose B, decode; returns the completion and the recorder's input."""
+        queue_ms = (time.perf_counter() - job.submitted) * 1e3
+        decoder = self.decoder
+        if job.block_size is not None:
+            policy, schedule = "request", FixedSchedule(int(job.block_size))
+        else:
+            policy, schedule = self.policy.name, self.policy.make()
+        schedule = _Chosen(schedule)
+        record = self.recorder is not None and self.recorder.wants(job.config)
+        if self.recorder is not None and not record:
+            self.recorder.skip()
+        prefill = decoder.prefill(job.input_ids, job.config, want_features=schedule.max_block_size > 1 or record)
+        kept = copy.copy(prefill) if record else None
+        if kept is not None:
+            kept.cache = copy.deepcopy(prefill.cache)  # the decode consumes the cache; the recorder replays from here
+        stream = TextStream(self.tokenizer, job.stops)
+
+        def on_tokens(ids: list[int]) -> bool:
+            delta = stream.push(ids)
+            if delta and job.on_text is not None:
+                job.on_text(delta)
+            return stream.stopped or job.cancelled.is_set()
+
+        stats = decoder.decode(prefill, schedule, job.config, on_tokens)
+        tail = stream.finish()
+        if tail and job.on_text is not None:
+            job.on_text(tail)
+        halted = stream.stopped or job.cancelled.is_set()
+        if job.cancelled.is_set() and not stream.stopped:
+            reason = "abort"
+        elif stream.stopped or stats.stopped:
+            reason = "stop"
+        else:
+            reason = "length"
+        info = DecodeInfo(policy=policy, block_size=int(schedule.chosen), block_sizes=sorted(set(stats.block_sizes)),
+                          tau=stats.tau, steps=len(stats.taus), prefill_ms=stats.prefill_ms, schedule_ms=stats.schedule_ms,
+                          decode_ms=stats.decode_ms, queue_ms=queue_ms)
+        completion = Completion(stream.text, reason, list(stats.output_ids), stats, info)
+        served = None
+        if kept is not None:
+            served = Served(job.request_id, kept, list(stats.output_ids), job.config, halted, list(stats.taus),
+                            list(stats.block_sizes), stats.decode_ms)
+        return completion, served
+
+    def drain(self, timeout_s: float = 600.0) -> None:
+        """Wait (at most ``timeout_s``) for the worker's queued jobs, recordings included, then flush the recorder."""
+        self.executor.submit(lambda: None).result(timeout=timeout_s)
+        if self.recorder is not None:
+            self.recorder.flush()
+
+    def close(self) -> None:
+        """Finish queued work, flush the recorder and stop the worker (a second call does nothing)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.drain()
+        finally:
+            self.executor.shutdown(wait=True)

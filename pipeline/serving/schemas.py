@@ -1,0 +1,173 @@
+"""The OpenAI request/response schema the server speaks (the subset a batch-1 decoder can honour).
+
+Requests accept the usual fields of ``/v1/chat/completions`` and ``/v1/completions``; fields this server
+cannot honour (``n`` > 1, ``top_p`` < 1, ``top_k`` > 0, ``logprobs``, tools) are refused with a 400
+naming the field, instead of being silently ignored. Unknown fields are ignored. Two extension fields:
+``block_size`` (request: force a fixed B for this request, overriding the configured policy) and
+``blockpilot`` (response: the B chosen, tau and steps, see ``DecodeInfo``); with ``return_meta_info``
+(SGLang's field, sent by ``dflash benchmark openai``) the response also carries ``meta_info`` with
+``spec_accept_length`` (tau) and ``spec_verify_ct`` (verify steps).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class RequestError(ValueError):
+    """A request the server refuses: ``status`` (4xx), ``param`` (the field at fault) and a message naming the fix."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+class ChatMessage(BaseModel):
+    """One chat message; ``content`` as a string or as OpenAI text parts (``[{"type": "text", "text": ...}]``)."""
+
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[dict]
+
+    def text(self) -> str:
+        """The message text (text parts joined).
+
+        Raises:
+            RequestError: for a non-text part (images, audio).
+        """
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(f"only text content parts are supported, got type {part.get('type')!r}", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields shared by both endpoints.
+
+    Attributes:
+        max_tokens: cap on generated tokens (default: the server's ``serve.default_max_tokens``).
+        temperature: 0 (greedy) to 2; position-keyed sampling, so the text does not depend on B. Omitted: the
+            server's ``decode.temperature`` (0 by default, where OpenAI's default is 1).
+        seed: sampling seed (default: ``decode.seed``); ignored at temperature 0.
+        stop: up to 4 stop strings; the text ends before the first one (finish_reason ``stop``).
+        block_size: extension: force this fixed B for the request.
+        return_token_ids: extension: add the output token ids to ``blockpilot.token_ids``.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool | int | None = None
+    user: str | None = None
+    block_size: int | None = Field(default=None, ge=1)
+    return_token_ids: bool = False
+    return_meta_info: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value):
+        stops = [value] if isinstance(value, str) else list(value or [])
+        if len(stops) > 4:
+            raise ValueError("at most 4 stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return stops
+
+    def check_supported(self) -> None:
+        """Raise ``RequestError`` for a field this server cannot honour (see the module docstring)."""
+        if self.n not in (None, 1):
+            raise RequestError(f"n={self.n} is not supported: the decoder runs one sequence per request; send n=1", param="n")
+        if self.top_p not in (None, 1, 1.0):
+            raise RequestError(f"top_p={self.top_p} is not supported: sampling draws from the full distribution "
+                               "(position-keyed Gumbel-max); omit top_p or send 1", param="top_p")
+        if self.top_k not in (None, 0, -1):
+            raise RequestError(f"top_k={self.top_k} is not supported; omit top_k or send 0", param="top_k")
+        if self.logprobs not in (None, False, 0):
+            raise RequestError("logprobs are not supported; omit logprobs", param="logprobs")
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions``; ``chat_template_kwargs`` go to the tokenizer's chat template."""
+
+    messages: list[ChatMessage]
+    chat_template_kwargs: dict | None = None
+    tools: list | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _not_empty(cls, value):
+        if not value:
+            raise ValueError("messages is empty: send at least one message, e.g. [{\"role\": \"user\", \"content\": \"Hi\"}]")
+        return value
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions``: ``prompt`` is a string, a list of token ids, or a one-element list of either."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+
+
+class DecodeInfo(BaseModel):
+    """The ``blockpilot`` extension of a response.
+
+    Attributes:
+        policy: the schedule that chose B (``fixed``, ``ar``, ``blockpilot``, ``ema``, or ``request`` for a
+            request's own ``block_size``).
+        block_size: B of the first step (the policy's choice after prefill); block_sizes: every B used.
+        tau: mean acceptance length (tokens per verify step); steps: verify steps.
+        prefill_ms, schedule_ms, decode_ms, queue_ms: wall times (ms); queue_ms is the wait before decoding.
+        token_ids: the output token ids (with ``return_token_ids``).
+    """
+
+    policy: str
+    block_size: int
+    block_sizes: list[int]
+    tau: float
+    steps: int
+    prefill_ms: float
+    schedule_ms: float
+    decode_ms: float
+    queue_ms: float
+    token_ids: list[int] | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+def new_id(prefix: str) -> str:
+    """An OpenAI-style object id, e.g. ``chatcmpl-3f2a...``."""
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,336 @@
+"""The OpenAI-compatible server, in-process on tiny models (FastAPI TestClient / httpx ASGI transport).
+
+References are independent of the server: ``decode_prompt`` with B=1 (plain autoregressive decoding,
+what ``pipeline.evaluate``'s ``ar`` method runs) on the same prompt, and the label stage's
+``label_prompt`` for the recorded rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from conftest import composed
+from policy_fixtures import RUN, build_tiny_run
+from pipeline.decoding import DecodeConfig, FixedSchedule
+from pipeline.decoding.conversation import decode_prompt
+from pipeline.labeling.oracle import LabelSettings, label_prompt
+from pipeline.labeling.store import read_labels
+from pipeline.prompts import Prompt, chat_input_ids
+from pipeline.serve import build_engine
+from pipeline.serving.app import create_app
+from pipeline.serving.engine import Engine, build_policy
+
+MODEL = "tiny"
+PROMPTS = [
+    "Write a function that returns the sum of a list of numbers.",
+    "def add(a, b):",
+    "Natalia sold clips to 48 of her friends in April.",
+]
+CANDIDATES = [2, 4, 8]
+
+
+def engine_for(decoder, policy: str = "fixed", **kwargs) -> Engine:
+    return Engine(decoder, build_policy(policy, decoder, candidates=CANDIDATES, predictor_dir=kwargs.pop("predictor_dir", None)),
+                  MODEL, **kwargs)
+
+
+def ar_reference(decoder, text: str, max_new_tokens: int, temperature: float = 0.0, seed: int = 0) -> list[int]:
+    """The eval stage's ``ar`` decode of one chat prompt: output token ids."""
+    stats = decode_prompt(decoder, Prompt("p", [text], "tiny"), lambda: FixedSchedule(1), DecodeConfig(max_new_tokens, temperature, seed))
+    return stats[0].output_ids
+
+
+def sse_events(body: str) -> list:
+    events = [line.removeprefix("data: ") for line in body.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+@pytest.fixture
+def client(trained_decoder):
+    engine = engine_for(trained_decoder, max_queue=4, default_max_tokens=24)
+    with TestClient(create_app(engine)) as c:
+        yield c
+    engine.close()
+
+
+def test_chat_completion_is_token_identical_to_the_ar_decode_streamed_and_not(client, trained_decoder):
+    tokenizer = trained_decoder.target.tokenizer
+    assert client.get("/v1/models").json()["data"][0]["id"] == MODEL
+    for text in PROMPTS:
+        reference = ar_reference(trained_decoder, text, 24)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 24, "temperature": 0,
+                "return_token_ids": True}
+        out = client.post("/v1/chat/completions", json=body).json()
+        info = out["blockpilot"]
+        assert info["token_ids"] == reference
+        assert out["choices"][0]["message"]["content"] == tokenizer.decode(reference, skip_special_tokens=True)
+        assert info["policy"] == "fixed" and info["block_size"] == 8  # the drafter's training block size
+        assert info["steps"] >= 1 and info["tau"] >= 1
+        assert out["usage"] == {"prompt_tokens": chat_input_ids(tokenizer, [text]).shape[1], "completion_tokens": len(reference),
+                                "total_tokens": chat_input_ids(tokenizer, [text]).shape[1] + len(reference)}
+        streamed = client.post("/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+        assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+        chunks = sse_events(streamed.text)
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        text_out = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        assert text_out == out["choices"][0]["message"]["content"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == out["choices"][0]["finish_reason"]
+        assert chunks[-1]["blockpilot"]["token_ids"] == reference and chunks[-1]["usage"] == out["usage"]
+
+
+def test_tau_and_steps_match_the_decoders_own_stats(client, trained_decoder):
+    text = PROMPTS[0]
+    stats = trained_decoder.generate(chat_input_ids(trained_decoder.target.tokenizer, [text]), 8, DecodeConfig(24))
+    out = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": text}],
+                                                    "max_tokens": 24}).json()["blockpilot"]
+    assert out["steps"] == len(stats.taus) and out["tau"] == pytest.approx(stats.tau)
+    assert out["block_sizes"] == sorted(set(stats.block_sizes))
+    forced = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": text}],
+                                                       "max_tokens": 24, "block_size": 4}).json()["blockpilot"]
+    assert forced["policy"] == "request" and forced["block_size"] == 4
+    assert forced["tau"] == pytest.approx(trained_decoder.generate(
+        chat_input_ids(trained_decoder.target.tokenizer, [text]), 4, DecodeConfig(24)).tau)
+
+
+def test_completion_endpoint_streamed_and_not_with_stop_strings(client, trained_decoder):
+    tokenizer = trained_decoder.target.tokenizer
+    prompt = "def add(a, b):\n    return"
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    reference = trained_decoder.generate(ids, 1, DecodeConfig(20)).output_ids
+    full = tokenizer.decode(reference, skip_special_tokens=True)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 20, "return_token_ids": True}
+    out = client.post("/v1/completions", json=body).json()
+    assert out["object"] == "text_completion" and out["blockpilot"]["token_ids"] == reference
+    assert out["choices"][0]["text"] == full and out["usage"]["prompt_tokens"] == ids.shape[1]
+    streamed = sse_events(client.post("/v1/completions", json={**body, "stream": True}).text)
+    assert "".join(c["choices"][0]["text"] for c in streamed) == full
+    assert client.post("/v1/completions", json={**body, "prompt": ids[0].tolist()}).json()["choices"][0]["text"] == full
+    stop = full.strip()[len(full.strip()) // 2:][:3]  # a string from the middle of the output
+    assert stop and stop in full
+    cut = full[: full.find(stop)]
+    for stream in (False, True):
+        response = client.post("/v1/completions", json={**body, "stop": [stop], "stream": stream})
+        text = ("".join(c["choices"][0]["text"] for c in sse_events(response.text)) if stream
+                else response.json()["choices"][0]["text"])
+        assert text == cut
+    finished = client.post("/v1/completions", json={**body, "stop": stop}).json()
+    assert finished["choices"][0]["finish_reason"] == "stop"
+    assert len(finished["blockpilot"]["token_ids"]) < len(reference) or full.endswith(stop)  # decoding ended early
+
+
+def test_sampling_with_a_seed_is_lossless_and_reproducible(client, trained_decoder):
+    text = PROMPTS[2]
+    reference = ar_reference(trained_decoder, text, 24, temperature=1.0, seed=7)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 24, "temperature": 1.0,
+            "seed": 7, "return_token_ids": True}
+    assert client.post("/v1/chat/completions", json=body).json()["blockpilot"]["token_ids"] == reference
+    other = client.post("/v1/chat/completions", json={**body, "seed": 8}).json()["blockpilot"]["token_ids"]
+    assert other == ar_reference(trained_decoder, text, 24, temperature=1.0, seed=8)
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "   "}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "gpt-4o"}, 404, "model"),
+    ("/v1/chat/completions", {"temperature": 3.5}, 400, "temperature"),
+    ("/v1/chat/completions", {"temperature": -1}, 400, "temperature"),
+    ("/v1/chat/completions", {"max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"max_tokens": 100000}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "sum " * 600}]}, 400, "messages"),
+    ("/v1/chat/completions", {"n": 2}, 400, "n"),
+    ("/v1/chat/completions", {"top_p": 0.5}, 400, "top_p"),
+    ("/v1/chat/completions", {"block_size": 99}, 400, "block_size"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [10 ** 9]}, 400, "prompt"),
+])
+def test_bad_requests_get_a_4xx_with_a_message_and_the_server_keeps_serving(client, path, body, status, param):
+    base = {"model": MODEL, "max_tokens": 4}
+    base.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
+    response = client.post(path, json={**base, **body})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["param"] == param
+    assert client.post(path, json=base).status_code == 200
+
+
+class GatedDecoder:
+    """The real decoder whose prefill waits on an event (holds the worker so the queue fills deterministically);
+    raises once when ``fail_next`` is set."""
+
+    def __init__(self, decoder):
+        self._decoder, self.gate, self.started, self.fail_next = decoder, threading.Event(), threading.Event(), False
+
+    def __getattr__(self, name):
+        return getattr(self._decoder, name)
+
+    def prefill(self, *args, **kwargs):
+        self.started.set()
+        assert self.gate.wait(timeout=60), "gate never opened"
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("injected failure")
+        return self._decoder.prefill(*args, **kwargs)
+
+
+def test_a_full_queue_answers_503_and_queued_requests_complete(trained_decoder):
+    gated = GatedDecoder(trained_decoder)
+    engine = engine_for(gated, max_queue=1, default_max_tokens=8)
+    app = create_app(engine)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 8, "return_token_ids": True}
+    reference = ar_reference(trained_decoder, PROMPTS[0], 8)
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60) as c:
+            first = asyncio.create_task(c.post("/v1/chat/completions", json=body))
+            while not gated.started.is_set():  # the first request holds the worker
+                await asyncio.sleep(0.01)
+            second = asyncio.create_task(c.post("/v1/chat/completions", json=body))  # waits in the queue
+            while engine.in_flight < 2:
+                await asyncio.sleep(0.01)
+            third = await c.post("/v1/chat/completions", json=body)
+            streamed = await c.post("/v1/chat/completions", json={**body, "stream": True})
+            gated.gate.set()
+            return third, streamed, await first, await second
+
+    try:
+        third, streamed, first, second = asyncio.run(scenario())
+    finally:
+        gated.gate.set()
+        engine.close()
+    assert third.status_code == 503 and streamed.status_code == 503
+    assert "queue is full" in third.json()["error"]["message"]
+    for response in (first, second):
+        assert response.status_code == 200 and response.json()["blockpilot"]["token_ids"] == reference
+
+
+def test_twenty_concurrent_requests_complete_and_a_failed_decode_is_a_500(trained_decoder):
+    gated = GatedDecoder(trained_decoder)
+    gated.gate.set()
+    engine = engine_for(gated, max_queue=32, default_max_tokens=8)
+    app = create_app(engine)
+    references = {t: ar_reference(trained_decoder, t, 8) for t in PROMPTS}
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=120) as c:
+            gated.fail_next = True
+            failed = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+            bodies = [{"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[i % 3]}], "max_tokens": 8,
+                       "return_token_ids": True, "stream": i % 2 == 1} for i in range(20)]
+            return failed, await asyncio.gather(*(c.post("/v1/chat/completions", json=b) for b in bodies))
+
+    try:
+        failed, responses = asyncio.run(scenario())
+    finally:
+        engine.close()
+    assert failed.status_code == 500 and "injected failure" in failed.json()["error"]["message"]
+    for i, response in enumerate(responses):
+        assert response.status_code == 200
+        ids = (sse_events(response.text)[-1] if i % 2 else response.json())["blockpilot"]["token_ids"]
+        assert ids == references[PROMPTS[i % 3]]
+    assert engine.served == 20 and engine.failed == 1 and engine.in_flight == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny, tmp_path_factory):
+    return build_tiny_run(tmp_path_factory.getbasetemp() / "policy-run", tiny.target_dir("llama"), tiny.drafter_dir("llama", "trained"))
+
+
+def test_blockpilot_policy_picks_the_predictors_block_size(tiny_run, trained_decoder):
+    from pipeline.policy.export import load_predictor
+
+    predictor_dir = Path(tiny_run["data"]) / "predictors" / RUN / "mlp"
+    engine = engine_for(trained_decoder, "blockpilot", predictor_dir=str(predictor_dir), default_max_tokens=16)
+    predictor = load_predictor(predictor_dir)
+    tokenizer = trained_decoder.target.tokenizer
+    with TestClient(create_app(engine)) as c:
+        for text in PROMPTS:
+            ids = chat_input_ids(tokenizer, [text])
+            expected = predictor.predict(trained_decoder.prefill(ids, DecodeConfig(16)).last_logits)
+            out = c.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": text}],
+                                                       "max_tokens": 16, "return_token_ids": True}).json()
+            assert out["blockpilot"]["policy"] == "blockpilot" and out["blockpilot"]["block_size"] == expected
+            assert out["blockpilot"]["token_ids"] == ar_reference(trained_decoder, text, 16)
+    engine.close()
+    with pytest.raises(FileNotFoundError, match="make train"):
+        build_policy("blockpilot", trained_decoder, predictor_dir=str(predictor_dir.parent / "missing"))
+
+
+def serve_overrides(tiny, record_dir: Path, latency: Path, *extra: str) -> list[str]:
+    return [f"model.target={tiny.target_dir('llama')}", f"model.drafter={tiny.drafter_dir('llama', 'trained')}",
+            f"model.name={MODEL}", "serve.record=true", f"serve.record_dir={record_dir}", f"serve.latency_path={latency}",
+            "serve.record_flush_every=2", f"label.block_sizes={CANDIDATES}".replace(" ", ""), "label.topk=16",
+            "serve.default_max_tokens=24", *extra]
+
+
+def test_recorded_requests_are_the_label_stages_rows_and_feed_the_dataset_stage(tiny, trained_decoder, tmp_path):
+    from test_label import synthetic_latency
+
+    from pipeline.dataset import build_dataset
+    from pipeline.labeling.runner import load_latency
+
+    latency_path = synthetic_latency(tmp_path / "latency.json")
+    record_dir = tmp_path / "labels" / "served"
+    texts = PROMPTS + ["Write a function that returns the product of two numbers.", "0123456789 + - * /",
+                       "The quick brown fox jumps over the lazy dog."]
+    with composed("serve", serve_overrides(tiny, record_dir, latency_path)) as cfg:
+        engine = build_engine(cfg, decoder=trained_decoder)
+    with TestClient(create_app(engine)) as c:
+        ids = []
+        for i, text in enumerate(texts):
+            body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 24, "stream": i % 2 == 1}
+            response = c.post("/v1/chat/completions", json=body)
+            ids.append((sse_events(response.text)[-1] if i % 2 else response.json())["id"])
+        skipped = c.post("/v1/chat/completions", json={**body, "temperature": 0.7, "stream": False})  # not this run's T
+        assert skipped.status_code == 200
+    # leaving the client runs the app's shutdown, which waits for the recordings and flushes them (no close needed)
+    health = engine.recorder.stats()
+    assert len(read_labels(record_dir)) == len(texts)
+    engine.close()
+    assert health["recorded"] == len(texts) and health["skipped"] == 1 and health["mismatches"] == 0
+    rows = read_labels(record_dir).set_index("id")
+    assert sorted(rows.index) == sorted(ids) and set(rows["source_set"]) == {"served"}
+    settings = LabelSettings(candidates=CANDIDATES, max_new_tokens=24, topk=16)
+    latency = load_latency(latency_path)
+    for rid, text in zip(ids, texts):  # the label stage's replay row of the same request
+        expected = label_prompt(trained_decoder, chat_input_ids(trained_decoder.target.tokenizer, [text]), settings, latency).row
+        got = rows.loc[rid]
+        assert list(got["tau"]) == pytest.approx(expected["tau"]) and list(got["new_tokens"]) == expected["new_tokens"]
+        assert got["label_tau"] == expected["label_tau"] and got["label_speed"] == expected["label_speed"]
+        assert list(got["topk_ids"]) == expected["topk_ids"] and got["prompt_tokens"] == expected["prompt_tokens"]
+    meta = json.loads((record_dir / "meta.json").read_text())
+    assert meta["candidates"] == CANDIDATES and meta["mode"] == "replay" and meta["latency_model"]
+    with composed("dataset", [f"dataset.labels_dir={record_dir}", f"dataset.out={tmp_path}/features", "logger.enabled=false",
+                              "features.k=16", "dataset.fractions={train: 0.5, validation: 0.25, test: 0.25}"]) as dcfg:
+        out = build_dataset(dcfg)
+    info = json.loads((out / "blockpilot.json").read_text())
+    assert sum(sum(c.values()) for c in info["counts"].values()) == len(texts) and info["candidates"] == CANDIDATES
+    assert all(sum(info["counts"][s].values()) >= 1 for s in ("train", "validation", "test"))
+    from pipeline.train import train_predictor
+
+    with composed("train", [f"train.features_dir={out}", f"train.out={tmp_path}/predictor", "trainer=smoke",
+                            "train.batch_size=2", "logger.enabled=false", "features.k=16"]) as tcfg:
+        predictor_dir = train_predictor(tcfg)
+    policy = build_policy("blockpilot", trained_decoder, predictor_dir=str(predictor_dir))  # servable
+    assert policy.make().max_block_size == max(CANDIDATES)
+
+
+def test_the_decoders_on_tokens_hook_sees_every_token_in_order_and_can_end_the_decode(trained_decoder):
+    ids = chat_input_ids(trained_decoder.target.tokenizer, [PROMPTS[0]])
+    full = trained_decoder.generate(ids, 8, DecodeConfig(24))
+    seen: list[list[int]] = []
+    again = trained_decoder.generate(ids, 8, DecodeConfig(24), on_tokens=lambda new: seen.append(list(new)))
+    assert again.output_ids == full.output_ids and [t for step in seen for t in step] == full.output_ids
+    assert [len(step) for step in seen[1:]] == full.taus  # the prefill's token, then one call per verify step
+    halted = trained_decoder.generate(ids, 8, DecodeConfig(24), on_tokens=lambda new: True)
+    assert halted.output_ids == full.output_ids[:1] and halted.taus == []  # ended right after the prefill's token
