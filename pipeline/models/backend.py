@@ -16,6 +16,11 @@ the call. The backends:
   K, so a row's result is bit-identical alone or with 15 others: the verify computes exactly what the
   autoregressive step would.
 
+Packed backends also make transformers' SDPA attention run grouped-query attention natively for every
+query length (``TRANSFORMERS_SDPA_FORCE_GQA=1``): by default it does so only without a mask (one-token
+steps) and copies the whole KV cache ``num_heads / num_kv_heads`` times for masked multi-token verifies,
+which cost SmolLM2 more than the verify's extra GEMM work.
+
 The backend is set on the loaded modules (``set_backend``), so the target's autoregressive steps, its
 verify steps, the prefill and the drafter all take the same path: speedups compare like with like. The
 weights are not changed (a packed copy sits beside each one); a weight that changes after packing
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -176,6 +182,8 @@ def set_backend(module: nn.Module, backend: str) -> nn.Module:
     """
     if backend not in ("eager", *PACKED):
         raise ValueError(f"set_backend takes 'eager', 'onednn' or 'smallm' (resolve 'auto' first), got {backend!r}")
+    if backend in PACKED:
+        os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"  # read by transformers at every attention call
     for sub in module.modules():
         if type(sub) is PackedLinear and (backend == "eager" or sub._bp_packed.kind != backend):
             sub.__class__ = nn.Linear
