@@ -55,7 +55,7 @@ def test_trace_is_the_autoregressive_decode_with_features(trained_decoder, tempe
         # the features of the fed tokens are the decoder's: a B=2 verify of y[0] returns the same row
         cache = copy.deepcopy(decoder.prefill(ids, config).cache)
         block = torch.tensor([[expected[0]]])
-        _, feats = decoder._target_forward(block, cache, n, want_features=True)
+        _, feats = decoder.target_forward(block, cache, n, want_features=True)
         torch.testing.assert_close(trace.features[:, n], feats[:, 0])
 
 

@@ -237,8 +237,6 @@ class SpeculativeDecoder:
         features = self.drafter.extract_context(out.hidden_states) if want_features else None
         return logits, features
 
-    _target_forward = target_forward  # older name, kept for callers outside the package
-
     def draft(self, state: DecodeState, block: torch.Tensor, sampler: PositionKeyedSampler) -> None:
         """Fill ``block`` [1, b] (anchor at slot 0, mask tokens after) with b-1 drafts, in place.
 

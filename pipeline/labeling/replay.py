@@ -169,7 +169,7 @@ def trace_from_output(decoder: SpeculativeDecoder, prefill: PrefillResult, token
     features = [prefill.features]
     if m > 1:
         fed = torch.tensor([tokens[:-1]], dtype=torch.long, device=decoder.device)
-        rest, new_features = decoder._target_forward(fed, prefill.cache, n, want_features=True)
+        rest, new_features = decoder.target_forward(fed, prefill.cache, n, want_features=True)
         logits = torch.cat([logits, rest])
         features.append(new_features)
     k = min(shortlist, logits.shape[-1])
