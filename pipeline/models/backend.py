@@ -220,10 +220,6 @@ class LMHead:
         self.backend = backend
         self._packed = _Packed(weight, backend) if backend in PACKED else None
 
-    @property
-    def rows(self) -> int:
-        return self.weight.shape[0]
-
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
             return packed_linear(hidden, self._packed, None)
