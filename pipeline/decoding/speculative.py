@@ -158,7 +158,7 @@ class SpeculativeDecoder:
         target: the loaded target.
         drafter: a ``DFlashDrafter`` for this target, or None (autoregressive only).
         backend: the forward path of every target and drafter forward (``pipeline.models.backend``):
-            ``eager``, ``onednn`` (float32 CPU) or ``auto``. It is set on the target's and drafter's
+            ``eager``, ``onednn`` or ``smallm`` (float32 CPU), or ``auto``. It is set on the target's and drafter's
             modules, so prefill, autoregressive steps, drafts and verifies all run on it.
 
     Raises:

@@ -207,20 +207,20 @@ class LogitHead:
     Attributes:
         weight: [V, H] LM-head weight; bias: [V] or None; scale: multiplier (Cohere's ``logit_scale``, 1 /
         Granite's ``logits_scaling``); softcap: ``final_logit_softcapping`` (Gemma 2/3: ``c * tanh(x / c)``) or None;
-        backend: the path of the ``hidden @ weight.T`` product (``eager`` or ``onednn``).
+        backend: the path of the ``hidden @ weight.T`` product (``eager``, ``onednn`` or ``smallm``).
     """
 
     weight: torch.Tensor
     bias: torch.Tensor | None = None
     scale: float = 1.0
     softcap: float | None = None
-    backend: str = "eager"  # the product's path (pipeline.models.backend): eager | onednn
+    backend: str = "eager"  # the product's path (pipeline.models.backend): eager | onednn | smallm
 
     def __post_init__(self) -> None:
         self._product = LMHead(self.weight, self.backend)
 
     def with_backend(self, backend: str) -> "LogitHead":
-        """The same head with its ``hidden @ weight.T`` on ``backend`` (``eager`` or ``onednn``)."""
+        """The same head with its ``hidden @ weight.T`` on ``backend`` (``eager``, ``onednn`` or ``smallm``)."""
         return dataclasses.replace(self, backend=backend)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
