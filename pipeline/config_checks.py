@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 STAGES = ("label", "dataset", "train", "eval", "bench_label", "draft")
-EVAL_METHODS = ("ar", "fixed", "ema", "best_fixed", "oracle", "blockpilot", "full_vocab")
+EVAL_METHODS = ("ar", "fixed", "ema", "best_fixed", "oracle", "blockpilot", "full_vocab", "verify_width", "hybrid")
 PREDICTOR_METHODS = ("blockpilot", "full_vocab")
 
 
@@ -86,8 +86,16 @@ def _check_eval(cfg) -> None:
     if unknown:
         raise ValueError(f"unknown eval.methods {unknown}; choose from {list(EVAL_METHODS)}")
     for m in methods:
+        if m == "hybrid" and "blockpilot" not in (cfg.eval.get("predictors") or {}):
+            raise ValueError("eval method 'hybrid' runs the blockpilot predictor: set eval.predictors.blockpilot, e.g. =mlp")
         if m in PREDICTOR_METHODS and m not in (cfg.eval.get("predictors") or {}):
             raise ValueError(f"eval method {m!r} needs eval.predictors.{m} (the predictor's sub-folder), e.g. eval.predictors.{m}=mlp")
+    vw = cfg.eval.get("verify_width") or {}
+    if vw.get("block_size") is not None and int(vw.block_size) < 2:
+        raise ValueError(f"eval.verify_width.block_size={vw.block_size}: the verify-width policy drafts blocks of B >= 2 "
+                         "(null: decode.block_size or the drafter's training B)")
+    if vw.get("max_skip") is not None and int(vw.max_skip) < 0:
+        raise ValueError(f"eval.verify_width.max_skip={vw.max_skip}: give 0 (never skip drafts) or more steps")
     split = str(cfg.eval.get("split", "auto") or "all")
     if split not in ("auto", "all", "train", "validation", "test"):
         raise ValueError(f"eval.split must be auto, all, train, validation or test; got {split!r}")

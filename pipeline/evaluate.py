@@ -71,7 +71,8 @@ log = logging.getLogger(__name__)
 
 LABEL_METHODS = ("best_fixed", "oracle")
 PREDICTOR_METHODS = ("blockpilot", "full_vocab")
-SPLIT_METHODS = LABEL_METHODS + PREDICTOR_METHODS
+WIDTH_METHODS = ("verify_width", "hybrid")  # per-step verify width (pipeline.policy.verify_width)
+SPLIT_METHODS = LABEL_METHODS + PREDICTOR_METHODS + ("hybrid",)
 
 
 class PerPrompt:
@@ -100,6 +101,11 @@ class FirstChoice:
 
     def next(self, tau: int, block_size: int) -> int:
         return self.schedule.next(tau, block_size)
+
+    def __getattr__(self, name: str):  # choose_width of a verify-width schedule, and any other optional hook
+        if name == "schedule":
+            raise AttributeError(name)
+        return getattr(self.schedule, name)
 
     @property
     def static(self) -> bool:
@@ -154,13 +160,18 @@ class EvalInputs:
 
     Attributes:
         labels: label rows (``pipeline.dataset.read_label_table``); label_meta: its ``meta.json``;
-        splits: ``{split: prompt ids}`` from the feature DatasetDict; predictors: ``{method: Predictor}``.
+        splits: ``{split: prompt ids}`` from the feature DatasetDict; predictors: ``{method: Predictor}``;
+        calibration / calibration_path / latency: the verify-width policy's acceptance calibration and this
+        machine's ``LatencyModel`` (for ``verify_width`` and ``hybrid``).
     """
 
     labels: object = None
     label_meta: dict = field(default_factory=dict)
     splits: dict[str, list[str]] | None = None
     predictors: dict = field(default_factory=dict)
+    calibration: object = None
+    calibration_path: str | None = None
+    latency: object = None
 
     @property
     def candidates(self) -> list[int] | None:
@@ -209,6 +220,10 @@ def load_eval_inputs(cfg: DictConfig, methods: list[str], decoder=None) -> EvalI
     for method in methods:
         if method in PREDICTOR_METHODS:
             inputs.predictors[method] = load_method_predictor(cfg, method, decoder)
+    if "hybrid" in methods and "blockpilot" not in inputs.predictors:
+        inputs.predictors["blockpilot"] = load_method_predictor(cfg, "blockpilot", decoder)
+    if any(m in WIDTH_METHODS for m in methods):
+        load_verify_width_inputs(cfg, inputs, decoder)
     meta = inputs.label_meta
     if meta:
         for key, value in (("max_new_tokens", cfg.decode.max_new_tokens), ("temperature", cfg.decode.temperature)):
@@ -216,6 +231,68 @@ def load_eval_inputs(cfg: DictConfig, methods: list[str], decoder=None) -> EvalI
                 log.warning("labels were made with %s=%s but decode.%s=%s: oracle/best_fixed B may not be optimal here",
                             key, meta[key], key, value)
     return inputs
+
+
+def calibration_path(cfg: DictConfig) -> Path:
+    """Where the verify-width calibration is read: ``eval.verify_width.calibration`` when set, else the run's
+    ``<eval.predictor_dir>/verify_width`` (the train stage's export) when present, else the drafter folder's shipped
+    ``calibration.json``.
+
+    Raises:
+        FileNotFoundError: when none exists (names the train stage).
+    """
+    from pipeline.models.loading import resolve_path
+    from pipeline.policy.verify_width import CALIBRATION_NAME
+
+    vw = cfg.eval.get("verify_width") or {}
+    if vw.get("calibration"):
+        return Path(resolve_path(str(vw.calibration)))
+    tried = [Path(cfg.eval.predictor_dir) / "verify_width" / CALIBRATION_NAME]
+    if cfg.model.get("drafter"):
+        tried.append(Path(resolve_path(str(cfg.model.drafter))) / CALIBRATION_NAME)
+    for path in tried:
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"eval methods verify_width/hybrid need an acceptance calibration; none at {[str(p) for p in tried]}. "
+                            f"Fit one: make label/dataset/train (run_name={cfg.run_name}), or python -m "
+                            "pipeline.policy.verify_width <labels_dir> --out DIR and eval.verify_width.calibration=DIR")
+
+
+def load_verify_width_inputs(cfg: DictConfig, inputs: EvalInputs, decoder) -> None:
+    """Load the calibration (``calibration_path``) and this machine's latency model into ``inputs``.
+
+    The latency model is measured (or reused from ``eval.verify_width.latency.cache``, shared with the label stage)
+    for every width up to the largest candidate or B, unless ``eval.verify_width.latency.path`` names a stored one.
+
+    Raises:
+        FileNotFoundError: without a calibration; ValueError: without a drafter.
+    """
+    from pipeline.labeling.latency import measure_latency_cached
+    from pipeline.labeling.runner import latency_identity, load_latency
+    from pipeline.policy.verify_width import load_calibration
+
+    if decoder is not None and decoder.drafter is None:
+        raise ValueError("eval methods verify_width/hybrid need a drafter (model.drafter=...)")
+    path = calibration_path(cfg)
+    inputs.calibration, inputs.calibration_path = load_calibration(path), str(path)
+    lat = (cfg.eval.get("verify_width") or {}).get("latency") or {}
+    if lat.get("path"):
+        inputs.latency = load_latency(lat.path)
+    elif decoder is not None:
+        widths = [int(b) for b in cfg.model.candidates] + [verify_width_block_size(cfg, decoder)]
+        inputs.latency = measure_latency_cached(decoder, widths, list(lat.get("context_buckets", [64, 256, 512])),
+                                                int(lat.get("repeats", 3)), float(cfg.decode.temperature), int(cfg.seed),
+                                                lat.get("cache"), latency_identity(cfg.model))
+
+
+def verify_width_block_size(cfg: DictConfig, decoder) -> int:
+    """B drafted by ``verify_width``: ``eval.verify_width.block_size``, else ``decode.block_size``, else the training B."""
+    vw = cfg.eval.get("verify_width") or {}
+    if vw.get("block_size"):
+        return int(vw.block_size)
+    if cfg.decode.get("block_size") is not None:
+        return int(cfg.decode.block_size)
+    return decoder.drafter.block_size if decoder.drafter is not None else 1
 
 
 def load_method_predictor(cfg: DictConfig, method: str, decoder=None):
@@ -314,6 +391,17 @@ def method_schedules(cfg: DictConfig, decoder, inputs: EvalInputs | None = None)
             out["best_fixed"] = lambda: FixedSchedule(best)
     for method, predictor in inputs.predictors.items():
         out[method] = lambda p=predictor: PredictorSchedule(p)
+    if inputs.calibration is not None and inputs.latency is not None:
+        from pipeline.policy.verify_width import VerifyWidthSchedule
+
+        vw = cfg.eval.get("verify_width") or {}
+        width_b = verify_width_block_size(cfg, decoder)
+        decoder.check_block_size(width_b)
+        options = {"skip_drafts": bool(vw.get("skip_drafts", True)), "max_skip": int(vw.get("max_skip", 8))}
+        out["verify_width"] = lambda: VerifyWidthSchedule(inputs.calibration, inputs.latency, width_b, **options)
+        if "blockpilot" in inputs.predictors:
+            out["hybrid"] = lambda: VerifyWidthSchedule(inputs.calibration, inputs.latency, width_b,
+                                                        inputs.predictors["blockpilot"], **options)
     return out
 
 
@@ -363,6 +451,10 @@ def summarize(rows: list[dict], reference: dict[str, list[int]] | None) -> dict:
         "overhead_ms": schedule_ms / len(rows) if rows else 0.0,
         "overhead_pct": 100.0 * schedule_ms / decode_ms if decode_ms else 0.0,
     }
+    widths = [k for r in rows for k in r.get("verify_widths", [])]
+    if widths:  # mean drafts verified per step, and the share of steps that drafted at all
+        out["verify_width"] = float(np.mean(widths))
+        out["drafted"] = float(np.mean([c is not None for r in rows for c in r.get("confidences", [])]))
     if reference is not None:
         matches = sum(r["output_ids"] == reference[r["id"]] for r in rows)
         out["exact_matches"] = matches
@@ -383,6 +475,8 @@ def merge_turns(prompt_id: str, source_set: str, stats: list) -> dict:
         "decode_ms": sum(s.decode_ms for s in stats),
         "schedule_ms": sum(s.schedule_ms for s in stats),
         "block_sizes": sorted({b for s in stats for b in s.block_sizes}),
+        "verify_widths": [k for s in stats for k in s.verify_widths],
+        "confidences": [c for s in stats for c in s.confidences],
         "output_ids": [t for s in stats for t in s.output_ids],
     }
 
@@ -509,7 +603,10 @@ def row_settings(cfg: DictConfig, methods: list[str], split: str | None, inputs:
             "model": {k: cfg.model.get(k) for k in keep},
             "share_decodes": bool(cfg.eval.get("share_decodes", True)), "target": str(cfg.eval.get("target", "tau")),
             "labels_dir": str(cfg.eval.labels_dir), "predictor_dir": str(cfg.eval.predictor_dir),
-            "predictors": OmegaConf.to_container(cfg.eval.predictors, resolve=True) if cfg.eval.get("predictors") else None}
+            "predictors": OmegaConf.to_container(cfg.eval.predictors, resolve=True) if cfg.eval.get("predictors") else None,
+            "verify_width": (OmegaConf.to_container(cfg.eval.verify_width, resolve=True) if cfg.eval.get("verify_width")
+                             else None) if any(m in WIDTH_METHODS for m in methods) else None,
+            "calibration": digest(inputs.calibration.to_dict()) if inputs is not None and inputs.calibration is not None else None}
 
 
 def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, inputs: EvalInputs | None = None,
@@ -602,6 +699,15 @@ def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, input
         results["per_set"][source_set] = summarize_all(subset, methods, reference, boot)
     for m in methods:
         results["methods"][m]["rows"] = [{k: v for k, v in r.items() if k != "output_ids"} for r in rows[m]]
+    from pipeline.reporting import speed_gains
+
+    results["gains"] = {"all": speed_gains(results), **{s: speed_gains(results, s) for s in results["per_set"]}}
+    if inputs.calibration is not None:
+        stored = json.loads(Path(inputs.calibration_path).read_text()) if inputs.calibration_path else {}
+        results["verify_width"] = {"calibration": inputs.calibration_path, "block_size": verify_width_block_size(cfg, decoder),
+                                   "calibration_info": inputs.calibration.info,
+                                   "reliability": stored.get("reliability"), "reliability_split": stored.get("reliability_split"),
+                                   "latency_model": inputs.latency.to_dict() if inputs.latency is not None else None}
     if inputs.predictors:
         results["predictors"] = {m: {k: p.meta.get(k) for k in ("arch", "num_parameters", "features", "candidates", "inference_ms", "fallback")}
                                  for m, p in inputs.predictors.items()}

@@ -86,15 +86,15 @@ def block_sizes_used(rows: list[dict], per_step: bool = False) -> str:
 
 
 def speed_intervals(results: dict, method: str, source_set: str | None = None, samples: int = 1000,
-                    seed: int = 0) -> dict[str, list[float | None]]:
-    """Percentile bootstrap 95% intervals over prompts of ``tokens_per_s`` and of ``speedup`` (paired with ``ar``).
+                    seed: int = 0, base: str = "ar") -> dict[str, list[float | None]]:
+    """Percentile bootstrap 95% intervals over prompts of ``tokens_per_s`` and of ``speedup`` (paired with ``base``).
 
     tokens/s of a resample = its new tokens / its prefill + schedule + decode seconds; the speedup divides by
-    ``ar``'s tokens/s over the same prompts. Returns ``{"tokens_per_s": [lo, hi], "speedup": [lo, hi]}``
+    ``base``'s (default ``ar``) tokens/s over the same prompts. Returns ``{"tokens_per_s": [lo, hi], "speedup": [lo, hi]}``
     (``[None, None]`` without rows).
     """
     rows = {r["id"]: r for r in method_rows(results, method, source_set)}
-    ar = {r["id"]: r for r in method_rows(results, "ar", source_set)}
+    ar = {r["id"]: r for r in method_rows(results, base, source_set)}
     ids = [i for i in rows if i in ar]
     if not ids:
         return {"tokens_per_s": [None, None], "speedup": [None, None]}
@@ -112,6 +112,31 @@ def speed_intervals(results: dict, method: str, source_set: str | None = None, s
     ratio = speed / np.maximum(ar_speed, 1e-12)
     return {"tokens_per_s": [float(np.percentile(speed, 2.5)), float(np.percentile(speed, 97.5))],
             "speedup": [float(np.percentile(ratio, 2.5)), float(np.percentile(ratio, 97.5))]}
+
+
+GAIN_METHODS = ("verify_width", "hybrid")
+GAIN_BASES = ("fixed", "best_fixed", "ar")
+
+
+def speed_gains(results: dict, source_set: str | None = None) -> dict[str, dict[str, dict]]:
+    """Tokens/s gain of each per-step method over each baseline, paired by prompt: ``{method: {base: {"gain", "ci"}}}``.
+
+    ``gain`` = tokens/s(method) / tokens/s(base) - 1 over the prompts both decoded; ``ci`` its percentile bootstrap 95%
+    interval over prompts (``speed_intervals`` with ``base``). Only methods and bases that ran.
+    """
+    block = results["methods"] if source_set is None else results.get("per_set", {}).get(source_set, {})
+    out: dict[str, dict[str, dict]] = {}
+    for method in GAIN_METHODS:
+        if method not in block:
+            continue
+        for base in GAIN_BASES:
+            if base not in block or not block[base].get("tokens_per_s"):
+                continue
+            lo, hi = speed_intervals(results, method, source_set, base=base)["speedup"]
+            out.setdefault(method, {})[base] = {
+                "gain": block[method]["tokens_per_s"] / block[base]["tokens_per_s"] - 1.0,
+                "ci": [lo - 1.0 if lo is not None else None, hi - 1.0 if hi is not None else None]}
+    return out
 
 
 def markdown_table(results: dict) -> str:
@@ -153,6 +178,11 @@ def markdown_table(results: dict) -> str:
                          f"{share} | {_fmt(r.get('overhead_ms'), 3)} ({_fmt(r.get('overhead_pct'), 3)}%) | "
                          f"{_exact(r)} | {r.get('n_prompts')} ({requests}) |")
         lines.append("")
+        gains = speed_gains(results, source_set)
+        if gains:
+            lines += ["Tokens/s gain, paired by prompt [bootstrap 95% CI]: " + "; ".join(
+                f"`{m}` vs `{b}` {100 * g['gain']:+.1f}% [{_fmt(None if g['ci'][0] is None else 100 * g['ci'][0], 1)}, "
+                f"{_fmt(None if g['ci'][1] is None else 100 * g['ci'][1], 1)}]" for m, per in gains.items() for b, g in per.items()), ""]
     lines += ["B: the block sizes decoded with (a range when they varied per request or per step). tau: mean acceptance length "
               "(tokens per target verify). speedup: tokens/s over `ar` in the same run; intervals are percentile bootstrap "
               "95% over prompts (speedup paired with `ar` on the same prompts). oracle gain share: (tau - tau_fixed) / "
@@ -284,6 +314,47 @@ def predicted_vs_label(results: dict, labels: pd.DataFrame, method: str, column:
     return predicted, label
 
 
+def verify_width_figure(results: dict) -> Figure | None:
+    """The verify-width policy at a glance (None when it did not run): the calibration's reliability (predicted vs
+    observed acceptance), the chosen k against the drafter's first-draft probability, and the latency curve it used
+    (verify ms by tokens verified, per context bucket, with the draft's cost)."""
+    info = results.get("verify_width") or {}
+    rows = method_rows(results, "verify_width") + method_rows(results, "hybrid")
+    if not info or not rows:
+        return None
+    fig = Figure(figsize=(15, 4.2))
+    ax1, ax2, ax3 = fig.subplots(1, 3)
+    table = info.get("reliability") or []
+    if table:
+        ax1.plot([0, 1], [0, 1], color="gray", lw=0.8, ls="--")
+        ax1.scatter([r["predicted"] for r in table], [r["observed"] for r in table],
+                    s=[8 + 40 * math.sqrt(r["count"] / max(t["count"] for t in table)) for r in table])
+    ax1.set(xlabel="calibrated P(accept)", ylabel="observed acceptance", xlim=(0, 1), ylim=(0, 1),
+            title=f"reliability ({info.get('reliability_split', '?')} split samples)")
+    pairs = [(c, k) for r in rows for c, k in zip(r.get("confidences", []), r.get("verify_widths", [])) if c is not None]
+    if pairs:
+        conf, width = np.array(pairs, dtype=float).T
+        edges = np.linspace(0, 1, 11)
+        which = np.clip(np.digitize(conf, edges) - 1, 0, 9)
+        ax2.scatter(conf, width + np.random.default_rng(0).uniform(-0.15, 0.15, len(width)), s=4, alpha=0.25)
+        means = [(0.5 * (edges[i] + edges[i + 1]), width[which == i].mean()) for i in range(10) if (which == i).any()]
+        ax2.plot(*zip(*means), color="black", marker="o", label="mean k")
+        ax2.legend()
+    ax2.set(xlabel="drafter's probability of draft 1", ylabel="drafts verified k", title="chosen verify width per step")
+    latency = info.get("latency_model") or {}
+    widths = sorted(int(w) for w in latency.get("verify_ms", {}))
+    for j, bucket in enumerate(latency.get("context_buckets", [])):
+        ax3.plot(widths, [latency["verify_ms"][str(w)][j] for w in widths], marker=".", label=f"verify, L={bucket}")
+    b = info.get("block_size")
+    if b and str(b) in latency.get("draft_ms", {}):
+        for j, bucket in enumerate(latency["context_buckets"]):
+            ax3.axhline(latency["draft_ms"][str(b)][j], ls=":", lw=0.8, color=f"C{j}")
+    ax3.set(xlabel="tokens verified (k + 1)", ylabel="ms", title=f"latency curve (dotted: draft at B={b})")
+    ax3.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
 def write_report(results: dict, out_dir: str | Path, labels: pd.DataFrame | None = None, label_column: str = "label_tau",
                  predictor_methods: tuple[str, ...] = ("blockpilot", "full_vocab"), table_name: str = "results.md") -> dict[str, Path]:
     """Write the Markdown table (``table_name``) and the PNG figures into ``out_dir``; returns ``{name: path}``.
@@ -296,6 +367,9 @@ def write_report(results: dict, out_dir: str | Path, labels: pd.DataFrame | None
     paths = {"table": out_dir / table_name}
     paths["table"].write_text(markdown_table(results))
     figures = {"speedup": speedup_bars(results)}
+    width_figure = verify_width_figure(results)
+    if width_figure is not None:
+        figures["verify_width"] = width_figure
     if labels is not None and len(labels):
         figures["tau_curves"] = tau_curves(labels)
         figures["optimal_b_hist"] = optimal_b_hist(labels, label_column)

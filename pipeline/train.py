@@ -191,6 +191,8 @@ def train_predictor(cfg: DictConfig) -> Path:
     if fallback:
         meta["fallback"] = fallback
     out = export_predictor(tcfg.out, net, spec, candidates, meta)
+    if tcfg.get("calibration"):
+        export_verify_width_calibration(tcfg.calibration, dd, info)
     log.info("%s predictor (%d params, %.3f ms/request) -> %s; test %s", cfg.predictor.name, n_params,
              overhead["median_ms"], out, metrics.get("test"))
     if run is not None:
@@ -198,6 +200,31 @@ def train_predictor(cfg: DictConfig) -> Path:
         run.summary.update({**flat, "num_parameters": n_params, "inference_ms": overhead["median_ms"]})
         run.finish()
     return out
+
+
+def export_verify_width_calibration(ccfg: DictConfig, dd, info: dict) -> Path | None:
+    """Fit the verify-width policy's acceptance calibration on the train split's label samples and export it.
+
+    Reads the label rows of ``ccfg.labels_dir`` (their ``conf_*`` replay samples), fits on the requests of the
+    feature dataset's train split, tabulates reliability on its test split, writes ``ccfg.out/calibration.json``
+    (``pipeline.policy.verify_width``). Labels without samples are skipped with a warning (returns None).
+    """
+    from pipeline.dataset import read_label_table
+    from pipeline.policy.verify_width import export_calibration, fit_from_labels
+
+    try:
+        labels, _ = read_label_table(ccfg.labels_dir)
+        fitted = fit_from_labels(labels, set(dd["train"]["id"]), set(dd["test"]["id"]) if "test" in dd else None,
+                                 info={"labels_dir": str(ccfg.labels_dir), "target": info.get("target"),
+                                       "drafter": info.get("drafter")})
+    except (FileNotFoundError, ValueError) as err:
+        log.warning("no verify-width calibration exported: %s", err)
+        return None
+    path = export_calibration(ccfg.out, fitted)
+    c = fitted["calibration"].info
+    log.info("verify-width calibration (%d train samples, accept rate %.3f, test Brier %s) -> %s", c["samples"],
+             c["accept_rate"], f"{c['test_brier']:.4f}" if "test_brier" in c else "-", path)
+    return path
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")

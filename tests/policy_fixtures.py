@@ -19,6 +19,7 @@ TOPK = 24
 COLUMNS = ["id", "source_set", "prompt_tokens", "candidates", "tau", "new_tokens", "decode_ms", "tokens_per_s", "label_tau",
            "label_speed", "topk_ids", "topk_logprobs", "full_logits", "vocab_size", "entropy", "prefill_ms", "shard",
            "num_shards"]
+CONF_COLUMNS = ["conf_block", "conf_column", "conf_p", "conf_ok"]
 
 
 def label_row(prompt_id: str, source_set: str, logits: torch.Tensor, candidates: list[int], tau: list[float],
@@ -47,7 +48,8 @@ def write_labels(directory: Path, rows: list[dict], meta: dict, num_shards: int 
     for s in range(num_shards):
         part = [dict(r, shard=s, num_shards=num_shards) for i, r in enumerate(rows) if i % num_shards == s]
         if part:
-            pd.DataFrame(part)[COLUMNS].to_parquet(directory / f"shard-{s:05d}.parquet")
+            extra = [c for c in CONF_COLUMNS if c in part[0]]  # the verify-width samples, when the rows have them
+            pd.DataFrame(part)[COLUMNS + extra].to_parquet(directory / f"shard-{s:05d}.parquet")
     (directory / "meta.json").write_text(json.dumps(meta))
     return directory
 
@@ -101,8 +103,10 @@ def write_prompt_sets(directory: Path) -> list[dict]:
 
 def measured_labels(directory: Path, decoder, prompt_sets: list[dict], candidates: list[int], max_new_tokens: int,
                     target_name: str, drafter_name: str) -> Path:
-    """Label every prompt by decoding it at each candidate B (T=0): what the label stage records."""
+    """Label every prompt by decoding it at each candidate B (T=0): what the label stage records, with the replay's
+    verify-width samples."""
     from pipeline.decoding import DecodeConfig
+    from pipeline.labeling.replay import replay, target_trace
     from pipeline.prompts import chat_input_ids, load_prompt_sets
 
     cfg = DecodeConfig(max_new_tokens=max_new_tokens)
@@ -115,8 +119,14 @@ def measured_labels(directory: Path, decoder, prompt_sets: list[dict], candidate
             stats = decoder.decode(decoder.prefill(ids, cfg), b, cfg)  # a prefill's cache serves one decode
             taus.append(stats.tau)
             speeds.append(stats.new_tokens / ((stats.prefill_ms + stats.decode_ms) / 1e3))
-        rows.append(label_row(prompt.id, prompt.source_set, prefill.last_logits, candidates, taus, speeds,
-                              prompt_tokens=ids.shape[1], store_full=True, prefill_ms=prefill.prefill_ms))
+        row = label_row(prompt.id, prompt.source_set, prefill.last_logits, candidates, taus, speeds,
+                        prompt_tokens=ids.shape[1], store_full=True, prefill_ms=prefill.prefill_ms)
+        replayed = replay(decoder, target_trace(decoder, decoder.prefill(ids, cfg), cfg), candidates, cfg,
+                          record_confidence=True)
+        samples = [(b, j, p, ok) for b in candidates for step in replayed[b].confidence for j, p, ok in step]
+        for name, values in zip(CONF_COLUMNS, zip(*samples) if samples else ([], [], [], [])):
+            row[name] = list(values)
+        rows.append(row)
     meta = {"target": target_name, "drafter": drafter_name, "training_block_size": decoder.drafter.block_size,
             "candidates": candidates, "temperature": 0.0, "repeats": 1, "max_new_tokens": max_new_tokens, "mode": "measure",
             "topk": TOPK, "store_full_logits": True, "latency_model": None}
@@ -127,7 +137,7 @@ def measured_labels(directory: Path, decoder, prompt_sets: list[dict], candidate
 CANDIDATES = [2, 4, 8, 12, 16]  # the trained tiny drafter's training block size (8) included
 MAX_NEW_TOKENS = 24
 RUN = "tiny"
-ALL_METHODS = ["ar", "fixed", "best_fixed", "blockpilot", "full_vocab", "ema", "oracle"]
+ALL_METHODS = ["ar", "fixed", "best_fixed", "blockpilot", "full_vocab", "ema", "oracle", "verify_width", "hybrid"]
 
 
 def tiny_overrides(run: dict) -> list[str]:

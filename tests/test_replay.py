@@ -216,8 +216,11 @@ def test_latency_model_linear_fit_smooths_noise_over_b():
 
 def test_measure_latency_on_a_tiny_model(trained_decoder):
     model = measure_latency(trained_decoder, [4, 8], [8, 32], repeats=1, temperature=0.5)
-    assert model.block_sizes == [1, 2, 4, 8] and model.context_buckets == [8, 32]
-    assert set(model.draft_ms) == {2, 4, 8} and set(model.verify_ms) == {1, 2, 4, 8}
+    assert model.block_sizes == list(range(1, 9)) and model.context_buckets == [8, 32]  # every width up to the largest B
+    assert set(model.draft_ms) == set(range(2, 9)) and set(model.verify_ms) == set(range(1, 9))
+    # the measured curve: through the points, never decreasing in the width
+    curve = [model.measured_ms("verify", q, 20) for q in range(1, 9)]
+    assert curve == sorted(curve) and curve[0] > 0
     assert all(len(v) == 2 and all(x > 0 for x in v) for v in [*model.verify_ms.values(), *model.draft_ms.values()])
     assert model.noise_ms > 0 and model.info["device"] == "cpu"
     with pytest.raises(ValueError, match="context_buckets"):

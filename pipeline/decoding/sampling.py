@@ -54,11 +54,32 @@ class PositionKeyedSampler:
         Returns:
             [n] token ids (long, on ``logits``' device).
         """
-        if self.temperature == 0:
-            index = logits.argmax(dim=-1)
-        else:
-            noise = torch.stack([self.gumbel(first_position + i) for i in range(logits.shape[0])]).to(logits.device)
-            if vocab_ids is not None:
-                noise = noise[:, vocab_ids]
-            index = (logits.float() / self.temperature + noise).argmax(dim=-1)
+        index = self.pick_columns(logits, first_position, vocab_ids)
         return index if vocab_ids is None else vocab_ids[index]
+
+    def pick_columns(self, logits: torch.Tensor, first_position: int, vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Like ``pick``, but the [n] columns of ``logits`` picked (indices into ``vocab_ids`` when given)."""
+        if self.temperature == 0:
+            return logits.argmax(dim=-1)
+        noise = torch.stack([self.gumbel(first_position + i) for i in range(logits.shape[0])]).to(logits.device)
+        if vocab_ids is not None:
+            noise = noise[:, vocab_ids]
+        return (logits.float() / self.temperature + noise).argmax(dim=-1)
+
+
+def draft_confidence(logits: torch.Tensor, index: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The drafter's probability of each proposed token: ``softmax(logits / T)[index]`` (T=0 reads T=1).
+
+    The per-position signal the verify-width policy calibrates (``pipeline.policy.verify_width``); the
+    decoder and the label stage's replays compute it with this one function.
+
+    Args:
+        logits: [R, V'] float drafter logits (over its draft vocabulary when it has one).
+        index: [R] column of the proposed token in ``logits`` (long).
+        temperature: the request's temperature (0 = greedy).
+    Returns:
+        [R] float32 probabilities in (0, 1].
+    """
+    scale = float(temperature) if temperature > 0 else 1.0
+    logp = torch.log_softmax(logits.float() / scale, dim=-1)
+    return logp.gather(-1, index.reshape(-1, 1).to(logp.device))[:, 0].exp()

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from transformers import DynamicCache
 
-from pipeline.decoding.sampling import PositionKeyedSampler
+from pipeline.decoding.sampling import PositionKeyedSampler, draft_confidence
 from pipeline.decoding.schedules import BlockSizeSchedule, FixedSchedule
 from pipeline.models.backend import LMHead, resolve_backend, set_backend
 from pipeline.models.drafter import DFlashDrafter, check_compatible
@@ -74,6 +74,8 @@ class RequestStats:
         output_ids: generated token ids (the stop token included when one ended the output).
         taus: acceptance length of each draft-verify step (accepted drafts + 1 bonus, tokens).
         block_sizes: B used at each step.
+        verify_widths: drafts verified at each step (k; B-1 unless a verify-width policy chose fewer).
+        confidences: the drafter's probability of its first draft at each step (None for a step without one).
         prefill_ms: prefill time (ms); decode_ms: time of all steps after prefill (ms);
         schedule_ms: time spent choosing B after prefill (the policy's overhead, ms).
     """
@@ -82,6 +84,8 @@ class RequestStats:
     output_ids: list[int] = field(default_factory=list)
     taus: list[int] = field(default_factory=list)
     block_sizes: list[int] = field(default_factory=list)
+    verify_widths: list[int] = field(default_factory=list)
+    confidences: list[float | None] = field(default_factory=list)
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     schedule_ms: float = 0.0
@@ -135,6 +139,8 @@ class DecodeState:
             ``draft_cache`` (None without drafter).
         pending: the last sampled token, at position ``start``, not yet fed to the target.
         start: position of ``pending`` (tokens before it are in ``cache``).
+        last_width: drafts verified by the last step (k).
+        last_confidence: [b-1] the drafter's probability of each draft of the last step (None when it drafted nothing).
     """
 
     cache: DynamicCache
@@ -142,6 +148,8 @@ class DecodeState:
     features: torch.Tensor | None
     pending: int
     start: int
+    last_width: int = 0
+    last_confidence: torch.Tensor | None = None
 
 
 def _now(device: torch.device) -> float:
@@ -237,11 +245,14 @@ class SpeculativeDecoder:
         features = self.drafter.extract_context(out.hidden_states) if want_features else None
         return logits, features
 
-    def draft(self, state: DecodeState, block: torch.Tensor, sampler: PositionKeyedSampler) -> None:
+    def draft(self, state: DecodeState, block: torch.Tensor, sampler: PositionKeyedSampler) -> torch.Tensor:
         """Fill ``block`` [1, b] (anchor at slot 0, mask tokens after) with b-1 drafts, in place.
 
         One drafter forward over the block with the pending context features; the drafter's cache keeps
         the context keys/values and drops the block's.
+
+        Returns:
+            [b-1] float32: the drafter's probability of each draft (``draft_confidence``).
         """
         b = block.shape[1]
         c = state.features.shape[1]
@@ -250,7 +261,9 @@ class SpeculativeDecoder:
         crop_to(state.draft_cache, state.start)
         state.features = state.features[:, :0]
         draft_logits = self.drafter_head(hidden[0, 1:]).float()
-        block[0, 1:] = sampler.pick(draft_logits, state.start + 1, self.draft_vocab)
+        columns = sampler.pick_columns(draft_logits, state.start + 1, self.draft_vocab)
+        block[0, 1:] = columns if self.draft_vocab is None else self.draft_vocab[columns]
+        return draft_confidence(draft_logits, columns, sampler.temperature)
 
     def new_state(self, prefill: PrefillResult, use_drafter: bool) -> DecodeState:
         """The state right after ``prefill``: its cache, features and first token (shared, not copied)."""
@@ -259,24 +272,31 @@ class SpeculativeDecoder:
                            prefill.input_ids.shape[1])
 
     def step(self, state: DecodeState, block_size: int, sampler: PositionKeyedSampler,
-             verify_width: int | None = None) -> tuple[list[int], int]:
+             verify_width: int | Callable[[torch.Tensor, int], int] | None = None) -> tuple[list[int], int]:
         """One draft-verify step at block size ``block_size``; advances ``state``.
 
-        The drafter drafts ``block_size - 1`` tokens in one forward; the target verifies the first
-        ``verify_width`` of them (all by default; 0 = a plain target step over the pending token) in one
-        forward and keeps the longest matching prefix plus its own next token (the bonus token).
+        The drafter drafts ``block_size - 1`` tokens in one forward; the target verifies the first k of
+        them in one forward and keeps the longest matching prefix plus its own next token (the bonus
+        token). k is ``verify_width``: None = all (b-1), an int, or a callable ``(confidence [b-1],
+        start) -> k`` called after the draft (a verify-width policy); k = 0 is a plain target step over
+        the pending token. Every k is lossless. ``state.last_width`` / ``state.last_confidence`` keep
+        the step's k and the drafts' probabilities.
 
         Returns:
             (new tokens in order, accepted drafts among them). Stop tokens are not handled here.
         """
         b = block_size
-        k = b - 1 if verify_width is None else min(int(verify_width), b - 1)
         use_drafter = state.draft_cache is not None
         mask_id = self.drafter.mask_token_id if self.drafter is not None else 0
         block = torch.full((1, b), mask_id, dtype=torch.long, device=self.device)
         block[0, 0] = state.pending
-        if b > 1:
-            self.draft(state, block, sampler)
+        confidence = self.draft(state, block, sampler) if b > 1 else None
+        if callable(verify_width):
+            k = int(verify_width(confidence, state.start)) if confidence is not None else 0
+        else:
+            k = b - 1 if verify_width is None else int(verify_width)
+        k = max(0, min(k, b - 1))
+        state.last_width, state.last_confidence = k, confidence
         block = block[:, : k + 1]
         logits, new_features = self.target_forward(block, state.cache, state.start, want_features=use_drafter)
         target_tokens = sampler.pick(logits, state.start + 1)  # token i is the target's choice at start+1+i
@@ -344,10 +364,11 @@ class SpeculativeDecoder:
         stats.output_ids.append(state.pending)
         stats.stopped = state.pending in self.stop_ids
         halted = on_tokens is not None and bool(on_tokens([state.pending]))
+        choose_width = getattr(schedule, "choose_width", None)  # a verify-width policy: k per step
         while not halted and not stats.stopped and stats.new_tokens < config.max_new_tokens:
             self.check_block_size(block_size)
             b = min(block_size, config.max_new_tokens - stats.new_tokens)
-            new, _ = self.step(state, b, sampler)
+            new, _ = self.step(state, b, sampler, choose_width)
             for i, token in enumerate(new):
                 if token in self.stop_ids:
                     new = new[: i + 1]
@@ -356,6 +377,8 @@ class SpeculativeDecoder:
             stats.output_ids.extend(new)
             stats.taus.append(len(new))
             stats.block_sizes.append(b)
+            stats.verify_widths.append(state.last_width)
+            stats.confidences.append(float(state.last_confidence[0]) if state.last_confidence is not None else None)
             block_size = schedule.next(len(new), b)
             halted = on_tokens is not None and bool(on_tokens(new))
 

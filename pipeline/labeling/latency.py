@@ -107,6 +107,23 @@ class LatencyModel:
         per_width = [_interp(context, self.context_buckets, table[w]) for w in widths]
         return _interp(b, widths, per_width)
 
+    def measured_ms(self, kind: str, b: int, context: int) -> float:
+        """Step-part cost through the measured points (``kind``: verify | draft; ms), non-decreasing in b.
+
+        Interpolated between widths and context buckets (``fit`` is ignored) and made monotone in b (a
+        running maximum over the measured widths): the cost curve the verify-width policy compares k
+        against, where a least-squares line would hide a step between widths.
+        """
+        table = self.verify_ms if kind == "verify" else self.draft_ms
+        widths = sorted(table)
+        if not widths:
+            return 0.0
+        per_width, top = [], 0.0
+        for w in widths:
+            top = max(top, _interp(context, self.context_buckets, table[w]))
+            per_width.append(top)
+        return _interp(b, widths, per_width)
+
     def step_ms(self, b: int, context: int) -> float:
         """One draft-verify step of width b with ``context`` tokens in the target cache (ms)."""
         ms = self._at("verify", b, context)
@@ -169,7 +186,8 @@ def measure_latency(decoder: SpeculativeDecoder, block_sizes: Sequence[int], con
                     repeats: int = 3, temperature: float = 0.0, seed: int = 0, fit: str = "linear") -> LatencyModel:
     """Time prefill, target verify and drafter steps on this machine (fastest of ``repeats`` after a warm-up).
 
-    Times widths {1, 2} + ``block_sizes`` so that clipped last blocks interpolate well. Random token ids
+    Times every width 1..max(``block_sizes``): clipped last blocks and the verify-width policy's
+    verifies of k+1 tokens (``pipeline.policy.verify_width``) read measured points. Random token ids
     stand in for a prompt (step cost does not depend on token values).
 
     Raises:
@@ -177,7 +195,7 @@ def measure_latency(decoder: SpeculativeDecoder, block_sizes: Sequence[int], con
     """
     if repeats < 1:
         raise ValueError(f"latency repeats must be >= 1, got {repeats}")
-    widths = sorted({1, 2, *[int(b) for b in block_sizes]})
+    widths = list(range(1, max([2, *[int(b) for b in block_sizes]]) + 1))
     if decoder.drafter is None:
         widths = [1]
     for b in widths:

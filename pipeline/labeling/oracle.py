@@ -112,6 +112,7 @@ class LabelSettings:
         repeats: seeds seed, seed+1, ... averaged at T>0 (T=0 always uses one).
         topk, store_full_logits: what to keep of the prefill distribution.
         lm_head: replay's LM-head mode (``auto`` | ``lazy`` | ``full``).
+        record_confidence: (replay) keep the verify-width calibration's samples of the first seed (``conf_*`` columns).
     """
 
     candidates: list[int]
@@ -123,6 +124,7 @@ class LabelSettings:
     topk: int = 64
     store_full_logits: bool = False
     lm_head: str = "auto"
+    record_confidence: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -181,6 +183,7 @@ def label_prompt(decoder: SpeculativeDecoder, input_ids: torch.Tensor, settings:
     row = {"prompt_tokens": n, "candidates": list(candidates), "prefill_ms": prefill.prefill_ms,
            **distribution_features(prefill.last_logits, settings.topk, settings.store_full_logits)}
     per_b = {b: {"tau": [], "new_tokens": [], "decode_ms": []} for b in candidates}
+    samples: dict[str, list] = {"conf_block": [], "conf_column": [], "conf_p": [], "conf_ok": []}
     runs = []
     reply_ids: list[int] = []
     seeds = settings.seeds
@@ -199,8 +202,15 @@ def label_prompt(decoder: SpeculativeDecoder, input_ids: torch.Tensor, settings:
             trace = target_trace(decoder, reseed(prefill, config, copy_cache=not last), config, record_gaps)
             if r == 0:
                 reply_ids = list(trace.tokens)
-            result = replay(decoder, trace, candidates, config, settings.lm_head, record_gaps)
+            record = settings.record_confidence and r == 0
+            result = replay(decoder, trace, candidates, config, settings.lm_head, record_gaps, record)
             for b, res in result.items():
+                for step in res.confidence if record else []:
+                    for column, p, ok in step:
+                        samples["conf_block"].append(b)
+                        samples["conf_column"].append(column)
+                        samples["conf_p"].append(p)
+                        samples["conf_ok"].append(ok)
                 per_b[b]["tau"].append(res.tau)
                 per_b[b]["new_tokens"].append(res.new_tokens)
                 per_b[b]["decode_ms"].append(latency.decode_ms(res.block_sizes, res.starts, res.new_tokens,
@@ -216,6 +226,7 @@ def label_prompt(decoder: SpeculativeDecoder, input_ids: torch.Tensor, settings:
                            for tokens, ms in zip(row["new_tokens"], row["decode_ms"])]
     row["label_tau"] = pick_label(candidates, row["tau"])
     row["label_speed"] = pick_label(candidates, row["tokens_per_s"])
+    row.update(samples)
     return PromptLabel(row, runs, reply_ids)
 
 

@@ -34,7 +34,7 @@ import torch
 from torch.nn import functional as F
 from transformers.models.qwen3.modeling_qwen3 import rotate_half
 
-from pipeline.decoding.sampling import PositionKeyedSampler
+from pipeline.decoding.sampling import PositionKeyedSampler, draft_confidence
 from pipeline.decoding.speculative import DecodeConfig, PrefillResult, SpeculativeDecoder, _now
 from pipeline.models.drafter import DFlashDrafter, lm_head_logits
 
@@ -304,6 +304,9 @@ class ReplayResult:
         new_tokens: tokens emitted (equals the trace's length).
         gaps: per step, {draft column: the drafter's top-2 score gap} for the columns computed
             (only with ``record_gaps``).
+        confidence: per step, ``(column j, the drafter's probability of its draft there, accepted)`` for the
+            columns 1..first rejection (the draws of ``P(draft j accepted | drafts < j accepted)``: the
+            verify-width calibration's samples; only with ``record_confidence``).
     """
 
     block_size: int
@@ -312,6 +315,7 @@ class ReplayResult:
     starts: list[int] = field(default_factory=list)
     new_tokens: int = 0
     gaps: list[dict[int, float]] = field(default_factory=list)
+    confidence: list[list[tuple[int, float, bool]]] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -329,6 +333,7 @@ class _State:
     columns: int = 0  # draft columns comparable with y this step
     accepted: int = 0
     step_gaps: dict = field(default_factory=dict)
+    step_conf: list = field(default_factory=list)
 
 
 def _shortlist_rejects(h: torch.Tensor, y_index: list[int], trace: Trace, y: torch.Tensor,
@@ -358,19 +363,20 @@ def _drafts_match(h: torch.Tensor, positions: list[int], trace: Trace, y: torch.
         h: [R, H] final drafter hidden states of draft rows at absolute ``positions``.
         head: the decoder's draft head ([V, H], or [N, H] over ``draft_vocab`` [N]).
     Returns:
-        (matches, top-2 score gaps or [] without ``record_gaps``).
+        (matches, top-2 score gaps or [] without ``record_gaps``, the drafter's probability of each proposed
+        token (``draft_confidence``)).
     """
     logits = lm_head_logits(h, head).float()
     scores = pick_scores(trace.sampler, logits, positions, draft_vocab)
-    proposed = scores.argmax(dim=-1)
-    if draft_vocab is not None:
-        proposed = draft_vocab[proposed]
+    columns = scores.argmax(dim=-1)
+    proposed = draft_vocab[columns] if draft_vocab is not None else columns
     targets = y[torch.tensor(positions, device=y.device) - trace.prompt_tokens]
-    return (proposed == targets).tolist(), (top2_gap(scores) if record_gaps else [])
+    confidence = draft_confidence(logits, columns, trace.sampler.temperature).tolist()
+    return (proposed == targets).tolist(), (top2_gap(scores) if record_gaps else []), confidence
 
 
 def _accept(states: list[_State], packed: PackedBlocks, trace: Trace, y: torch.Tensor, head: torch.Tensor,
-            lazy: bool, record_gaps: bool, draft_vocab: torch.Tensor | None = None) -> None:
+            lazy: bool, record_gaps: bool, draft_vocab: torch.Tensor | None = None, record_confidence: bool = False) -> None:
     """Set ``state.accepted`` (leading draft tokens equal to y) for every drafting state.
 
     Draft column j (1..b-1) of the block of ``states[i]`` (packed row ``packed.offsets[i] + j``) proposes
@@ -382,25 +388,30 @@ def _accept(states: list[_State], packed: PackedBlocks, trace: Trace, y: torch.T
     Lazy mode: columns in growing chunks (1, 2, 4, ...), only for blocks not yet decided. With a full
     vocabulary head each chunk is screened by the shortlist (proven rejections end a block) and the
     surviving columns go through the full head once at the end; with a (small) draft head each chunk
-    is decided exactly right away.
+    is decided exactly right away. ``record_confidence`` keeps ``(column, probability, accepted)`` of the
+    columns up to each block's first rejection in ``state.step_conf`` (a full-vocabulary head then takes
+    the full path: the shortlist proves rejections without the probabilities).
     """
     for s in states:
         s.accepted = 0
-    if not lazy or record_gaps:
+        s.step_conf = []
+    screen = trace.shortlist is not None and draft_vocab is None
+    if not lazy or record_gaps or (record_confidence and screen):
         spans = [(i, 1, s.columns) for i, s in enumerate(states) if s.columns > 0]
         h, positions = _rows(packed, states, spans)
-        matches, gaps = _drafts_match(h, positions, trace, y, head, draft_vocab, record_gaps)
+        matches, gaps, confidence = _drafts_match(h, positions, trace, y, head, draft_vocab, record_gaps)
         offset = 0
         for i, lo, hi in spans:
             for j in range(hi):
                 if record_gaps:
                     states[i].step_gaps[j + 1] = gaps[offset + j]
+                if record_confidence:
+                    states[i].step_conf.append((j + 1, confidence[offset + j], bool(matches[offset + j])))
                 if not matches[offset + j]:
                     break
                 states[i].accepted += 1
             offset += hi
         return
-    screen = trace.shortlist is not None and draft_vocab is None
     kept: list[list[torch.Tensor]] = [[] for _ in states]  # screened columns awaiting the full head
     done = [0] * len(states)
     open_states = [i for i, s in enumerate(states) if s.columns > 0]
@@ -412,13 +423,16 @@ def _accept(states: list[_State], packed: PackedBlocks, trace: Trace, y: torch.T
             y_index = [p - trace.prompt_tokens for p in positions]
             passed = [not r for r in _shortlist_rejects(h, y_index, trace, y, head)]
         else:
-            passed, _ = _drafts_match(h, positions, trace, y, head, draft_vocab, False)
+            passed, _, confidence = _drafts_match(h, positions, trace, y, head, draft_vocab, False)
         offset, still_open = 0, []
         for i, lo, hi in spans:
             width = hi - lo + 1
             ok = 0
             while ok < width and passed[offset + ok]:
                 ok += 1
+            if record_confidence:  # not screen: the columns lo..first rejection
+                states[i].step_conf += [(lo + c, confidence[offset + c], bool(passed[offset + c]))
+                                        for c in range(min(ok + 1, width))]
             if screen:
                 kept[i].extend(h[offset : offset + ok])
             else:
@@ -431,7 +445,7 @@ def _accept(states: list[_State], packed: PackedBlocks, trace: Trace, y: torch.T
     rows = [r for rs in kept for r in rs]
     if rows:
         positions = [s.start + j for s, rs in zip(states, kept) for j in range(1, len(rs) + 1)]
-        matches, _ = _drafts_match(torch.stack(rows), positions, trace, y, head, draft_vocab, False)
+        matches, _, _ = _drafts_match(torch.stack(rows), positions, trace, y, head, draft_vocab, False)
         offset = 0
         for s, rs in zip(states, kept):
             while s.accepted < len(rs) and matches[offset + s.accepted]:
@@ -448,7 +462,7 @@ def _rows(packed: PackedBlocks, states: list[_State], spans: list[tuple[int, int
 
 @torch.inference_mode()
 def replay(decoder: SpeculativeDecoder, trace: Trace, candidates: list[int], config: DecodeConfig,
-           lm_head: str = "auto", record_gaps: bool = False) -> dict[int, ReplayResult]:
+           lm_head: str = "auto", record_gaps: bool = False, record_confidence: bool = False) -> dict[int, ReplayResult]:
     """tau(B) of every candidate B from one trace, all candidates batched per step.
 
     Args:
@@ -459,6 +473,7 @@ def replay(decoder: SpeculativeDecoder, trace: Trace, candidates: list[int], con
         lm_head: ``lazy`` (fewest LM-head rows: best on CPU), ``full`` (all draft columns in one
             product: best on GPU), ``auto`` (lazy on CPU, full elsewhere).
         record_gaps: keep the drafter's top-2 score gap of every computed draft column.
+        record_confidence: keep the verify-width calibration's samples (``ReplayResult.confidence``).
     Returns:
         {B: ReplayResult}; ``taus`` and ``block_sizes`` equal those of
         ``decoder.decode(prefill, B, config)`` (up to floating-point ties between the top-2 logits).
@@ -482,12 +497,13 @@ def replay(decoder: SpeculativeDecoder, trace: Trace, candidates: list[int], con
         for s in active:
             s.width = min(s.result.block_size, config.max_new_tokens - s.produced)
             s.columns = min(s.width - 1, m - 1 - (s.start - n))
-            s.accepted, s.step_gaps = 0, {}
+            s.accepted, s.step_gaps, s.step_conf = 0, {}, []
         drafting = [s for s in active if s.width > 1]
         if drafting:
             packed = context.blocks(decoder.embed, [trace.tokens[s.start - n] for s in drafting],
                                     [s.start for s in drafting], [s.width for s in drafting])
-            _accept(drafting, packed, trace, y, decoder.draft_head, lazy, record_gaps, decoder.draft_vocab)
+            _accept(drafting, packed, trace, y, decoder.draft_head, lazy, record_gaps, decoder.draft_vocab,
+                    record_confidence)
         for s in active:
             index = s.start - n  # index in y of the step's first block token
             tau = s.accepted + 1
@@ -498,6 +514,8 @@ def replay(decoder: SpeculativeDecoder, trace: Trace, candidates: list[int], con
             s.result.starts.append(s.start)
             if record_gaps:
                 s.result.gaps.append(s.step_gaps)
+            if record_confidence:
+                s.result.confidence.append(s.step_conf)
             s.produced += tau
             s.start += s.accepted + 1
     for s in states:

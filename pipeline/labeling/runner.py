@@ -87,6 +87,7 @@ def settings_from_cfg(cfg: DictConfig, decoder: SpeculativeDecoder) -> LabelSett
         topk=int(cfg.label.topk),
         store_full_logits=bool(cfg.label.store_full_logits),
         lm_head=str(cfg.label.lm_head),
+        record_confidence=bool(cfg.label.get("record_confidence", True)),
     )
 
 

@@ -76,11 +76,21 @@ LABEL_SCHEMA = pa.schema([
     ("prefill_ms", pa.float64()),
     ("shard", pa.int64()),
     ("num_shards", pa.int64()),
+    ("conf_block", pa.list_(pa.int64())),
+    ("conf_column", pa.list_(pa.int64())),
+    ("conf_p", pa.list_(pa.float64())),
+    ("conf_ok", pa.list_(pa.bool_())),
 ])
 """One row per request (``id``: ``pipeline.prompts.request_id``). Per candidate B (lists in ``candidates`` order):
 ``tau`` (mean acceptance length, tokens), ``new_tokens``, ``decode_ms``, ``tokens_per_s``; the labels ``label_tau`` /
 ``label_speed`` (block sizes); the prefill's last-token distribution (``topk_ids``/``topk_logprobs``, ``full_logits``
-as float16 bytes when kept, ``entropy`` in nats); ``prompt_tokens``, ``prefill_ms`` (ms) and the writing shard."""
+as float16 bytes when kept, ``entropy`` in nats); ``prompt_tokens``, ``prefill_ms`` (ms) and the writing shard; the
+verify-width calibration's samples from the replays (``conf_*``, one entry per sample: the step's block size, the
+draft column j, the drafter's probability of its draft there, whether it was accepted; columns 1..first rejection of
+every step; empty in brute mode, null in shards written before they existed)."""
+
+OPTIONAL_COLUMNS = ("conf_block", "conf_column", "conf_p", "conf_ok")
+"""Columns a shard may lack (written by an earlier version of the label stage); read as nulls."""
 
 # meta.json keys that must agree between workers writing the same directory
 META_KEYS = ("target", "drafter", "training_block_size", "candidates", "temperature", "repeats", "seed",
@@ -99,14 +109,19 @@ def read_shard(file: str | Path, columns: list[str] | None = None) -> pa.Table:
         names = pq.read_schema(file).names
     except (pa.ArrowException, OSError) as err:
         raise BadShardError(file, f"is not a readable Parquet file (truncated or empty?): {err}") from err
-    missing = [c for c in LABEL_SCHEMA.names if c not in names]
+    missing = [c for c in LABEL_SCHEMA.names if c not in names and c not in OPTIONAL_COLUMNS]
     if missing:
         raise BadShardError(file, f"lacks columns {missing} (written by another version of the label stage?)")
     wanted = columns or LABEL_SCHEMA.names
+    present = [c for c in wanted if c in names]
     try:
-        return pq.read_table(file, columns=wanted).cast(pa.schema([LABEL_SCHEMA.field(c) for c in wanted]))
+        table = pq.read_table(file, columns=present).cast(pa.schema([LABEL_SCHEMA.field(c) for c in present]))
     except (pa.ArrowException, OSError) as err:
         raise BadShardError(file, f"cannot be read in the label schema: {err}") from err
+    for c in wanted:
+        if c not in names:  # an optional column this shard predates
+            table = table.append_column(LABEL_SCHEMA.field(c), pa.nulls(len(table), LABEL_SCHEMA.field(c).type))
+    return table.select(wanted)
 
 
 def _publish(tmp: Path, directory: Path, pattern: str, start: int) -> Path:

@@ -1,0 +1,370 @@
+"""Verify width per step: after the drafter drafts a block, verify only the first k drafts that pay.
+
+The drafter drafts B-1 tokens in one forward (as in every DFlash step) and reports its probability
+p_j of each draft (``pipeline.decoding.sampling.draft_confidence``). A calibration maps (p_j, j) to
+a_j, the probability that draft j is accepted given that drafts 1..j-1 were; then a step that verifies
+the first k drafts yields on average
+
+    E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j  tokens  (the bonus token included)
+
+and costs ``draft_ms(B, L) + verify_ms(k+1, L)`` on this machine (``LatencyModel.measured_ms``: the
+label stage's measured step costs by width and context length L). ``VerifyWidthSchedule`` picks the k
+in 0..B-1 with the most expected tokens per ms (k = 0 is a plain target step). When even the best k
+was not worth the draft (fewer expected tokens per ms than a plain step without drafting), the next
+steps skip the drafter (1, 2, 4, ... up to ``max_skip`` steps, then it drafts again to look); the
+target's features keep flowing to the drafter, so drafting resumes where it left off. Every choice is
+lossless: the target still decides every token.
+
+The calibration (``AcceptanceCalibration``) is a logistic regression fitted in the train stage on the
+label stage's replay samples (``conf_*`` label columns: for every step of every candidate B, the
+columns 1..first rejection), exported as ``calibration.json`` beside the predictors.
+
+    python -m pipeline.policy.verify_width data/labels/<run> --out data/predictors/<run>/verify_width
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+CALIBRATION_NAME = "calibration.json"
+_LOGIT_CLIP = 9.0
+
+
+def _logit(p: torch.Tensor) -> torch.Tensor:
+    p = p.double().clamp(1e-6, 1 - 1e-6)
+    return torch.log(p / (1 - p)).clamp(-_LOGIT_CLIP, _LOGIT_CLIP)
+
+
+@dataclass
+class AcceptanceCalibration:
+    """a_j = P(draft j accepted | drafts < j accepted) = sigmoid(bias[j] + slope[j] * logit(p_j)).
+
+    One intercept and one slope per draft column j = 1..``max_column`` (later columns share the last
+    ones), fitted by L2-regularised logistic regression.
+
+    Attributes:
+        bias, slope: per column (``max_column`` floats each).
+        info: how it was fitted (samples, log-loss, Brier score, where from).
+    """
+
+    bias: list[float]
+    slope: list[float]
+    info: dict = field(default_factory=dict)
+
+    @property
+    def max_column(self) -> int:
+        return len(self.bias)
+
+    def _design(self, p: torch.Tensor, column: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        index = (column.long().clamp(1, self.max_column) - 1)
+        return index, _logit(p)
+
+    def predict(self, p: torch.Tensor, column: torch.Tensor | None = None) -> torch.Tensor:
+        """Calibrated acceptance probabilities.
+
+        Args:
+            p: [R] the drafter's probabilities of its drafts (in (0, 1]).
+            column: [R] draft columns j >= 1 (default 1..R: one block's drafts in order).
+        Returns:
+            [R] float64 probabilities a_j.
+        """
+        p = torch.as_tensor(p).reshape(-1).cpu()
+        column = torch.arange(1, len(p) + 1) if column is None else torch.as_tensor(column).reshape(-1).cpu()
+        index, x = self._design(p, column)
+        bias = torch.tensor(self.bias, dtype=torch.float64)[index]
+        slope = torch.tensor(self.slope, dtype=torch.float64)[index]
+        return torch.sigmoid(bias + slope * x)
+
+    @classmethod
+    def fit(cls, p: Sequence[float], column: Sequence[int], accepted: Sequence[bool], max_column: int = 16,
+            l2: float = 1e-4, info: dict | None = None) -> "AcceptanceCalibration":
+        """Fit on samples (the drafter's probability, draft column, accepted?).
+
+        Raises:
+            ValueError: without samples, or when every sample has the same outcome.
+        """
+        p_t = torch.as_tensor(np.asarray(p, dtype=np.float64))
+        col = torch.as_tensor(np.asarray(column, dtype=np.int64))
+        y = torch.as_tensor(np.asarray(accepted, dtype=np.float64))
+        if len(p_t) == 0 or len(p_t) != len(col) or len(p_t) != len(y):
+            raise ValueError("calibration needs one (probability, column, accepted) per sample, and at least one; "
+                             "label with label.mode=replay label.record_confidence=true")
+        if float(y.min()) == float(y.max()):
+            raise ValueError(f"every calibration sample is {'accepted' if y[0] else 'rejected'}; label more prompts")
+        used = int(min(max_column, int(col.max())))
+        index = col.clamp(1, used) - 1
+        x = _logit(p_t)
+        params = torch.zeros(2, used, dtype=torch.float64, requires_grad=True)
+        optimizer = torch.optim.LBFGS([params], lr=1.0, max_iter=200, line_search_fn="strong_wolfe")
+
+        def loss_fn():
+            optimizer.zero_grad()
+            z = params[0][index] + params[1][index] * x
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(z, y) + l2 * (params ** 2).sum()
+            loss.backward()
+            return loss
+
+        optimizer.step(loss_fn)
+        bias, slope = params.detach()[0].tolist(), params.detach()[1].tolist()
+        out = cls(bias, slope, dict(info or {}))
+        a = out.predict(p_t, col)
+        out.info.update({"samples": int(len(y)), "accept_rate": float(y.mean()), "l2": l2,
+                         "log_loss": float(torch.nn.functional.binary_cross_entropy(a, y)),
+                         "brier": float(((a - y) ** 2).mean())})
+        return out
+
+    def to_dict(self) -> dict:
+        return {"kind": "logistic_per_column", "bias": list(self.bias), "slope": list(self.slope), "info": self.info}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "AcceptanceCalibration":
+        """Inverse of ``to_dict``.
+
+        Raises:
+            ValueError: for another kind of calibration or unequal bias/slope lengths.
+        """
+        if data.get("kind") != "logistic_per_column" or len(data.get("bias", [])) != len(data.get("slope", [])) \
+                or not data.get("bias"):
+            raise ValueError("not a verify-width calibration (kind logistic_per_column with equal, non-empty bias and "
+                             "slope); refit it with python -m pipeline.policy.verify_width")
+        return cls([float(b) for b in data["bias"]], [float(s) for s in data["slope"]], dict(data.get("info", {})))
+
+
+def reliability(calibration: AcceptanceCalibration, p: Sequence[float], column: Sequence[int],
+                accepted: Sequence[bool], bins: int = 10) -> list[dict]:
+    """Reliability table: samples binned by calibrated probability, mean predicted vs observed acceptance.
+
+    Returns:
+        one ``{"lo", "hi", "predicted", "observed", "count"}`` per non-empty bin.
+    """
+    a = calibration.predict(torch.as_tensor(np.asarray(p, dtype=np.float64)), torch.as_tensor(np.asarray(column)))
+    y = np.asarray(accepted, dtype=np.float64)
+    a = a.numpy()
+    edges = np.linspace(0, 1, bins + 1)
+    out = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        inside = (a >= lo) & ((a < hi) | (hi == 1.0))
+        if inside.any():
+            out.append({"lo": float(lo), "hi": float(hi), "predicted": float(a[inside].mean()),
+                        "observed": float(y[inside].mean()), "count": int(inside.sum())})
+    return out
+
+
+def calibration_samples(labels, ids: set[str] | None = None, block_sizes: Sequence[int] | None = None,
+                        exclude_sets: Sequence[str] = ()) -> dict[str, np.ndarray]:
+    """The ``conf_*`` samples of label rows (optionally only ``ids``, some block sizes, not some source sets).
+
+    Args:
+        labels: a label DataFrame (``pipeline.labeling.store.read_labels``).
+    Returns:
+        ``{"block", "column", "p", "accepted"}`` arrays of equal length (empty when the rows hold none).
+    """
+    rows = labels
+    if ids is not None:
+        rows = rows[rows["id"].astype(str).isin(ids)]
+    if exclude_sets:
+        rows = rows[~rows["source_set"].isin(list(exclude_sets))]
+    parts = {k: [] for k in ("block", "column", "p", "accepted")}
+    for col, key in (("conf_block", "block"), ("conf_column", "column"), ("conf_p", "p"), ("conf_ok", "accepted")):
+        if col not in rows:
+            return {k: np.zeros(0) for k in parts}
+        for value in rows[col]:
+            if value is not None:
+                parts[key].append(np.asarray(value))
+    out = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in parts.items()}
+    if block_sizes is not None and len(out["block"]):
+        keep = np.isin(out["block"], list(block_sizes))
+        out = {k: v[keep] for k, v in out.items()}
+    return out
+
+
+def fit_from_labels(labels, train_ids: set[str] | None, test_ids: set[str] | None = None,
+                    exclude_sets: Sequence[str] = (), max_column: int = 16, info: dict | None = None) -> dict:
+    """Fit the calibration on the train split's samples; the reliability table on the test split (or train).
+
+    Returns:
+        ``{"calibration": AcceptanceCalibration, "reliability": [...], "reliability_split": "test" | "train"}``.
+    Raises:
+        ValueError: when the rows hold no samples (labels made without ``label.record_confidence``).
+    """
+    train = calibration_samples(labels, train_ids, exclude_sets=exclude_sets)
+    if not len(train["p"]):
+        raise ValueError("the label rows hold no verify-width samples (conf_* columns): relabel with label.mode=replay "
+                         "label.record_confidence=true (a fresh run_name or label.out_dir)")
+    calibration = AcceptanceCalibration.fit(train["p"], train["column"], train["accepted"], max_column, info=info)
+    test = calibration_samples(labels, test_ids, exclude_sets=exclude_sets) if test_ids else {"p": np.zeros(0)}
+    split = "test" if len(test["p"]) else "train"
+    held = test if split == "test" else train
+    table = reliability(calibration, held["p"], held["column"], held["accepted"])
+    if split == "test":
+        a = calibration.predict(torch.as_tensor(held["p"]), torch.as_tensor(held["column"]))
+        y = torch.as_tensor(held["accepted"].astype(np.float64))
+        calibration.info.update({"test_samples": int(len(y)), "test_brier": float(((a - y) ** 2).mean()),
+                                 "test_log_loss": float(torch.nn.functional.binary_cross_entropy(a, y))})
+    return {"calibration": calibration, "reliability": table, "reliability_split": split}
+
+
+def export_calibration(out_dir: str | Path, fitted: dict) -> Path:
+    """Write ``calibration.json`` (calibration + reliability table) atomically into ``out_dir``; returns its path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {**fitted["calibration"].to_dict(), "reliability": fitted["reliability"],
+               "reliability_split": fitted["reliability_split"]}
+    path = out_dir / CALIBRATION_NAME
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load_calibration(path: str | Path) -> AcceptanceCalibration:
+    """A calibration from ``calibration.json`` or a folder holding one.
+
+    Raises:
+        FileNotFoundError: when there is none (names the train stage); ValueError: for a file of another kind.
+    """
+    path = Path(path)
+    file = path / CALIBRATION_NAME if path.is_dir() or not path.suffix else path
+    if not file.is_file():
+        raise FileNotFoundError(f"no verify-width calibration at {file}; fit one in the train stage (make train, after "
+                                "make label/dataset) or with python -m pipeline.policy.verify_width <labels_dir> --out DIR, "
+                                "or point eval.verify_width.calibration at one")
+    return AcceptanceCalibration.from_dict(json.loads(file.read_text()))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the per-step choice
+# ---------------------------------------------------------------------------------------------------
+def expected_tokens(a: torch.Tensor) -> torch.Tensor:
+    """E(k) for k = 0..R from per-draft acceptance probabilities a [R]: [R+1] tokens (E(0) = 1)."""
+    a = torch.as_tensor(a, dtype=torch.float64).reshape(-1)
+    return torch.cat([torch.ones(1, dtype=torch.float64), 1 + torch.cumsum(torch.cumprod(a, 0), 0)])
+
+
+def best_width(a: torch.Tensor, draft_ms: float, verify_ms: Sequence[float]) -> tuple[int, float]:
+    """The k in 0..len(a) with the most expected tokens per ms: (k, tokens per ms).
+
+    Args:
+        a: [R] calibrated acceptance probabilities of drafts 1..R.
+        draft_ms: cost of the drafter forward already run (ms).
+        verify_ms: cost of a target verify over k+1 tokens for k = 0..R (R+1 values, ms).
+    Raises:
+        ValueError: when ``verify_ms`` does not have len(a)+1 values.
+    """
+    expected = expected_tokens(a)
+    if len(verify_ms) != len(expected):
+        raise ValueError(f"need {len(expected)} verify costs (k = 0..{len(expected) - 1}), got {len(verify_ms)}")
+    rate = expected / (float(draft_ms) + torch.as_tensor(verify_ms, dtype=torch.float64))
+    k = int(torch.argmax(rate))  # first maximum: the narrower verify on ties
+    return k, float(rate[k])
+
+
+class VerifyWidthSchedule:
+    """Drafts at block size B, verifies the k drafts that maximise expected tokens per ms (see module docstring).
+
+    Args:
+        calibration: the drafts' acceptance calibration.
+        latency: the machine's ``LatencyModel`` (costs by width and context length).
+        block_size: B drafted each step (the drafter's training block size by default in the eval stage).
+        predictor: a BlockPilot ``Predictor``; when given, B is its choice after prefill (method ``hybrid``).
+        skip_drafts: skip the drafter for a while after a step whose draft did not pay.
+        max_skip: the longest run of skipped drafts before the drafter looks again (steps).
+    Attributes:
+        max_block_size: the largest B it may pick; widths: k of every ``choose_width`` call.
+    Raises:
+        ValueError: for B < 2 or max_skip < 0.
+    """
+
+    def __init__(self, calibration: AcceptanceCalibration, latency, block_size: int, predictor=None,
+                 skip_drafts: bool = True, max_skip: int = 8):
+        if int(block_size) < 2 and predictor is None:
+            raise ValueError(f"the verify-width policy drafts blocks of B >= 2, got B={block_size}")
+        if int(max_skip) < 0:
+            raise ValueError(f"max_skip must be >= 0, got {max_skip}")
+        self.calibration, self.latency, self.predictor = calibration, latency, predictor
+        self.block_size = int(block_size)
+        self.max_block_size = max(predictor.candidates) if predictor is not None else self.block_size
+        self.skip_drafts, self.max_skip = bool(skip_drafts), int(max_skip)
+        self._costs: dict[tuple[int, int], tuple[float, list[float]]] = {}
+        self._chosen = self.block_size
+        self._reset()
+
+    def _reset(self) -> None:
+        self._paid = True
+        self._skip_len = self._remaining = 0
+
+    def costs(self, b: int, context: int) -> tuple[float, list[float]]:
+        """(draft_ms of a block of b, [verify_ms of k+1 tokens for k = 0..b-1]) at a context length (ms)."""
+        key = (int(b), int(context) // 16)
+        if key not in self._costs:
+            length = key[1] * 16 + 8
+            self._costs[key] = (self.latency.measured_ms("draft", b, length),
+                                [self.latency.measured_ms("verify", q, length) for q in range(1, b + 1)])
+        return self._costs[key]
+
+    def first(self, last_logits: torch.Tensor) -> int:
+        self._reset()
+        self._chosen = self.predictor.predict(last_logits) if self.predictor is not None else self.block_size
+        return self._chosen
+
+    def choose_width(self, confidence: torch.Tensor, start: int) -> int:
+        """k for a step whose drafts have probabilities ``confidence`` [b-1], the target cache at ``start`` tokens."""
+        b = len(confidence) + 1
+        draft_ms, verify_ms = self.costs(b, start)
+        k, rate = best_width(self.calibration.predict(confidence), draft_ms, verify_ms)
+        self._paid = rate > 1.0 / max(verify_ms[0], 1e-9)  # better than a plain step without the drafter
+        return k
+
+    def next(self, tau: int, block_size: int) -> int:
+        if self._chosen < 2:
+            return self._chosen  # the predictor chose B=1: no drafting for this request
+        if not self.skip_drafts:
+            return self._chosen
+        if block_size == 1:  # a skipped draft
+            self._remaining -= 1
+            return 1 if self._remaining > 0 else self._chosen
+        if self._paid:
+            self._skip_len = 0
+            return self._chosen
+        self._skip_len = min(max(1, 2 * self._skip_len), self.max_skip)
+        self._remaining = self._skip_len
+        return 1 if self._remaining > 0 else self._chosen
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Fit the verify-width calibration on a label run's replay samples.")
+    parser.add_argument("labels_dir", type=Path)
+    parser.add_argument("--out", type=Path, required=True, help="folder for calibration.json")
+    parser.add_argument("--features-dir", type=Path, default=None,
+                        help="a feature dataset of the run: fit on its train split, reliability on its test split")
+    parser.add_argument("--exclude-sets", nargs="*", default=[], help="source sets left out of the fit")
+    args = parser.parse_args()
+    from pipeline.dataset import read_label_table, split_prompt_ids
+    from pipeline.prompts import prompt_id_of
+
+    labels, _ = read_label_table(args.labels_dir)
+    train_ids = test_ids = None
+    if args.features_dir is not None:
+        splits = split_prompt_ids(args.features_dir)
+        by_prompt = labels["id"].astype(str).map(prompt_id_of)
+        train_ids = set(labels["id"].astype(str)[by_prompt.isin({prompt_id_of(i) for i in splits["train"]})])
+        test_ids = set(labels["id"].astype(str)[by_prompt.isin({prompt_id_of(i) for i in splits["test"]})])
+    fitted = fit_from_labels(labels, train_ids, test_ids, args.exclude_sets,
+                             info={"labels_dir": str(args.labels_dir), "exclude_sets": list(args.exclude_sets)})
+    path = export_calibration(args.out, fitted)
+    info = fitted["calibration"].info
+    print(f"{path}: {info['samples']} samples, accept rate {info['accept_rate']:.3f}, brier {info['brier']:.4f}"
+          + (f", test brier {info['test_brier']:.4f}" if "test_brier" in info else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""The verify-width policy: the replay's calibration samples are the decoder's own, the calibration recovers a planted
+relation, the width choice on constructed costs, draft skipping, and lossless decoding for every choice."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from pipeline.decoding import DecodeConfig, SpeculativeDecoder
+from pipeline.decoding.sampling import PositionKeyedSampler
+from pipeline.labeling.latency import LatencyModel
+from pipeline.labeling.replay import replay, target_trace
+from pipeline.labeling.store import LabelStore, read_labels
+from pipeline.policy.verify_width import (AcceptanceCalibration, VerifyWidthSchedule, best_width, calibration_samples,
+                                          expected_tokens, export_calibration, fit_from_labels, load_calibration,
+                                          reliability)
+from pipeline.prompts import chat_input_ids
+
+PROMPTS = ["def add(a, b):", "Natalia sold clips to 48 of her friends", "Write a function that returns the sum",
+           "The quick brown fox"]
+
+
+def constant_calibration(bias: float, columns: int = 16) -> AcceptanceCalibration:
+    """a_j = sigmoid(bias) whatever the drafter's probability."""
+    return AcceptanceCalibration([bias] * columns, [0.0] * columns)
+
+
+def linear_latency(verify_slope: float = 5.0, draft_ms: float = 10.0, base: float = 50.0, widths: int = 16) -> LatencyModel:
+    """verify_ms(q) = base + slope * (q - 1), draft_ms flat, the same at every context length."""
+    buckets = [64, 512]
+    return LatencyModel(buckets, list(range(1, widths + 1)),
+                        {q: [base + verify_slope * (q - 1)] * 2 for q in range(1, widths + 1)},
+                        {q: [draft_ms] * 2 for q in range(2, widths + 1)}, [100.0, 400.0])
+
+
+def manual_decode(decoder: SpeculativeDecoder, ids: torch.Tensor, block_size: int, config: DecodeConfig):
+    """``decode``'s loop with a fixed B, keeping every step's draft probabilities and accepted count."""
+    sampler = PositionKeyedSampler(config.temperature, config.seed, decoder.lm_head.shape[0])
+    with torch.inference_mode():
+        state = decoder.new_state(decoder.prefill(ids, config), use_drafter=True)
+        produced, steps = 1, []
+        stopped = state.pending in decoder.stop_ids
+        while not stopped and produced < config.max_new_tokens:
+            b = min(block_size, config.max_new_tokens - produced)
+            new, accepted = decoder.step(state, b, sampler)
+            steps.append((b, state.last_confidence, accepted))
+            for i, token in enumerate(new):
+                if token in decoder.stop_ids:
+                    new, stopped = new[: i + 1], True
+                    break
+            produced += len(new)
+    return steps
+
+
+@pytest.mark.parametrize("temperature,seed,lm_head,vocab", [(0.0, 0, "lazy", False), (0.0, 0, "full", False),
+                                                            (1.0, 3, "lazy", False), (0.0, 0, "lazy", True),
+                                                            (0.8, 1, "lazy", True)])
+def test_replay_confidence_samples_are_the_decoders(trained_decoder, temperature, seed, lm_head, vocab):
+    """Each replayed step records (j, the drafter's probability, accepted) for columns 1..first rejection, equal to
+    what the decoder computes in the same step of a real decode."""
+    decoder = trained_decoder
+    if vocab:  # a draft vocabulary: the lazy path decides each chunk with the draft head
+        drafter = copy.deepcopy(decoder.drafter)
+        drafter.set_draft_vocab(torch.arange(0, decoder.lm_head.shape[0], 2))
+        decoder = SpeculativeDecoder(decoder.target, drafter)
+    config = DecodeConfig(28, temperature, seed)
+    checked = rejected = 0
+    for text in PROMPTS:
+        ids = chat_input_ids(decoder.target.tokenizer, [text])
+        trace = target_trace(decoder, decoder.prefill(ids, config), config)
+        for B in (4, 8, 13):
+            result = replay(decoder, trace, [B], config, lm_head=lm_head, record_confidence=True)[B]
+            steps = manual_decode(decoder, ids, B, config)
+            assert len(steps) == len(result.confidence) == len(result.taus)
+            for (b, confidence, accepted), samples in zip(steps, result.confidence):
+                if b == 1:
+                    assert samples == []
+                    continue
+                assert [j for j, _, _ in samples] == list(range(1, len(samples) + 1))
+                assert len(samples) in (min(accepted + 1, b - 1), accepted)  # the last column may lie past the trace
+                for j, p, ok in samples:
+                    assert ok == (j <= accepted)
+                    assert math.isclose(p, float(confidence[j - 1]), rel_tol=1e-4, abs_tol=1e-6)
+                    checked += 1
+                    rejected += not ok
+    assert checked > 50 and 0 < rejected < checked
+
+
+def test_calibration_fit_recovers_a_planted_relation():
+    rng = np.random.default_rng(0)
+    n = 40000
+    p = rng.uniform(0.01, 0.99, n)
+    column = rng.integers(1, 5, n)
+    bias, slope = np.array([0.5, 0.0, -0.5, -1.0]), np.array([1.0, 1.5, 2.0, 1.0])
+    z = bias[column - 1] + slope[column - 1] * np.log(p / (1 - p))
+    accepted = rng.random(n) < 1 / (1 + np.exp(-z))
+    calibration = AcceptanceCalibration.fit(p, column, accepted, max_column=16)
+    assert calibration.max_column == 4  # only the columns seen
+    np.testing.assert_allclose(calibration.bias, bias, atol=0.1)
+    np.testing.assert_allclose(calibration.slope, slope, atol=0.1)
+    table = reliability(calibration, p, column, accepted)
+    assert sum(r["count"] for r in table) == n
+    assert all(abs(r["predicted"] - r["observed"]) < 0.03 for r in table if r["count"] > 1000)
+    # columns past the fitted ones share the last column's parameters
+    assert float(calibration.predict(torch.tensor([0.7]), torch.tensor([9]))[0]) == \
+        float(calibration.predict(torch.tensor([0.7]), torch.tensor([4]))[0])
+    with pytest.raises(ValueError, match="every calibration sample"):
+        AcceptanceCalibration.fit([0.5, 0.6], [1, 2], [True, True])
+    with pytest.raises(ValueError, match="record_confidence"):
+        AcceptanceCalibration.fit([], [], [])
+
+
+def test_calibration_round_trips_and_names_the_fix(tmp_path):
+    calibration = AcceptanceCalibration([0.1, -0.2], [1.0, 2.0], {"samples": 3})
+    fitted = {"calibration": calibration, "reliability": [], "reliability_split": "train"}
+    path = export_calibration(tmp_path / "vw", fitted)
+    loaded = load_calibration(tmp_path / "vw")
+    assert loaded.bias == calibration.bias and loaded.slope == calibration.slope and load_calibration(path).info == {"samples": 3}
+    with pytest.raises(FileNotFoundError, match="make train"):
+        load_calibration(tmp_path / "nowhere")
+    (tmp_path / "bad.json").write_text('{"kind": "other"}')
+    with pytest.raises(ValueError, match="refit"):
+        load_calibration(tmp_path / "bad.json")
+
+
+def test_expected_tokens_and_best_width_on_constructed_costs():
+    torch.testing.assert_close(expected_tokens(torch.tensor([0.5, 0.5])), torch.tensor([1.0, 1.5, 1.75], dtype=torch.float64))
+    # a cheap draft then an unlikely one: stop before it (rates 1/60, 1.9/62, 2.71/64, 2.7505/66, 2.787/68)
+    assert best_width(torch.tensor([0.9, 0.9, 0.05, 0.9]), 10.0, [50, 52, 54, 56, 58])[0] == 2
+    # a flat verify cost (a GPU) verifies everything
+    assert best_width(torch.tensor([0.3, 0.3]), 5.0, [50, 50, 50])[0] == 2
+    # a steep one with a hopeless draft verifies nothing
+    k, rate = best_width(torch.tensor([0.01]), 0.0, [50, 80])
+    assert k == 0 and rate == pytest.approx(1 / 50)
+    with pytest.raises(ValueError, match="verify costs"):
+        best_width(torch.tensor([0.5, 0.5]), 0.0, [1.0, 2.0])
+
+
+def test_schedule_skips_drafts_that_do_not_pay_and_looks_again():
+    latency = linear_latency()
+    hopeless = VerifyWidthSchedule(constant_calibration(-12.0), latency, 8, max_skip=4)
+    assert hopeless.first(torch.zeros(5)) == 8
+    seen = []
+    b = 8
+    for _ in range(14):
+        if b > 1:
+            assert hopeless.choose_width(torch.full((b - 1,), 0.5), 100) == 0
+        seen.append(b)
+        b = hopeless.next(1, b)
+    # drafts at 8, skip 1, draft, skip 2, draft, skip 4, draft, skip 4 (max_skip), ...
+    assert seen == [8, 1, 8, 1, 1, 8, 1, 1, 1, 1, 8, 1, 1, 1]
+    sure = VerifyWidthSchedule(constant_calibration(12.0), latency, 8)
+    sure.first(torch.zeros(5))
+    assert sure.choose_width(torch.full((7,), 0.5), 100) == 7 and sure.next(8, 8) == 8
+    never_skip = VerifyWidthSchedule(constant_calibration(-12.0), latency, 8, skip_drafts=False)
+    never_skip.first(torch.zeros(5))
+    never_skip.choose_width(torch.full((7,), 0.5), 100)
+    assert never_skip.next(1, 8) == 8
+    with pytest.raises(ValueError, match="B >= 2"):
+        VerifyWidthSchedule(constant_calibration(0.0), latency, 1)
+
+
+@pytest.mark.parametrize("temperature,seed", [(0.0, 0), (1.0, 5)])
+def test_verify_width_decoding_is_lossless(trained_decoder, temperature, seed):
+    """Every width the policy picks, and every skipped draft, leaves the output equal to B=1's."""
+    decoder, config = trained_decoder, DecodeConfig(32, temperature, seed)
+    # fit a calibration on this drafter's own replays, so the choices vary between 0 and B-1
+    samples = {"p": [], "column": [], "accepted": []}
+    for text in PROMPTS:
+        ids = chat_input_ids(decoder.target.tokenizer, [text])
+        trace = target_trace(decoder, decoder.prefill(ids, config), config)
+        for step in replay(decoder, trace, [8], config, record_confidence=True)[8].confidence:
+            for j, p, ok in step:
+                samples["p"].append(p), samples["column"].append(j), samples["accepted"].append(ok)
+    fitted = AcceptanceCalibration.fit(samples["p"], samples["column"], samples["accepted"])
+    widths = set()
+    for calibration, latency in [(fitted, linear_latency(8.0)), (fitted, linear_latency(0.5)),
+                                 (constant_calibration(-12.0), linear_latency()), (constant_calibration(12.0), linear_latency())]:
+        for B in (4, 8, 16):
+            for text in PROMPTS:
+                ids = chat_input_ids(decoder.target.tokenizer, [text])
+                reference = decoder.generate(ids, 1, config).output_ids
+                stats = decoder.generate(ids, VerifyWidthSchedule(calibration, latency, B, max_skip=3), config)
+                assert stats.output_ids == reference, (B, text)
+                assert len(stats.verify_widths) == len(stats.taus) == len(stats.confidences)
+                assert all(t <= k + 1 for t, k in zip(stats.taus, stats.verify_widths))
+                widths |= set(stats.verify_widths)
+    assert 0 in widths and 7 in widths and len(widths) >= 4
+
+
+def test_label_rows_without_samples_read_as_null_and_fit_names_the_fix(tmp_path):
+    store = LabelStore(tmp_path / "labels")
+    row = {"id": "a", "source_set": "s", "prompt_tokens": 3, "candidates": [2], "tau": [1.0], "new_tokens": [4.0],
+           "decode_ms": [1.0], "tokens_per_s": [1.0], "label_tau": 2, "label_speed": 2, "topk_ids": [1],
+           "topk_logprobs": [0.0], "full_logits": None, "vocab_size": 8, "entropy": 0.0, "prefill_ms": 1.0, "shard": 0,
+           "num_shards": 1}
+    pd.DataFrame([row]).to_parquet(tmp_path / "labels" / "shard-00000.parquet")  # an older shard: no conf_* columns
+    store.write([dict(row, id="b", conf_block=[2, 2], conf_column=[1, 1], conf_p=[0.9, 0.2], conf_ok=[True, False])])
+    labels = read_labels(tmp_path / "labels")
+    assert labels.loc[labels["id"] == "a", "conf_p"].iloc[0] is None
+    samples = calibration_samples(labels)
+    assert samples["p"].tolist() == [0.9, 0.2] and samples["accepted"].tolist() == [True, False]
+    assert len(calibration_samples(labels, ids={"a"})["p"]) == 0
+    with pytest.raises(ValueError, match="record_confidence"):
+        fit_from_labels(labels, {"a"})
