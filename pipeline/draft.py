@@ -34,6 +34,7 @@ from pipeline.drafting.module import DrafterModule, init_from_target_layers
 from pipeline.drafting.responses import build_response_cache, generation_seconds
 from pipeline.drafting.stdlib_prompts import stdlib_prompts
 from pipeline.models.drafter import DFlashDrafter, make_drafter_config, num_parameters
+from pipeline.models.export_drafter import with_loading_section
 from pipeline import PROJECT_ROOT
 from pipeline.models.loading import resolve_path as resolve_input
 from pipeline.models.target import load_target
@@ -109,7 +110,8 @@ def write_model_card(out: Path, name: str, cfg: DictConfig, stats: dict) -> None
     for b, tau in sorted(stats.get("val_tau", {}).items(), key=lambda kv: int(kv[0])):
         lines.append(f"| {b} | {tau:.3f} |")
     lines += ["", "Config:", "", "```yaml", OmegaConf.to_yaml(cfg.draft), "```", ""]
-    (out / "README.md").write_text("\n".join(lines))
+    vocab = stats.get("draft vocabulary")
+    (out / "README.md").write_text(with_loading_section("\n".join(lines), vocab if isinstance(vocab, int) else None))
 
 
 def train_drafter(cfg: DictConfig) -> Path:

@@ -9,8 +9,18 @@ embedding and LM head are reused, so the drafter owns only its layers.
 Checkpoint layout (a public ``z-lab/Qwen3-4B-DFlash-b16`` loads unchanged)::
 
     config.json        Qwen3 config + block_size, num_target_layers,
-                       dflash_config.{target_layer_ids, mask_token_id}
+                       dflash_config.{target_layer_ids, mask_token_id}; dtype = the dtype the weights are stored in;
+                       auto_map.AutoModel = modeling_dflash.DFlashDraftModel (written by ``save_pretrained``)
     model.safetensors  layers.*, fc.weight, hidden_norm.weight, norm.weight
+    modeling_dflash.py the remote-code model (a copy of ``pipeline/models/hub/modeling_dflash.py``, torch +
+                       transformers only), so ``AutoModel.from_pretrained(folder, trust_remote_code=True)`` and z-lab's
+                       ``dflash_generate`` load and run the folder, draft vocabulary included
+
+Dtype: ``save_pretrained`` stores the weights in ``dtype`` (bfloat16 by default) and records it in ``config.json``.
+``from_pretrained`` casts them to the dtype it is given (the target's: ``model.dtype``); the remote-code model casts
+its inputs to its own dtype and returns the caller's, so a bfloat16 folder also runs beside a float32 target there.
+z-lab's own ``dflash.DFlashDraftModel`` does not cast: under transformers 5 it loads such a folder in bfloat16
+(``dtype="auto"``) and fails in ``fc`` on float32 target features; pass it ``dtype=`` the target's dtype.
 
 Attention layers follow the config's ``layer_types`` as z-lab's code does: a ``sliding_attention`` layer is causal
 (unless the config sets ``is_causal``) and sees only keys within ``sliding_window`` positions of the query; a
@@ -20,13 +30,16 @@ Optional extension (absent from z-lab checkpoints, which then use the full vocab
 vocabulary, ``dflash_config.draft_vocab_size`` = N and tensor ``draft_vocab`` int64 [N] of target token
 ids, as in EAGLE-3's reduced draft head. The drafter then scores only those N rows of the target's LM
 head (49152 -> 8192 rows for SmolLM2: ~6x less LM-head work per draft and per training step) and can
-only propose those tokens; verification is unchanged, so decoding stays lossless.
+only propose those tokens; verification is unchanged, so decoding stays lossless. Loaders that do not know the
+extension (z-lab's ``DFlashDraftModel``) drop the tensor and score the full vocabulary, so their drafts differ;
+``pipeline.models.export_drafter --full-vocab`` writes a copy without it.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import torch
@@ -40,6 +53,23 @@ from pipeline.models.backend import LMHead
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+REMOTE_CODE_NAME = "modeling_dflash.py"
+REMOTE_CODE = Path(__file__).parent / "hub" / REMOTE_CODE_NAME  # package data (pyproject.toml)
+AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+
+
+def write_config(directory: str | Path, config: dict) -> Path:
+    """Write ``config`` as ``config.json`` with ``auto_map`` set, and copy ``modeling_dflash.py`` beside it.
+
+    The pair makes ``AutoModel.from_pretrained(directory, trust_remote_code=True)`` build the DFlash drafter (with
+    its draft vocabulary) instead of a plain ``Qwen3Model``. Returns the path of ``config.json``.
+    """
+    directory = Path(directory)
+    config = {**config, "auto_map": dict(AUTO_MAP)}
+    path = directory / CONFIG_NAME
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    shutil.copyfile(REMOTE_CODE, directory / REMOTE_CODE_NAME)
+    return path
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int = 5) -> list[int]:
@@ -292,7 +322,8 @@ class DFlashDrafter(nn.Module):
     # z-lab checkpoint layout
     # ----------------------------------------------------------------------------------------
     def save_pretrained(self, directory: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-        """Write ``config.json`` and ``model.safetensors`` (z-lab layout) into ``directory``."""
+        """Write ``config.json``, ``model.safetensors`` (z-lab layout, weights in ``dtype``, recorded as the config's
+        ``dtype``) and the remote-code ``modeling_dflash.py`` into ``directory``."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         state = {k: (v.detach() if k == "draft_vocab" else v.detach().to(dtype)).contiguous()
@@ -300,7 +331,7 @@ class DFlashDrafter(nn.Module):
         save_file(state, directory / WEIGHTS_NAME, metadata={"format": "pt"})
         config = self.config.to_dict()
         config["dtype"] = str(dtype).removeprefix("torch.")
-        (directory / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        write_config(directory, config)
         return directory
 
     @classmethod
