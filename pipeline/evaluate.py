@@ -279,7 +279,7 @@ def load_verify_width_inputs(cfg: DictConfig, inputs: EvalInputs, decoder) -> No
     if lat.get("path"):
         inputs.latency = load_latency(lat.path)
     elif decoder is not None:
-        widths = [int(b) for b in cfg.model.candidates] + [verify_width_block_size(cfg, decoder)]
+        widths = sorted({int(b) for b in cfg.model.candidates} | {verify_width_block_size(cfg, decoder)})  # the label key
         inputs.latency = measure_latency_cached(decoder, widths, list(lat.get("context_buckets", [64, 256, 512])),
                                                 int(lat.get("repeats", 3)), float(cfg.decode.temperature), int(cfg.seed),
                                                 lat.get("cache"), latency_identity(cfg.model))

@@ -75,9 +75,46 @@ def build_engine(cfg: DictConfig, decoder=None):
     s = cfg.serve
     decoder = decoder or build_decoder(cfg.model)
     predictor_dir = resolve_path(str(s.predictor_dir)) if s.get("predictor_dir") else None
-    policy = build_policy(str(s.policy), decoder, s.get("block_size"), predictor_dir, list(cfg.model.candidates), s.get("ema"))
+    width = verify_width_options(cfg, decoder) if str(s.policy) == "verify_width" else None
+    policy = build_policy(str(s.policy), decoder, s.get("block_size"), predictor_dir, list(cfg.model.candidates), s.get("ema"),
+                          width)
     return Engine(decoder, policy, str(s.model_name), int(s.max_queue), int(s.default_max_tokens), int(s.max_tokens),
                   int(cfg.decode.seed), build_recorder(cfg, decoder), float(cfg.decode.temperature))
+
+
+def verify_width_options(cfg: DictConfig, decoder) -> dict:
+    """``serve.policy=verify_width``'s calibration (``serve.verify_width.calibration``, else the run's
+    ``predictors/<run_name>/verify_width``, else the drafter folder's) and this machine's latency model (measured at
+    startup for widths up to B and the candidates, or reused from the cache the label and eval stages share).
+
+    Raises:
+        FileNotFoundError: without a calibration (names the train stage).
+    """
+    from pathlib import Path
+
+    from pipeline.labeling.latency import measure_latency_cached
+    from pipeline.labeling.runner import latency_identity, load_latency
+    from pipeline.models.loading import resolve_path
+    from pipeline.policy.verify_width import CALIBRATION_NAME, load_calibration
+
+    vw = cfg.serve.get("verify_width") or {}
+    tried = [Path(resolve_path(str(vw.calibration)))] if vw.get("calibration") else [
+        Path(cfg.paths.data) / "predictors" / str(cfg.run_name) / "verify_width" / CALIBRATION_NAME]
+    if not vw.get("calibration") and cfg.model.get("drafter"):
+        tried.append(Path(resolve_path(str(cfg.model.drafter))) / CALIBRATION_NAME)
+    found = next((p for p in tried if p.exists()), tried[0])
+    calibration = load_calibration(found)  # raises FileNotFoundError naming the train stage
+    lat = vw.get("latency") or {}
+    b = int(cfg.serve.get("block_size") or decoder.drafter.block_size)
+    if lat.get("path"):
+        latency = load_latency(lat.path)
+    else:
+        latency = measure_latency_cached(decoder, sorted({int(c) for c in cfg.model.candidates} | {b}),
+                                         list(lat.get("context_buckets", [64, 256, 512])), int(lat.get("repeats", 3)),
+                                         float(cfg.decode.temperature), int(cfg.seed), lat.get("cache"),
+                                         latency_identity(cfg.model))
+    return {"calibration": calibration, "latency": latency, "skip_drafts": bool(vw.get("skip_drafts", True)),
+            "max_skip": int(vw.get("max_skip", 8))}
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="serve")

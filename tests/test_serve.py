@@ -266,6 +266,27 @@ def test_blockpilot_policy_picks_the_predictors_block_size(tiny_run, trained_dec
         build_policy("blockpilot", trained_decoder, predictor_dir=str(predictor_dir.parent / "missing"))
 
 
+def test_verify_width_policy_serves_the_ar_text_and_needs_its_inputs(tiny_run, trained_decoder, tmp_path):
+    """serve.policy=verify_width through the engine: lossless, with the run's calibration and a measured latency model."""
+    from pipeline.labeling.latency import measure_latency
+    from pipeline.policy.verify_width import load_calibration
+
+    calibration = load_calibration(Path(tiny_run["data"]) / "predictors" / RUN / "verify_width")
+    latency = measure_latency(trained_decoder, [8], [16, 64], repeats=1)
+    policy = build_policy("verify_width", trained_decoder, 8, verify_width={"calibration": calibration, "latency": latency,
+                                                                             "max_skip": 2})
+    engine = Engine(trained_decoder, policy, MODEL, default_max_tokens=20)
+    with TestClient(create_app(engine)) as c:
+        for text in PROMPTS:
+            out = c.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": text}],
+                                                       "max_tokens": 20, "return_token_ids": True}).json()
+            assert out["blockpilot"]["policy"] == "verify_width" and out["blockpilot"]["block_size"] == 8
+            assert out["blockpilot"]["token_ids"] == ar_reference(trained_decoder, text, 20)
+    engine.close()
+    with pytest.raises(ValueError, match="calibration and a latency model"):
+        build_policy("verify_width", trained_decoder, 8)
+
+
 def serve_overrides(tiny, record_dir: Path, latency: Path, *extra: str) -> list[str]:
     return [f"model.target={tiny.target_dir('llama')}", f"model.drafter={tiny.drafter_dir('llama', 'trained')}",
             f"model.name={MODEL}", "serve.record=true", f"serve.record_dir={record_dir}", f"serve.latency_path={latency}",

@@ -49,6 +49,17 @@ def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
+def _isotonic(ys: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``ys`` in least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for y in ys:
+        blocks.append([float(y), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2]
+    return [m for m, n in blocks for _ in range(int(n))]
+
+
 @dataclass
 class LatencyModel:
     """Measured step costs of one target/drafter pair on one machine (all times in ms).
@@ -110,19 +121,17 @@ class LatencyModel:
     def measured_ms(self, kind: str, b: int, context: int) -> float:
         """Step-part cost through the measured points (``kind``: verify | draft; ms), non-decreasing in b.
 
-        Interpolated between widths and context buckets (``fit`` is ignored) and made monotone in b (a
-        running maximum over the measured widths): the cost curve the verify-width policy compares k
-        against, where a least-squares line would hide a step between widths.
+        Interpolated over the context buckets, then made monotone in b by isotonic regression over the measured
+        widths (pool-adjacent-violators: a noisy bump is averaged with its neighbours instead of lifting every
+        wider point), then interpolated between widths (``fit`` is ignored): the cost curve the verify-width policy
+        compares k against, where a least-squares line would hide a step between widths.
         """
         table = self.verify_ms if kind == "verify" else self.draft_ms
         widths = sorted(table)
         if not widths:
             return 0.0
-        per_width, top = [], 0.0
-        for w in widths:
-            top = max(top, _interp(context, self.context_buckets, table[w]))
-            per_width.append(top)
-        return _interp(b, widths, per_width)
+        curve = _isotonic([_interp(context, self.context_buckets, table[w]) for w in widths])
+        return _interp(b, widths, curve)
 
     def step_ms(self, b: int, context: int) -> float:
         """One draft-verify step of width b with ``context`` tokens in the target cache (ms)."""

@@ -9,7 +9,8 @@ returned, ahead of requests admitted later (``pipeline.serving.recorder``).
 
 Policies (``serve.policy``): ``fixed`` (``serve.block_size``, default the drafter's training B), ``ar``
 (B=1), ``blockpilot`` (a trained predictor, ``serve.predictor_dir``, picks B once from the prefill
-logits) and ``ema`` (per-step adaptive B over ``model.candidates``).
+logits), ``ema`` (per-step adaptive B over ``model.candidates``) and ``verify_width`` (drafts at B, verifies
+the k drafts that pay each step against this machine's measured costs; ``pipeline.policy.verify_width``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pipeline.serving.text import TextStream
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("fixed", "ar", "blockpilot", "ema")
+POLICIES = ("fixed", "ar", "blockpilot", "ema", "verify_width")
 
 
 class QueueFull(RuntimeError):
@@ -53,8 +54,11 @@ class Policy:
 
 
 def build_policy(name: str, decoder: SpeculativeDecoder, block_size: int | None = None, predictor_dir: str | None = None,
-                 candidates=(), ema: dict | None = None) -> Policy:
+                 candidates=(), ema: dict | None = None, verify_width: dict | None = None) -> Policy:
     """The ``serve.policy`` schedule factory, checked against the decoder.
+
+    ``verify_width`` needs ``verify_width={"calibration": AcceptanceCalibration, "latency": LatencyModel}`` (plus
+    optional ``skip_drafts``, ``max_skip``); it drafts at ``block_size`` (default the drafter's training B).
 
     Raises:
         ValueError: for an unknown policy, a B the drafter cannot draft, or a predictor that does not fit.
@@ -86,6 +90,17 @@ def build_policy(name: str, decoder: SpeculativeDecoder, block_size: int | None 
                              f"{decoder.lm_head.shape[0]}: train it on labels of this target")
         decoder.check_block_size(max(predictor.candidates))
         return Policy(name, lambda: PredictorSchedule(predictor))
+    if name == "verify_width":
+        from pipeline.policy.verify_width import VerifyWidthSchedule
+
+        options = dict(verify_width or {})
+        if options.get("calibration") is None or options.get("latency") is None:
+            raise ValueError("serve.policy=verify_width needs a calibration and a latency model (see pipeline/serve.py)")
+        b = int(block_size or (decoder.drafter.block_size if decoder.drafter is not None else 1))
+        decoder.check_block_size(b)
+        calibration, latency = options.pop("calibration"), options.pop("latency")
+        VerifyWidthSchedule(calibration, latency, b, **options)  # raises for B < 2 or a bad max_skip
+        return Policy(name, lambda: VerifyWidthSchedule(calibration, latency, b, **options))
     raise ValueError(f"serve.policy must be one of {POLICIES}, got {name!r}")
 
 
@@ -103,6 +118,11 @@ class _Chosen:
 
     def next(self, tau: int, block_size: int) -> int:
         return self.schedule.next(tau, block_size)
+
+    def __getattr__(self, name: str):  # a verify-width schedule's choose_width
+        if name == "schedule":
+            raise AttributeError(name)
+        return getattr(self.schedule, name)
 
 
 @dataclass
