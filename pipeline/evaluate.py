@@ -520,7 +520,8 @@ def summarize_all(rows: dict[str, list[dict]], methods: list[str], reference: di
     shares = "fixed" in rows and "oracle" in rows
     for m in methods:
         block[m]["speedup"] = block[m]["tokens_per_s"] / ar_speed if ar_speed else 0.0
-        share, ci = oracle_gain_share(rows, m, int(boot.get("samples", 1000)), int(boot.get("seed", 0))) if shares else (None, [None, None])
+        per_request = shares and m not in WIDTH_METHODS  # a per-step verify width trades tau for speed: no tau share
+        share, ci = oracle_gain_share(rows, m, int(boot.get("samples", 1000)), int(boot.get("seed", 0))) if per_request else (None, [None, None])
         block[m]["oracle_gain_share"], block[m]["oracle_gain_share_ci"] = share, ci
     return block
 
@@ -735,6 +736,10 @@ def log_to_wandb(run, results: dict, report: dict[str, Path]) -> None:
     for s, block in results.get("per_set", {}).items():
         for m, r in block.items():
             run.summary.update({f"{s}/{m}/{k}": v for k, v in r.items() if isinstance(v, (int, float, bool))})
+    for s, per in results.get("gains", {}).items():  # verify_width / hybrid over fixed, best_fixed, ar (paired)
+        for m, bases in per.items():
+            for base, g in bases.items():
+                run.summary.update({f"{s}/{m}/gain_vs_{base}": g["gain"], f"{s}/{m}/gain_vs_{base}_ci_low": g["ci"][0]})
     frame = results_frame(results).astype(object).where(lambda f: f.notna(), None)
     payload = {"eval/results": wandb.Table(dataframe=frame)}
     payload.update({f"eval/{name}": wandb.Image(str(path)) for name, path in report.items() if path.suffix == ".png"})
@@ -760,6 +765,10 @@ def main(cfg: DictConfig) -> None:
         log.info("%-10s tau %.2f  tok/s %.2f  speedup %.2fx  overhead %.3f ms (%.3f%%)  gain share %s  lossless %s", m, r["tau"],
                  r["tokens_per_s"], r["speedup"], r["overhead_ms"], r["overhead_pct"],
                  "-" if share is None else f"{share:.2f}", r.get("lossless"))
+    for m, bases in results.get("gains", {}).get("all", {}).items():
+        for base, g in bases.items():
+            log.info("%s vs %s: tokens/s %+.1f%% [%s, %s]", m, base, 100 * g["gain"],
+                     *("-" if c is None else f"{100 * c:+.1f}%" for c in g["ci"]))
     if run is not None:
         log_to_wandb(run, results, report)
         run.finish()
