@@ -163,6 +163,10 @@ def bench_step(cfg: DictConfig) -> dict:
                 by_context[str(int(length))] = measure_context(
                     decoder, int(length), [int(q) for q in cfg.widths], [int(b) for b in cfg.block_sizes],
                     int(cfg.pending_features), int(cfg.repeats), int(cfg.warmup), int(cfg.seed))
+                fig = by_context[str(int(length))]
+                log.info("bench_step: backend %s, kv cache %s, context %d: ar_ms %.2f, step_ms %s, step_over_ar %s",
+                         name, kind, int(length), fig["ar_ms"], {k: round(v, 2) for k, v in fig["step_ms"].items()},
+                         {k: round(v, 3) for k, v in fig["step_over_ar"].items()})
             first = by_context[str(int(cfg.contexts[0]))]
             by_backend[name] = {**{k: first[k] for k in KEYS}, "kv_cache": kind, "by_context": by_context}
     chosen = by_kv_cache[kinds[0]][names[0]]
