@@ -14,10 +14,12 @@ For the configured target and drafter, at each context length L, the median over
 - ``step_ms[B]``: one full draft+verify step at B, exactly ``SpeculativeDecoder.step``;
 - ``step_over_ar[B]`` = step_ms[B] / ar_ms.
 
-Each backend (``pipeline.models.backend``) is measured on the same loaded weights, one after the other.
-The JSON holds the first backend's figures for the first context at the top level, every context under
-``by_context`` and every backend under ``by_backend``; B and q are string keys. Timings need a quiet
-machine: other processes on the cores inflate every figure.
+Each backend (``pipeline.models.backend``) is measured on the same loaded weights, one after the other,
+and so is each target KV cache of ``kv_caches`` (``pipeline.models.cache``: ``dynamic``, ``preallocated``,
+``auto``). The JSON holds the first backend's figures for the first context at the top level, every context
+under ``by_context``, every backend (of the first KV cache) under ``by_backend`` and every KV cache under
+``by_kv_cache`` (each a ``by_backend``); B and q are string keys. Timings need a quiet machine: other
+processes on the cores inflate every figure.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from transformers import DynamicCache
 from pipeline.decoding.sampling import PositionKeyedSampler
 from pipeline.decoding.speculative import DecodeState, SpeculativeDecoder, _now, crop_to
 from pipeline.models.backend import resolve_backend
+from pipeline.models.cache import resolve_kv_cache
 from pipeline.models.loading import load_models
 from pipeline.models.target import new_cache
 
@@ -77,7 +80,7 @@ def measure_context(decoder: SpeculativeDecoder, length: int, widths, block_size
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, min(vocab, len(decoder.target.tokenizer)), (1, length + widest), generator=generator).to(device)
     sampler = PositionKeyedSampler(0.0, seed, vocab)
-    cache = new_cache(decoder.model)
+    cache = new_cache(decoder.model, decoder.kv_cache)
     _, features = decoder.target_forward(ids[:, :length], cache, 0, want_features=True, last_only=True)
     draft_cache = DynamicCache()
     decoder.drafter(decoder.embed(ids[:, :1]), features[:, : length - pending],
@@ -127,13 +130,19 @@ def measure_context(decoder: SpeculativeDecoder, length: int, widths, block_size
 
 
 def bench_step(cfg: DictConfig) -> dict:
-    """Run the benchmark for every backend in ``cfg.backends``; returns the JSON-ready dict.
+    """Run the benchmark for every KV cache in ``cfg.kv_caches`` and backend in ``cfg.backends``; returns the
+    JSON-ready dict.
 
     Raises:
-        ValueError: for an empty ``backends`` or ``contexts`` list, an unknown backend, or no drafter.
+        ValueError: for an empty ``backends``, ``kv_caches`` or ``contexts`` list, an unknown backend or KV cache,
+            or no drafter.
     """
-    if not cfg.backends or not cfg.contexts:
-        raise ValueError("bench_step needs at least one backend and one context length")
+    if not cfg.backends or not cfg.contexts or not cfg.get("kv_caches", ["auto"]):
+        raise ValueError("bench_step needs at least one backend, one KV cache and one context length")
+    kinds = []
+    for kind in cfg.get("kv_caches", ["auto"]):
+        if resolve_kv_cache(str(kind)) not in kinds:
+            kinds.append(resolve_kv_cache(str(kind)))
     torch.manual_seed(int(cfg.seed))
     if cfg.get("num_threads"):
         torch.set_num_threads(int(cfg.num_threads))
@@ -143,20 +152,27 @@ def bench_step(cfg: DictConfig) -> dict:
         name = resolve_backend(str(backend), target.model.device, target.model.dtype)
         if name not in names:
             names.append(name)
-    by_backend = {}
-    for name in names:
-        decoder = SpeculativeDecoder(target, drafter, backend=name)
-        by_context = {}
-        for length in cfg.contexts:
-            log.info("bench_step: backend %s, context %d", name, int(length))
-            by_context[str(int(length))] = measure_context(
-                decoder, int(length), [int(q) for q in cfg.widths], [int(b) for b in cfg.block_sizes],
-                int(cfg.pending_features), int(cfg.repeats), int(cfg.warmup), int(cfg.seed))
-        first = by_context[str(int(cfg.contexts[0]))]
-        by_backend[name] = {**{k: first[k] for k in KEYS}, "by_context": by_context}
-    chosen = by_backend[names[0]]
+    by_kv_cache = {}
+    for kind in kinds:
+        by_backend = by_kv_cache[kind] = {}
+        for name in names:
+            decoder = SpeculativeDecoder(target, drafter, backend=name, kv_cache=kind)
+            by_context = {}
+            for length in cfg.contexts:
+                log.info("bench_step: backend %s, kv cache %s, context %d", name, kind, int(length))
+                by_context[str(int(length))] = measure_context(
+                    decoder, int(length), [int(q) for q in cfg.widths], [int(b) for b in cfg.block_sizes],
+                    int(cfg.pending_features), int(cfg.repeats), int(cfg.warmup), int(cfg.seed))
+                fig = by_context[str(int(length))]
+                log.info("bench_step: backend %s, kv cache %s, context %d: ar_ms %.2f, step_ms %s, step_over_ar %s",
+                         name, kind, int(length), fig["ar_ms"], {k: round(v, 2) for k, v in fig["step_ms"].items()},
+                         {k: round(v, 3) for k, v in fig["step_over_ar"].items()})
+            first = by_context[str(int(cfg.contexts[0]))]
+            by_backend[name] = {**{k: first[k] for k in KEYS}, "kv_cache": kind, "by_context": by_context}
+    chosen = by_kv_cache[kinds[0]][names[0]]
     return {
-        "backend": names[0], "context": int(cfg.contexts[0]), **chosen, "by_backend": by_backend,
+        "backend": names[0], "kv_cache": kinds[0], "context": int(cfg.contexts[0]), **chosen,
+        "by_backend": by_kv_cache[kinds[0]], "by_kv_cache": by_kv_cache,
         "info": {"host": platform.node(), "machine": platform.machine(), "processor": platform.processor(),
                  "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": str(target.model.dtype),
                  "device": str(target.model.device), "target": target.name, "drafter": str(cfg.model.drafter),
@@ -165,17 +181,20 @@ def bench_step(cfg: DictConfig) -> dict:
 
 
 def markdown(result: dict, block_size: int | None = None) -> str:
-    """A Markdown table: one row per (backend, context) with ar_ms, forward_ms, drafter_ms and step_ms at B."""
+    """A Markdown table: one row per (KV cache, backend, context) with ar_ms, forward_ms, drafter_ms and step_ms at B."""
     rows = []
-    for name, per in result["by_backend"].items():
-        for length, fig in per["by_context"].items():
-            bs = sorted(fig["step_ms"], key=int)
-            b = str(block_size) if block_size is not None and str(block_size) in fig["step_ms"] else bs[len(bs) // 2]
-            qs = [q for q in ("1", "2", "4", "8", "16") if q in fig["forward_ms"]]
-            rows.append([name, length, f"{fig['ar_ms']:.1f}", *[f"{fig['forward_ms'][q]:.1f}" for q in qs],
-                         f"{fig['drafter_ms'][b]:.1f}", f"{fig['step_ms'][b]:.1f}", f"{fig['step_over_ar'][b]:.2f}"])
-            header = ["backend", "context", "ar_ms", *[f"forward q={q}" for q in qs], f"drafter B={b}",
-                      f"step B={b}", f"step/ar B={b}"]
+    by_kv_cache = result.get("by_kv_cache") or {result.get("kv_cache", "dynamic"): result["by_backend"]}
+    for kind, by_backend in by_kv_cache.items():
+        for name, per in by_backend.items():
+            for length, fig in per["by_context"].items():
+                bs = sorted(fig["step_ms"], key=int)
+                b = str(block_size) if block_size is not None and str(block_size) in fig["step_ms"] else bs[len(bs) // 2]
+                qs = [q for q in ("1", "2", "4", "8", "16") if q in fig["forward_ms"]]
+                rows.append([name, length, f"{fig['ar_ms']:.1f}", *[f"{fig['forward_ms'][q]:.1f}" for q in qs],
+                             f"{fig['drafter_ms'][b]:.1f}", f"{fig['step_ms'][b]:.1f}", f"{fig['step_over_ar'][b]:.2f}",
+                             kind])
+                header = ["backend", "context", "ar_ms", *[f"forward q={q}" for q in qs], f"drafter B={b}",
+                          f"step B={b}", f"step/ar B={b}", "kv_cache"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
@@ -186,7 +205,7 @@ def main(cfg: DictConfig) -> None:
     result = bench_step(cfg)
     table = markdown(result, int(cfg.model.get("training_block_size") or 8))
     print(table)
-    print(json.dumps({k: result[k] for k in ("backend", "ar_ms", "step_over_ar")}, indent=1))
+    print(json.dumps({k: result[k] for k in ("backend", "kv_cache", "ar_ms", "step_over_ar")}, indent=1))
     if cfg.out:
         out = Path(cfg.out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ def test_bench_step_cli_writes_the_documented_keys(tiny, tmp_path):
     cmd = [sys.executable, "-m", "pipeline.bench_step", f"model.target={tiny.target_dir('llama')}",
            f"model.drafter={tiny.drafter_dir('llama', 'trained')}", "contexts=[16,40]", "widths=[1,2,8]",
            "block_sizes=[2,8]", "repeats=2", "warmup=1", "num_threads=1", "'backends=[auto,eager]'",
+           "'kv_caches=[dynamic,preallocated]'",
            f"out={out}", f"hydra.run.dir={tmp_path / 'run'}"]
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
     result = subprocess.run(" ".join(cmd), shell=True, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True,
@@ -24,7 +25,11 @@ def test_bench_step_cli_writes_the_documented_keys(tiny, tmp_path):
     data = json.loads(out.read_text())
     keys = ("ar_ms", "forward_ms", "drafter_ms", "step_ms", "step_over_ar")
     assert data["backend"] == "smallm" and set(data["by_backend"]) == {"smallm", "eager"}
-    for per in [data, *data["by_backend"].values()]:
+    assert data["kv_cache"] == "dynamic" and set(data["by_kv_cache"]) == {"dynamic", "preallocated"}
+    assert data["by_kv_cache"]["dynamic"] == data["by_backend"]  # by_backend: the first KV cache's
+    assert all(set(per) == {"smallm", "eager"} for per in data["by_kv_cache"].values())
+    assert all(fig["kv_cache"] == kind for kind, per in data["by_kv_cache"].items() for fig in per.values())
+    for per in [data, *data["by_backend"].values(), *data["by_kv_cache"]["preallocated"].values()]:
         assert set(per["by_context"]) == {"16", "40"}
         for fig in [per, *per["by_context"].values()]:
             assert set(keys) <= set(fig)
@@ -34,4 +39,5 @@ def test_bench_step_cli_writes_the_documented_keys(tiny, tmp_path):
             assert fig["step_over_ar"]["8"] == fig["step_ms"]["8"] / fig["ar_ms"]
     assert data["by_backend"]["smallm"]["ar_ms"] == data["ar_ms"]  # the top level is the first context of the first backend
     table = out.with_suffix(".md").read_text()
-    assert table.startswith("| backend | context | ar_ms") and table.count("\n") == 2 + 4
+    assert table.startswith("| backend | context | ar_ms") and table.count("\n") == 2 + 8  # 2 caches x 2 backends x 2 L
+    assert table.splitlines()[0].endswith("| kv_cache |") and table.count("| preallocated |") == 4

@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from pipeline.decoding.sampling import PositionKeyedSampler, draft_confidence
 from pipeline.decoding.schedules import BlockSizeSchedule, FixedSchedule
 from pipeline.models.backend import LMHead, resolve_backend, set_backend
+from pipeline.models.cache import resolve_kv_cache
 from pipeline.models.drafter import DFlashDrafter, check_compatible
 from pipeline.models.target import Target, logit_head, new_cache
 
@@ -168,13 +169,16 @@ class SpeculativeDecoder:
         backend: the forward path of every target and drafter forward (``pipeline.models.backend``):
             ``eager``, ``onednn`` or ``smallm`` (float32 CPU), or ``auto``. It is set on the target's and drafter's
             modules, so prefill, autoregressive steps, drafts and verifies all run on it.
+        kv_cache: the target's KV cache (``pipeline.models.target.new_cache``): ``dynamic``, ``preallocated`` or
+            ``auto``; kept resolved in ``self.kv_cache``.
 
     Raises:
         ValueError: when the drafter does not fit the target (hidden size, vocab, layer ids), or for a
-            backend that cannot run here.
+            backend that cannot run here, or an unknown ``kv_cache``.
     """
 
-    def __init__(self, target: Target, drafter: DFlashDrafter | None = None, backend: str = "eager"):
+    def __init__(self, target: Target, drafter: DFlashDrafter | None = None, backend: str = "eager",
+                 kv_cache: str = "auto"):
         self.target = target
         self.model = target.model
         self.base = target.model.base_model
@@ -187,6 +191,7 @@ class SpeculativeDecoder:
             self.draft_head = drafter.draft_head(self.lm_head)  # [N, H] rows the drafter scores
             self.draft_vocab = drafter.draft_vocab
         self.backend = resolve_backend(backend, self.model.device, self.model.dtype)
+        self.kv_cache = resolve_kv_cache(kv_cache)
         set_backend(self.base, self.backend)
         if drafter is not None:
             set_backend(drafter, self.backend)
@@ -324,7 +329,7 @@ class SpeculativeDecoder:
         self.check_prompt(input_ids, config.max_new_tokens)
         sampler = PositionKeyedSampler(config.temperature, config.seed, self.lm_head.shape[0])
         t0 = _now(self.device)
-        cache = new_cache(self.model)
+        cache = new_cache(self.model, self.kv_cache)
         want = want_features and self.drafter is not None
         last_logits, features = self.target_forward(input_ids, cache, 0, want_features=want, last_only=True)
         first = int(sampler.pick(last_logits, input_ids.shape[1])[0])

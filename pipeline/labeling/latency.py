@@ -241,7 +241,7 @@ def measure_latency(decoder: SpeculativeDecoder, block_sizes: Sequence[int], con
         state = {}
 
         def prefill() -> None:
-            cache = new_cache(model)
+            cache = new_cache(model, decoder.kv_cache)
             logits, features = decoder.target_forward(ids[:, :length], cache, 0, want_features=drafter is not None,
                                                       last_only=True)
             sampler.pick(logits, length)

@@ -35,10 +35,12 @@ def load_models(model_cfg) -> tuple[Target, DFlashDrafter | None]:
 
 
 def build_decoder(model_cfg) -> SpeculativeDecoder:
-    """A ``SpeculativeDecoder`` over the configured target and drafter, on ``model_cfg.backend``.
+    """A ``SpeculativeDecoder`` over the configured target and drafter, on ``model_cfg.backend``, with the target KV
+    cache ``model_cfg.kv_cache`` (``auto`` | ``dynamic`` | ``preallocated``; ``pipeline.models.target.new_cache``).
 
     Raises:
-        ValueError: when the drafter does not fit the target, or the backend cannot run here.
+        ValueError: when the drafter does not fit the target, the backend cannot run here, or for an unknown kv_cache.
     """
     target, drafter = load_models(model_cfg)
-    return SpeculativeDecoder(target, drafter, backend=model_cfg.get("backend", "auto"))
+    return SpeculativeDecoder(target, drafter, backend=model_cfg.get("backend", "auto"),
+                              kv_cache=model_cfg.get("kv_cache", "auto"))

@@ -184,18 +184,27 @@ def target_config(name_or_path: str):
 
 
 # -- the target's cache and logits, computed the way the model's own forward does ----------------------
-def new_cache(model: PreTrainedModel):
-    """An empty KV cache for ``model`` that the decoder can roll back: a ``DynamicCache`` built from the config
-    (sliding-window layers get sliding layers) with past recording on, as z-lab's code does, so that a
-    sliding-window layer can be cropped after a verify step once the window is full (without it transformers
-    raises at B > 1). Crop it with ``pipeline.decoding.speculative.crop_to`` after every forward.
+def new_cache(model: PreTrainedModel, kind: str | None = "auto"):
+    """An empty KV cache for ``model`` that the decoder can roll back, built from the config (sliding-window layers
+    get transformers' sliding layers) with past recording on, as z-lab's code does, so that a sliding-window layer
+    can be cropped after a verify step once the window is full (without it transformers raises at B > 1). Crop it
+    with ``pipeline.decoding.speculative.crop_to`` after every forward.
 
+    Args:
+        kind: ``dynamic`` (transformers' ``DynamicCache``: every append concatenates), ``preallocated``
+            (``pipeline.models.cache.PreallocatedCache``: full-attention layers write into spare capacity), or
+            ``auto`` / None (``pipeline.models.cache.DEFAULT_KV_CACHE``, the measured faster one).
     Returns:
-        ``transformers.DynamicCache``.
+        ``transformers.DynamicCache`` (``PreallocatedCache`` is one).
+    Raises:
+        ValueError: for another ``kind``.
     """
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
+    from pipeline.models.cache import PreallocatedCache, resolve_kv_cache
+
+    kind = resolve_kv_cache(kind)
+    cache = PreallocatedCache(config=model.config) if kind == "preallocated" else DynamicCache(config=model.config)
     cache.activate_past_recording()
     return cache
 
