@@ -397,7 +397,8 @@ def method_schedules(cfg: DictConfig, decoder, inputs: EvalInputs | None = None)
         vw = cfg.eval.get("verify_width") or {}
         width_b = verify_width_block_size(cfg, decoder)
         decoder.check_block_size(width_b)
-        options = {"skip_drafts": bool(vw.get("skip_drafts", True)), "max_skip": int(vw.get("max_skip", 8))}
+        options = {"skip_drafts": bool(vw.get("skip_drafts", True)), "max_skip": int(vw.get("max_skip", 8)),
+                   "objective": str(vw.get("objective", "rate"))}
         out["verify_width"] = lambda: VerifyWidthSchedule(inputs.calibration, inputs.latency, width_b, **options)
         if "blockpilot" in inputs.predictors:
             out["hybrid"] = lambda: VerifyWidthSchedule(inputs.calibration, inputs.latency, width_b,

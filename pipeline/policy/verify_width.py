@@ -250,22 +250,29 @@ def expected_tokens(a: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.ones(1, dtype=torch.float64), 1 + torch.cumsum(torch.cumprod(a, 0), 0)])
 
 
-def best_width(a: torch.Tensor, draft_ms: float, verify_ms: Sequence[float]) -> tuple[int, float]:
-    """The k in 0..len(a) with the most expected tokens per ms: (k, tokens per ms).
+def best_width(a: torch.Tensor, draft_ms: float, verify_ms: Sequence[float], rate: float | None = None) -> tuple[int, float]:
+    """The k in 0..len(a) that maximises the step's expected tokens per ms, or, given the decode's long-run ``rate``
+    (tokens per ms), its expected tokens minus ``rate`` x its cost (the renewal-reward rule: a draft is verified when
+    its chance of acceptance pays for its share of the verify at the rate the decode already runs).
 
     Args:
         a: [R] calibrated acceptance probabilities of drafts 1..R.
         draft_ms: cost of the drafter forward already run (ms).
         verify_ms: cost of a target verify over k+1 tokens for k = 0..R (R+1 values, ms).
+        rate: None (maximise tokens per ms) or the long-run tokens per ms.
+    Returns:
+        (k, the step's expected tokens per ms at k).
     Raises:
         ValueError: when ``verify_ms`` does not have len(a)+1 values.
     """
     expected = expected_tokens(a)
     if len(verify_ms) != len(expected):
         raise ValueError(f"need {len(expected)} verify costs (k = 0..{len(expected) - 1}), got {len(verify_ms)}")
-    rate = expected / (float(draft_ms) + torch.as_tensor(verify_ms, dtype=torch.float64))
-    k = int(torch.argmax(rate))  # first maximum: the narrower verify on ties
-    return k, float(rate[k])
+    cost = float(draft_ms) + torch.as_tensor(verify_ms, dtype=torch.float64)
+    per_ms = expected / cost
+    objective = per_ms if rate is None else expected - float(rate) * cost
+    k = int(torch.argmax(objective))  # first maximum: the narrower verify on ties
+    return k, float(per_ms[k])
 
 
 class VerifyWidthSchedule:
@@ -278,6 +285,8 @@ class VerifyWidthSchedule:
         predictor: a BlockPilot ``Predictor``; when given, B is its choice after prefill (method ``hybrid``).
         skip_drafts: skip the drafter for a while after a step whose draft did not pay.
         max_skip: the longest run of skipped drafts before the drafter looks again (steps).
+        objective: ``rate`` (each step's expected tokens per ms) or ``marginal`` (expected tokens minus the request's
+            running tokens-per-ms x cost, ``best_width``'s renewal-reward rule).
     Attributes:
         max_block_size: the largest B it may pick; widths: k of every ``choose_width`` call.
     Raises:
@@ -285,11 +294,14 @@ class VerifyWidthSchedule:
     """
 
     def __init__(self, calibration: AcceptanceCalibration, latency, block_size: int, predictor=None,
-                 skip_drafts: bool = True, max_skip: int = 8):
+                 skip_drafts: bool = True, max_skip: int = 8, objective: str = "rate"):
         if int(block_size) < 2 and predictor is None:
             raise ValueError(f"the verify-width policy drafts blocks of B >= 2, got B={block_size}")
         if int(max_skip) < 0:
             raise ValueError(f"max_skip must be >= 0, got {max_skip}")
+        if objective not in ("rate", "marginal"):
+            raise ValueError(f"objective must be 'rate' or 'marginal', got {objective!r}")
+        self.objective = objective
         self.calibration, self.latency, self.predictor = calibration, latency, predictor
         self.block_size = int(block_size)
         self.max_block_size = max(predictor.candidates) if predictor is not None else self.block_size
@@ -301,6 +313,8 @@ class VerifyWidthSchedule:
     def _reset(self) -> None:
         self._paid = True
         self._skip_len = self._remaining = 0
+        self._tokens = self._ms = 0.0  # the request's emitted tokens and predicted step costs (marginal objective)
+        self._step_ms = 0.0
 
     def costs(self, b: int, context: int) -> tuple[float, list[float]]:
         """(draft_ms of a block of b, [verify_ms of k+1 tokens for k = 0..b-1]) at a context length (ms)."""
@@ -311,6 +325,9 @@ class VerifyWidthSchedule:
                                 [self.latency.measured_ms("verify", q, length) for q in range(1, b + 1)])
         return self._costs[key]
 
+    def _plain_ms(self, block_size: int) -> float:
+        return self.latency.measured_ms("verify", 1, 256)  # a skipped draft's plain step (the context barely matters)
+
     def first(self, last_logits: torch.Tensor) -> int:
         self._reset()
         self._chosen = self.predictor.predict(last_logits) if self.predictor is not None else self.block_size
@@ -320,11 +337,18 @@ class VerifyWidthSchedule:
         """k for a step whose drafts have probabilities ``confidence`` [b-1], the target cache at ``start`` tokens."""
         b = len(confidence) + 1
         draft_ms, verify_ms = self.costs(b, start)
-        k, rate = best_width(self.calibration.predict(confidence), draft_ms, verify_ms)
-        self._paid = rate > 1.0 / max(verify_ms[0], 1e-9)  # better than a plain step without the drafter
+        plain = 1.0 / max(verify_ms[0], 1e-9)  # a plain step without the drafter, tokens per ms
+        running = None
+        if self.objective == "marginal":  # the request's rate so far, a plain step's two steps' worth as the prior
+            running = (self._tokens + 2.0) / (self._ms + 2.0 * verify_ms[0])
+        k, per_ms = best_width(self.calibration.predict(confidence), draft_ms, verify_ms, running)
+        self._paid = per_ms > plain
+        self._step_ms = draft_ms + verify_ms[k]
         return k
 
     def next(self, tau: int, block_size: int) -> int:
+        self._tokens += tau
+        self._ms += self._step_ms if block_size > 1 else self._plain_ms(block_size)
         if self._chosen < 2:
             return self._chosen  # the predictor chose B=1: no drafting for this request
         if not self.skip_drafts:
