@@ -236,26 +236,15 @@ def load_eval_inputs(cfg: DictConfig, methods: list[str], decoder=None) -> EvalI
 def calibration_path(cfg: DictConfig) -> Path:
     """Where the verify-width calibration is read: ``eval.verify_width.calibration`` when set, else the run's
     ``<eval.predictor_dir>/verify_width`` (the train stage's export) when present, else the drafter folder's shipped
-    ``calibration.json``.
+    ``calibration.json`` (``pipeline.policy.verify_width.find_calibration``).
 
     Raises:
         FileNotFoundError: when none exists (names the train stage).
     """
-    from pipeline.models.loading import resolve_path
-    from pipeline.policy.verify_width import CALIBRATION_NAME
+    from pipeline.policy.verify_width import find_calibration
 
     vw = cfg.eval.get("verify_width") or {}
-    if vw.get("calibration"):
-        return Path(resolve_path(str(vw.calibration)))
-    tried = [Path(cfg.eval.predictor_dir) / "verify_width" / CALIBRATION_NAME]
-    if cfg.model.get("drafter"):
-        tried.append(Path(resolve_path(str(cfg.model.drafter))) / CALIBRATION_NAME)
-    for path in tried:
-        if path.is_file():
-            return path
-    raise FileNotFoundError(f"eval methods verify_width/hybrid need an acceptance calibration; none at {[str(p) for p in tried]}. "
-                            f"Fit one: make label/dataset/train (run_name={cfg.run_name}), or python -m "
-                            "pipeline.policy.verify_width <labels_dir> --out DIR and eval.verify_width.calibration=DIR")
+    return find_calibration(vw.get("calibration"), Path(cfg.eval.predictor_dir) / "verify_width", cfg.model.get("drafter"))
 
 
 def load_verify_width_inputs(cfg: DictConfig, inputs: EvalInputs, decoder) -> None:

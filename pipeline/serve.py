@@ -94,16 +94,11 @@ def verify_width_options(cfg: DictConfig, decoder) -> dict:
 
     from pipeline.labeling.latency import measure_latency_cached
     from pipeline.labeling.runner import latency_identity, load_latency
-    from pipeline.models.loading import resolve_path
-    from pipeline.policy.verify_width import CALIBRATION_NAME, load_calibration
+    from pipeline.policy.verify_width import find_calibration, load_calibration
 
     vw = cfg.serve.get("verify_width") or {}
-    tried = [Path(resolve_path(str(vw.calibration)))] if vw.get("calibration") else [
-        Path(cfg.paths.data) / "predictors" / str(cfg.run_name) / "verify_width" / CALIBRATION_NAME]
-    if not vw.get("calibration") and cfg.model.get("drafter"):
-        tried.append(Path(resolve_path(str(cfg.model.drafter))) / CALIBRATION_NAME)
-    found = next((p for p in tried if p.exists()), tried[0])
-    calibration = load_calibration(found)  # raises FileNotFoundError naming the train stage
+    run_dir = Path(cfg.paths.data) / "predictors" / str(cfg.run_name) / "verify_width"
+    calibration = load_calibration(find_calibration(vw.get("calibration"), run_dir, cfg.model.get("drafter")))
     lat = vw.get("latency") or {}
     b = int(cfg.serve.get("block_size") or decoder.drafter.block_size)
     if lat.get("path"):
@@ -114,7 +109,7 @@ def verify_width_options(cfg: DictConfig, decoder) -> dict:
                                          float(cfg.decode.temperature), int(cfg.seed), lat.get("cache"),
                                          latency_identity(cfg.model))
     return {"calibration": calibration, "latency": latency, "skip_drafts": bool(vw.get("skip_drafts", True)),
-            "max_skip": int(vw.get("max_skip", 8))}
+            "max_skip": int(vw.get("max_skip", 8)), "objective": str(vw.get("objective", "rate"))}
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="serve")

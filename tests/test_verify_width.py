@@ -16,9 +16,10 @@ from pipeline.decoding.sampling import PositionKeyedSampler
 from pipeline.labeling.latency import LatencyModel
 from pipeline.labeling.replay import replay, target_trace
 from pipeline.labeling.store import LabelStore, read_labels
+from pipeline import PROJECT_ROOT
 from pipeline.policy.verify_width import (AcceptanceCalibration, VerifyWidthSchedule, best_width, calibration_samples,
-                                          expected_tokens, export_calibration, fit_from_labels, load_calibration,
-                                          reliability)
+                                          expected_tokens, export_calibration, find_calibration, fit_from_labels,
+                                          load_calibration, reliability)
 from pipeline.prompts import chat_input_ids
 
 PROMPTS = ["def add(a, b):", "Natalia sold clips to 48 of her friends", "Write a function that returns the sum",
@@ -208,3 +209,18 @@ def test_label_rows_without_samples_read_as_null_and_fit_names_the_fix(tmp_path)
     assert len(calibration_samples(labels, ids={"a"})["p"]) == 0
     with pytest.raises(ValueError, match="record_confidence"):
         fit_from_labels(labels, {"a"})
+
+
+def test_calibration_lookup_order_and_the_shipped_one(tmp_path):
+    """An explicit path wins, then the run's train-stage export, then the drafter folder's shipped calibration."""
+    shipped = PROJECT_ROOT / "data" / "drafters" / "smollm2-135m-instruct-dflash-b8"
+    calibration = load_calibration(find_calibration(None, tmp_path / "run" / "verify_width", str(shipped)))
+    assert calibration.info["samples"] > 10_000 and calibration.info["exclude_sets"] == ["humaneval"]
+    a = calibration.predict(torch.tensor([0.05, 0.5, 0.95]))  # more confident drafts are more often accepted
+    assert 0 < float(a[0]) < float(a[1]) < float(a[2]) < 1
+    fitted = {"calibration": constant_calibration(1.0), "reliability": [], "reliability_split": "train"}
+    run_file = export_calibration(tmp_path / "run" / "verify_width", fitted)
+    assert find_calibration(None, tmp_path / "run" / "verify_width", str(shipped)) == run_file
+    assert find_calibration(str(shipped / "calibration.json"), tmp_path / "run" / "verify_width", None) == shipped / "calibration.json"
+    with pytest.raises(FileNotFoundError, match="make label/dataset/train"):
+        find_calibration(None, tmp_path / "other", None)

@@ -226,6 +226,28 @@ def export_calibration(out_dir: str | Path, fitted: dict) -> Path:
     return path
 
 
+def find_calibration(explicit: str | None, run_dir: str | Path, drafter: str | None) -> Path:
+    """Where a run's calibration is read: ``explicit`` when set, else ``run_dir/calibration.json`` (the train stage's
+    export, ``data/predictors/<run>/verify_width``) when present, else the drafter folder's shipped ``calibration.json``.
+
+    Raises:
+        FileNotFoundError: when none exists (names the train stage and the override).
+    """
+    from pipeline.models.loading import resolve_path
+
+    if explicit:
+        return Path(resolve_path(str(explicit)))
+    tried = [Path(run_dir) / CALIBRATION_NAME]
+    if drafter:
+        tried.append(Path(resolve_path(str(drafter))) / CALIBRATION_NAME)
+    for path in tried:
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"the verify-width policy needs an acceptance calibration; none at {[str(p) for p in tried]}. "
+                            "Fit one: make label/dataset/train for this run, or python -m pipeline.policy.verify_width "
+                            "<labels_dir> --out DIR and point eval.verify_width.calibration (serve.verify_width.calibration) at it")
+
+
 def load_calibration(path: str | Path) -> AcceptanceCalibration:
     """A calibration from ``calibration.json`` or a folder holding one.
 
