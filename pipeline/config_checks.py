@@ -94,6 +94,8 @@ def _check_eval(cfg) -> None:
     if vw.get("block_size") is not None and int(vw.block_size) < 2:
         raise ValueError(f"eval.verify_width.block_size={vw.block_size}: the verify-width policy drafts blocks of B >= 2 "
                          "(null: decode.block_size or the drafter's training B)")
+    if vw.get("objective") is not None and str(vw.objective) not in ("rate", "marginal"):
+        raise ValueError(f"eval.verify_width.objective={vw.objective!r}: choose rate or marginal")
     if vw.get("max_skip") is not None and int(vw.max_skip) < 0:
         raise ValueError(f"eval.verify_width.max_skip={vw.max_skip}: give 0 (never skip drafts) or more steps")
     split = str(cfg.eval.get("split", "auto") or "all")

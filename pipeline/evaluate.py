@@ -256,22 +256,17 @@ def load_verify_width_inputs(cfg: DictConfig, inputs: EvalInputs, decoder) -> No
     Raises:
         FileNotFoundError: without a calibration; ValueError: without a drafter.
     """
-    from pipeline.labeling.latency import measure_latency_cached
-    from pipeline.labeling.runner import latency_identity, load_latency
-    from pipeline.policy.verify_width import load_calibration
+    from pipeline.labeling.runner import latency_identity
+    from pipeline.policy.verify_width import load_calibration, load_cost_model
 
     if decoder is not None and decoder.drafter is None:
         raise ValueError("eval methods verify_width/hybrid need a drafter (model.drafter=...)")
     path = calibration_path(cfg)
     inputs.calibration, inputs.calibration_path = load_calibration(path), str(path)
     lat = (cfg.eval.get("verify_width") or {}).get("latency") or {}
-    if lat.get("path"):
-        inputs.latency = load_latency(lat.path)
-    elif decoder is not None:
-        widths = sorted({int(b) for b in cfg.model.candidates} | {verify_width_block_size(cfg, decoder)})  # the label key
-        inputs.latency = measure_latency_cached(decoder, widths, list(lat.get("context_buckets", [64, 256, 512])),
-                                                int(lat.get("repeats", 3)), float(cfg.decode.temperature), int(cfg.seed),
-                                                lat.get("cache"), latency_identity(cfg.model))
+    if lat.get("path") or decoder is not None:
+        widths = [*cfg.model.candidates, verify_width_block_size(cfg, decoder)] if decoder is not None else []
+        inputs.latency = load_cost_model(decoder, lat, widths, cfg.decode.temperature, cfg.seed, latency_identity(cfg.model))
 
 
 def verify_width_block_size(cfg: DictConfig, decoder) -> int:
@@ -442,9 +437,11 @@ def summarize(rows: list[dict], reference: dict[str, list[int]] | None) -> dict:
         "overhead_pct": 100.0 * schedule_ms / decode_ms if decode_ms else 0.0,
     }
     widths = [k for r in rows for k in r.get("verify_widths", [])]
-    if widths:  # mean drafts verified per step, and the share of steps that drafted at all
+    if widths:  # mean drafts verified per step
         out["verify_width"] = float(np.mean(widths))
-        out["drafted"] = float(np.mean([c is not None for r in rows for c in r.get("confidences", [])]))
+    confidences = [c for r in rows for c in r.get("confidences", [])]
+    if any(c is not None for c in confidences):  # a verify-width policy: the share of steps that drafted at all
+        out["drafted"] = float(np.mean([c is not None for c in confidences]))
     if reference is not None:
         matches = sum(r["output_ids"] == reference[r["id"]] for r in rows)
         out["exact_matches"] = matches

@@ -92,22 +92,15 @@ def verify_width_options(cfg: DictConfig, decoder) -> dict:
     """
     from pathlib import Path
 
-    from pipeline.labeling.latency import measure_latency_cached
-    from pipeline.labeling.runner import latency_identity, load_latency
-    from pipeline.policy.verify_width import find_calibration, load_calibration
+    from pipeline.labeling.runner import latency_identity
+    from pipeline.policy.verify_width import find_calibration, load_calibration, load_cost_model
 
     vw = cfg.serve.get("verify_width") or {}
     run_dir = Path(cfg.paths.data) / "predictors" / str(cfg.run_name) / "verify_width"
     calibration = load_calibration(find_calibration(vw.get("calibration"), run_dir, cfg.model.get("drafter")))
-    lat = vw.get("latency") or {}
     b = int(cfg.serve.get("block_size") or decoder.drafter.block_size)
-    if lat.get("path"):
-        latency = load_latency(lat.path)
-    else:
-        latency = measure_latency_cached(decoder, sorted({int(c) for c in cfg.model.candidates} | {b}),
-                                         list(lat.get("context_buckets", [64, 256, 512])), int(lat.get("repeats", 3)),
-                                         float(cfg.decode.temperature), int(cfg.seed), lat.get("cache"),
-                                         latency_identity(cfg.model))
+    latency = load_cost_model(decoder, vw.get("latency"), [*cfg.model.candidates, b], cfg.decode.temperature, cfg.seed,
+                              latency_identity(cfg.model))
     return {"calibration": calibration, "latency": latency, "skip_drafts": bool(vw.get("skip_drafts", True)),
             "max_skip": int(vw.get("max_skip", 8)), "objective": str(vw.get("objective", "rate"))}
 

@@ -48,7 +48,7 @@ def manual_decode(decoder: SpeculativeDecoder, ids: torch.Tensor, block_size: in
         stopped = state.pending in decoder.stop_ids
         while not stopped and produced < config.max_new_tokens:
             b = min(block_size, config.max_new_tokens - produced)
-            new, accepted = decoder.step(state, b, sampler)
+            new, accepted = decoder.step(state, b, sampler, lambda confidence, start: len(confidence))  # verify all
             steps.append((b, state.last_confidence, accepted))
             for i, token in enumerate(new):
                 if token in decoder.stop_ids:

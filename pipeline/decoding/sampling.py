@@ -80,6 +80,6 @@ def draft_confidence(logits: torch.Tensor, index: torch.Tensor, temperature: flo
     Returns:
         [R] float32 probabilities in (0, 1].
     """
-    scale = float(temperature) if temperature > 0 else 1.0
-    logp = torch.log_softmax(logits.float() / scale, dim=-1)
-    return logp.gather(-1, index.reshape(-1, 1).to(logp.device))[:, 0].exp()
+    scaled = logits.float() / (float(temperature) if temperature > 0 else 1.0)
+    picked = scaled.gather(-1, index.reshape(-1, 1).to(scaled.device))[:, 0]
+    return (picked - torch.logsumexp(scaled, dim=-1)).exp()

@@ -250,14 +250,16 @@ class SpeculativeDecoder:
         features = self.drafter.extract_context(out.hidden_states) if want_features else None
         return logits, features
 
-    def draft(self, state: DecodeState, block: torch.Tensor, sampler: PositionKeyedSampler) -> torch.Tensor:
+    def draft(self, state: DecodeState, block: torch.Tensor, sampler: PositionKeyedSampler,
+              want_confidence: bool = False) -> torch.Tensor | None:
         """Fill ``block`` [1, b] (anchor at slot 0, mask tokens after) with b-1 drafts, in place.
 
         One drafter forward over the block with the pending context features; the drafter's cache keeps
         the context keys/values and drops the block's.
 
         Returns:
-            [b-1] float32: the drafter's probability of each draft (``draft_confidence``).
+            [b-1] float32: the drafter's probability of each draft (``draft_confidence``) with ``want_confidence``,
+            else None (fixed-B decodes skip the softmax).
         """
         b = block.shape[1]
         c = state.features.shape[1]
@@ -268,7 +270,7 @@ class SpeculativeDecoder:
         draft_logits = self.drafter_head(hidden[0, 1:]).float()
         columns = sampler.pick_columns(draft_logits, state.start + 1, self.draft_vocab)
         block[0, 1:] = columns if self.draft_vocab is None else self.draft_vocab[columns]
-        return draft_confidence(draft_logits, columns, sampler.temperature)
+        return draft_confidence(draft_logits, columns, sampler.temperature) if want_confidence else None
 
     def new_state(self, prefill: PrefillResult, use_drafter: bool) -> DecodeState:
         """The state right after ``prefill``: its cache, features and first token (shared, not copied)."""
@@ -285,7 +287,7 @@ class SpeculativeDecoder:
         token). k is ``verify_width``: None = all (b-1), an int, or a callable ``(confidence [b-1],
         start) -> k`` called after the draft (a verify-width policy); k = 0 is a plain target step over
         the pending token. Every k is lossless. ``state.last_width`` / ``state.last_confidence`` keep
-        the step's k and the drafts' probabilities.
+        the step's k and the drafts' probabilities (computed only for a callable ``verify_width``; else None).
 
         Returns:
             (new tokens in order, accepted drafts among them). Stop tokens are not handled here.
@@ -295,8 +297,8 @@ class SpeculativeDecoder:
         mask_id = self.drafter.mask_token_id if self.drafter is not None else 0
         block = torch.full((1, b), mask_id, dtype=torch.long, device=self.device)
         block[0, 0] = state.pending
-        confidence = self.draft(state, block, sampler) if b > 1 else None
-        if callable(verify_width):
+        confidence = self.draft(state, block, sampler, want_confidence=callable(verify_width)) if b > 1 else None
+        if callable(verify_width):  # a verify-width policy; a B=1 step drafted nothing
             k = int(verify_width(confidence, state.start)) if confidence is not None else 0
         else:
             k = b - 1 if verify_width is None else int(verify_width)

@@ -356,7 +356,8 @@ def _shortlist_rejects(h: torch.Tensor, y_index: list[int], trace: Trace, y: tor
 
 
 def _drafts_match(h: torch.Tensor, positions: list[int], trace: Trace, y: torch.Tensor, head: torch.Tensor,
-                  draft_vocab: torch.Tensor | None, record_gaps: bool) -> tuple[list[bool], list[float]]:
+                  draft_vocab: torch.Tensor | None, record_gaps: bool,
+                  record_confidence: bool = False) -> tuple[list[bool], list[float], list[float]]:
     """Whether the drafter's token (argmax over its whole head, as in the decoder) equals y, per row.
 
     Args:
@@ -364,14 +365,14 @@ def _drafts_match(h: torch.Tensor, positions: list[int], trace: Trace, y: torch.
         head: the decoder's draft head ([V, H], or [N, H] over ``draft_vocab`` [N]).
     Returns:
         (matches, top-2 score gaps or [] without ``record_gaps``, the drafter's probability of each proposed
-        token (``draft_confidence``)).
+        token (``draft_confidence``) or [] without ``record_confidence``).
     """
     logits = lm_head_logits(h, head).float()
     scores = pick_scores(trace.sampler, logits, positions, draft_vocab)
     columns = scores.argmax(dim=-1)
     proposed = draft_vocab[columns] if draft_vocab is not None else columns
     targets = y[torch.tensor(positions, device=y.device) - trace.prompt_tokens]
-    confidence = draft_confidence(logits, columns, trace.sampler.temperature).tolist()
+    confidence = draft_confidence(logits, columns, trace.sampler.temperature).tolist() if record_confidence else []
     return (proposed == targets).tolist(), (top2_gap(scores) if record_gaps else []), confidence
 
 
@@ -399,7 +400,7 @@ def _accept(states: list[_State], packed: PackedBlocks, trace: Trace, y: torch.T
     if not lazy or record_gaps or (record_confidence and screen):
         spans = [(i, 1, s.columns) for i, s in enumerate(states) if s.columns > 0]
         h, positions = _rows(packed, states, spans)
-        matches, gaps, confidence = _drafts_match(h, positions, trace, y, head, draft_vocab, record_gaps)
+        matches, gaps, confidence = _drafts_match(h, positions, trace, y, head, draft_vocab, record_gaps, record_confidence)
         offset = 0
         for i, lo, hi in spans:
             for j in range(hi):
@@ -423,7 +424,7 @@ def _accept(states: list[_State], packed: PackedBlocks, trace: Trace, y: torch.T
             y_index = [p - trace.prompt_tokens for p in positions]
             passed = [not r for r in _shortlist_rejects(h, y_index, trace, y, head)]
         else:
-            passed, _, confidence = _drafts_match(h, positions, trace, y, head, draft_vocab, False)
+            passed, _, confidence = _drafts_match(h, positions, trace, y, head, draft_vocab, False, record_confidence)
         offset, still_open = 0, []
         for i, lo, hi in spans:
             width = hi - lo + 1

@@ -248,6 +248,24 @@ def find_calibration(explicit: str | None, run_dir: str | Path, drafter: str | N
                             "<labels_dir> --out DIR and point eval.verify_width.calibration (serve.verify_width.calibration) at it")
 
 
+def load_cost_model(decoder, latency_cfg, block_sizes: Sequence[int], temperature: float, seed: int, identity: dict):
+    """This machine's ``LatencyModel`` for the policy: ``latency_cfg.path`` when set (a stored model or a label run's
+    meta.json), else measured for every width up to max(``block_sizes``), or reused from ``latency_cfg.cache`` (the
+    cache the label stage fills: the same key when ``block_sizes`` are the label stage's candidates).
+
+    Args:
+        latency_cfg: ``{path, cache, context_buckets, repeats}`` (``eval.verify_width.latency``, ``serve.verify_width.latency``).
+    """
+    from pipeline.labeling.latency import measure_latency_cached
+    from pipeline.labeling.runner import load_latency
+
+    lat = latency_cfg or {}
+    if lat.get("path"):
+        return load_latency(lat["path"])
+    return measure_latency_cached(decoder, sorted({int(b) for b in block_sizes}), list(lat.get("context_buckets", [64, 256, 512])),
+                                  int(lat.get("repeats", 3)), float(temperature), int(seed), lat.get("cache"), identity)
+
+
 def load_calibration(path: str | Path) -> AcceptanceCalibration:
     """A calibration from ``calibration.json`` or a folder holding one.
 
@@ -336,7 +354,7 @@ class VerifyWidthSchedule:
         self._paid = True
         self._skip_len = self._remaining = 0
         self._tokens = self._ms = 0.0  # the request's emitted tokens and predicted step costs (marginal objective)
-        self._step_ms = 0.0
+        self._step_ms = self._plain_ms = 0.0  # the last drafted step's cost, and a plain step's at its context
 
     def costs(self, b: int, context: int) -> tuple[float, list[float]]:
         """(draft_ms of a block of b, [verify_ms of k+1 tokens for k = 0..b-1]) at a context length (ms)."""
@@ -346,9 +364,6 @@ class VerifyWidthSchedule:
             self._costs[key] = (self.latency.measured_ms("draft", b, length),
                                 [self.latency.measured_ms("verify", q, length) for q in range(1, b + 1)])
         return self._costs[key]
-
-    def _plain_ms(self, block_size: int) -> float:
-        return self.latency.measured_ms("verify", 1, 256)  # a skipped draft's plain step (the context barely matters)
 
     def first(self, last_logits: torch.Tensor) -> int:
         self._reset()
@@ -365,12 +380,12 @@ class VerifyWidthSchedule:
             running = (self._tokens + 2.0) / (self._ms + 2.0 * verify_ms[0])
         k, per_ms = best_width(self.calibration.predict(confidence), draft_ms, verify_ms, running)
         self._paid = per_ms > plain
-        self._step_ms = draft_ms + verify_ms[k]
+        self._step_ms, self._plain_ms = draft_ms + verify_ms[k], verify_ms[0]
         return k
 
     def next(self, tau: int, block_size: int) -> int:
         self._tokens += tau
-        self._ms += self._step_ms if block_size > 1 else self._plain_ms(block_size)
+        self._ms += self._step_ms if block_size > 1 else self._plain_ms
         if self._chosen < 2:
             return self._chosen  # the predictor chose B=1: no drafting for this request
         if not self.skip_drafts:
