@@ -61,6 +61,7 @@ from tqdm.auto import tqdm
 
 from pipeline.config_checks import validate_config
 from pipeline.decoding import DecodeConfig, EMASchedule, FixedSchedule
+from pipeline.decoding.schedules import FirstChoice
 from pipeline.decoding.speculative import PromptTooLongError, RequestStats, _now
 from pipeline.decoding.conversation import decode_prompt
 from pipeline.models.loading import build_decoder
@@ -85,31 +86,6 @@ class PerPrompt:
         """A zero-argument factory for ``decode_prompt``: its k-th call builds the schedule of turn k (0-based)."""
         turn = iter(range(len(prompt.turns)))
         return lambda: self.fn(prompt, next(turn))
-
-
-class FirstChoice:
-    """Wraps a schedule and records the block size its ``first`` picked (``chosen``, tokens)."""
-
-    def __init__(self, schedule):
-        self.schedule = FixedSchedule(schedule) if isinstance(schedule, int) else schedule
-        self.max_block_size = self.schedule.max_block_size
-        self.chosen: int | None = None
-
-    def first(self, last_logits: torch.Tensor) -> int:
-        self.chosen = self.schedule.first(last_logits)
-        return self.chosen
-
-    def next(self, tau: int, block_size: int) -> int:
-        return self.schedule.next(tau, block_size)
-
-    def __getattr__(self, name: str):  # choose_width of a verify-width schedule, and any other optional hook
-        if name == "schedule":
-            raise AttributeError(name)
-        return getattr(self.schedule, name)
-
-    @property
-    def static(self) -> bool:
-        return bool(getattr(self.schedule, "static", False))
 
 
 class SharedDecodes:

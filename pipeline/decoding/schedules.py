@@ -5,6 +5,7 @@ length of every step (``next``); one whose ``static`` attribute is true keeps ``
 whole request. ``FixedSchedule`` is the usual single-B decoder, the BlockPilot
 predictor wraps a policy in ``first`` (see ``pipeline.policy``), and ``EMASchedule`` is the per-round
 adaptive baseline of the SGLang DFlash work.
+``FirstChoice`` wraps any schedule and records the B its ``first`` picked (the eval stage and the server report it).
 """
 
 from __future__ import annotations
@@ -66,3 +67,28 @@ class EMASchedule:
         self.ema = self.alpha * tau + (1 - self.alpha) * self.ema
         goal = self.ema + self.margin
         return next((c for c in self.candidates if c >= goal), self.candidates[-1])
+
+
+class FirstChoice:
+    """Wraps a schedule and records the block size its ``first`` picked (``chosen``, tokens)."""
+
+    def __init__(self, schedule):
+        self.schedule = FixedSchedule(schedule) if isinstance(schedule, int) else schedule
+        self.max_block_size = self.schedule.max_block_size
+        self.chosen: int | None = None
+
+    def first(self, last_logits: torch.Tensor) -> int:
+        self.chosen = self.schedule.first(last_logits)
+        return self.chosen
+
+    def next(self, tau: int, block_size: int) -> int:
+        return self.schedule.next(tau, block_size)
+
+    def __getattr__(self, name: str):  # choose_width of a verify-width schedule, and any other optional hook
+        if name == "schedule":
+            raise AttributeError(name)
+        return getattr(self.schedule, name)
+
+    @property
+    def static(self) -> bool:
+        return bool(getattr(self.schedule, "static", False))

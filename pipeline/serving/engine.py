@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from pipeline.decoding import DecodeConfig, EMASchedule, FixedSchedule
+from pipeline.decoding.schedules import FirstChoice
 from pipeline.decoding.speculative import RequestStats, SpeculativeDecoder, _now
 from pipeline.serving.recorder import Recorder, Served
 from pipeline.serving.schemas import DecodeInfo, RequestError
@@ -102,27 +103,6 @@ def build_policy(name: str, decoder: SpeculativeDecoder, block_size: int | None 
         VerifyWidthSchedule(calibration, latency, b, **options)  # raises for B < 2 or a bad max_skip
         return Policy(name, lambda: VerifyWidthSchedule(calibration, latency, b, **options))
     raise ValueError(f"serve.policy must be one of {POLICIES}, got {name!r}")
-
-
-class _Chosen:
-    """Wraps a schedule and keeps the B its ``first`` picked."""
-
-    def __init__(self, schedule):
-        self.schedule = schedule
-        self.max_block_size = schedule.max_block_size
-        self.chosen: int | None = None
-
-    def first(self, last_logits: torch.Tensor) -> int:
-        self.chosen = int(self.schedule.first(last_logits))
-        return self.chosen
-
-    def next(self, tau: int, block_size: int) -> int:
-        return self.schedule.next(tau, block_size)
-
-    def __getattr__(self, name: str):  # a verify-width schedule's choose_width
-        if name == "schedule":
-            raise AttributeError(name)
-        return getattr(self.schedule, name)
 
 
 @dataclass
@@ -249,7 +229,7 @@ class Engine:
             policy, schedule = "request", FixedSchedule(int(job.block_size))
         else:
             policy, schedule = self.policy.name, self.policy.make()
-        schedule = _Chosen(schedule)
+        schedule = FirstChoice(schedule)
         record = self.recorder is not None and self.recorder.wants(job.config)
         if self.recorder is not None and not record:
             self.recorder.skip()
