@@ -156,7 +156,8 @@ def bench_step(cfg: DictConfig) -> dict:
     for kind in kinds:
         by_backend = by_kv_cache[kind] = {}
         for name in names:
-            decoder = SpeculativeDecoder(target, drafter, backend=name, kv_cache=kind)
+            decoder = SpeculativeDecoder(target, drafter, backend=name, kv_cache=kind,
+                                         fast_forward=cfg.model.get("fast_forward", "auto"))
             by_context = {}
             for length in cfg.contexts:
                 log.info("bench_step: backend %s, kv cache %s, context %d", name, kind, int(length))
@@ -176,7 +177,8 @@ def bench_step(cfg: DictConfig) -> dict:
         "info": {"host": platform.node(), "machine": platform.machine(), "processor": platform.processor(),
                  "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": str(target.model.dtype),
                  "device": str(target.model.device), "target": target.name, "drafter": str(cfg.model.drafter),
-                 "repeats": int(cfg.repeats), "pending_features": int(cfg.pending_features)},
+                 "repeats": int(cfg.repeats), "pending_features": int(cfg.pending_features),
+                 "fast_forward": str(cfg.model.get("fast_forward", "auto"))},
     }
 
 

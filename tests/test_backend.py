@@ -11,7 +11,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipeline.decoding import DecodeConfig, SpeculativeDecoder
-from pipeline.models.backend import SMALLM_MAX_ROWS, LMHead, PackedLinear, module_backend, resolve_backend, set_backend
+from pipeline.models.backend import (SMALLM_MAX_ROWS, LMHead, PackedLinear, exact_format, module_backend, pack_smallm,
+                                    resolve_backend, set_backend)
 from pipeline.prompts import chat_input_ids
 
 PROMPTS = ["def add(a, b):", "Natalia sold clips to 48 of her friends", "The quick brown fox"]
@@ -33,7 +34,79 @@ def hf_greedy(target, ids: torch.Tensor, max_new_tokens: int, stop_ids) -> list[
     return out[0, ids.shape[1]:].tolist()
 
 
-PACKED = ["onednn", "smallm"]
+PACKED = ["onednn", "smallm", "smallm_f32"]
+
+
+def gguf_round(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """``weight`` [N, K] as GGUF would store and dequantize it: Q4_1 (blocks of 32 along K, float16 scale d and
+    minimum m, w = d * q + m, q in 0..15), Q8_0 (float16 d, w = d * q, q int8) or bf16."""
+    if kind == "bf16":
+        return weight.bfloat16().float()
+    n, k = weight.shape
+    blocks = weight.view(n, k // 32, 32)
+    if kind == "q8":
+        d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+        return (d * torch.round(blocks / d).clamp(-128, 127).to(torch.int8).float()).view(n, k)
+    m = blocks.amin(-1, keepdim=True).half().float()
+    d = ((blocks.amax(-1, keepdim=True) - m) / 15).half().float()
+    return ((d * torch.round((blocks - m) / d).clamp(0, 15).to(torch.uint8).float()) + m).view(n, k)
+
+
+@pytest.mark.parametrize("kind", ["q4", "q8", "bf16"])
+@pytest.mark.parametrize("shape", [(576, 576), (40, 64), (1536, 96)])
+def test_smallm_streams_exact_forms_and_computes_the_float32_kernels_bits(kind, shape):
+    """A weight whose float32 values are a GGUF Q4_1 / Q8_0 or bf16 tensor's is stored in that form, expands back
+    to the same bits, and every output equals the float32 panels' output bit for bit, alone or in a verify."""
+    torch.manual_seed(0)
+    weight = gguf_round(torch.randn(shape) * 0.05, kind)
+    packed, plain = pack_smallm(weight), pack_smallm(weight, ())
+    assert packed.fmt == kind and plain.fmt == "f32" and exact_format(weight) == kind
+    assert packed.nbytes < plain.nbytes / (1.9 if kind == "bf16" else 3.5)
+    assert torch.equal(packed.dense().view(torch.int32), weight.view(torch.int32))
+    x, bias = torch.randn(SMALLM_MAX_ROWS, shape[1]), torch.randn(shape[0])
+    full = packed(x, bias)
+    assert torch.equal(full, plain(x, bias))
+    torch.testing.assert_close(full, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
+    for m in (1, 2, 3, 4, 5, 9, 16):
+        assert torch.equal(packed(x[:m].contiguous(), bias), full[:m]), f"{m} rows"
+        assert torch.equal(packed(x[m - 1 : m].contiguous(), bias), full[m - 1 : m]), f"row {m - 1} alone"
+
+
+def test_smallm_keeps_float32_for_weights_no_exact_form_holds():
+    torch.manual_seed(0)
+    weight = gguf_round(torch.randn(64, 64), "q4")
+    weight[3, 5] += 1e-3  # one value off the 4-bit grid of its block
+    assert exact_format(weight) == "f32" or exact_format(weight) is None or pack_smallm(weight).fmt == "f32"
+    assert pack_smallm(torch.randn(64, 64)).fmt == "f32"
+    assert pack_smallm(gguf_round(torch.randn(64, 64), "q4")[:, :48].contiguous()).fmt == "f32"  # K not a multiple of 32
+    assert pack_smallm(gguf_round(torch.randn(64, 64), "q4"), ()).fmt == "f32"  # smallm_f32
+
+
+def test_smallm_decodes_a_gguf_rounded_target_losslessly_on_its_compressed_weights(tiny, eager_afterwards):
+    """The embedded default's case on a tiny model: every linear of the target Q4_1-rounded (the LM head Q8_0),
+    streamed as 4 / 8 bits; B=1 equals transformers' greedy ``generate``, and every B equals B=1."""
+    from pipeline.models.backend import _Packed
+    from pipeline.testing import make_tiny_target
+    from pipeline.models.target import load_target
+
+    target = load_target(str(make_tiny_target(tiny.root / "gguf-rounded", "llama")), dtype="float32")
+    with torch.no_grad():
+        for name, param in target.model.named_parameters():
+            if param.dim() == 2:
+                param.copy_(gguf_round(param, "q8" if "embed" in name or "lm_head" in name else "q4"))
+    decoder = SpeculativeDecoder(target, tiny.drafter("llama", "trained"), backend="smallm")
+    formats = {m._bp_packed.get().fmt for m in target.model.modules() if type(m) is PackedLinear}
+    assert formats == {"q4"} and decoder.head._product._packed.get().fmt == "q8"
+    assert isinstance(decoder.head._product._packed, _Packed)
+    config = DecodeConfig(max_new_tokens=24)
+    for text in PROMPTS:
+        ids = chat_input_ids(target.tokenizer, [text])
+        ours = decoder.generate(ids, 1, config).output_ids
+        set_backend(target.model, "eager")
+        assert ours == hf_greedy(target, ids, config.max_new_tokens, decoder.stop_ids), text
+        set_backend(target.model.base_model, "smallm")
+        for B in (2, 4, 8, 16):
+            assert decoder.generate(ids, B, config).output_ids == ours, f"B={B} on {text!r}"
 
 
 @pytest.mark.parametrize("backend", PACKED)
@@ -89,7 +162,7 @@ def test_lm_head_backends_agree():
         logits = LMHead(weight, backend)(hidden)
         assert logits.shape == (2, 8, 1000)
         torch.testing.assert_close(logits, hidden @ weight.T, atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="'eager', 'onednn' or 'smallm'"):
+    with pytest.raises(ValueError, match="'eager' or one of"):
         LMHead(weight, "auto")
 
 

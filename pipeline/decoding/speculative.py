@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 from pipeline.decoding.sampling import PositionKeyedSampler, draft_confidence
 from pipeline.decoding.schedules import BlockSizeSchedule, FixedSchedule
-from pipeline.models.backend import LMHead, resolve_backend, set_backend
+from pipeline.models.backend import PACKED, SMALLM_MAX_ROWS, LMHead, resolve_backend, set_backend
 from pipeline.models.cache import resolve_kv_cache
 from pipeline.models.drafter import DFlashDrafter, check_compatible
 from pipeline.models.target import Target, logit_head, new_cache
@@ -153,6 +153,23 @@ class DecodeState:
     last_confidence: torch.Tensor | None = None
 
 
+def _fast_forward(base, setting: bool | str, backend: str):
+    """The decoder's ``FastForward`` for ``setting`` (``auto`` | True | False), or None.
+
+    Raises:
+        ValueError: for True on an unsupported target, or another setting.
+    """
+    from pipeline.models.fast_forward import FastForward
+
+    if setting in ("auto", None):
+        return FastForward(base) if backend in PACKED and FastForward.supports(base) else None
+    if setting is True or setting == "true":
+        return FastForward(base)  # raises, naming the reason, when unsupported
+    if setting is False or setting == "false":
+        return None
+    raise ValueError(f"model.fast_forward must be auto, true or false, got {setting!r}")
+
+
 def _now(device: torch.device) -> float:
     """perf_counter after a CUDA synchronize (when on GPU), in seconds."""
     if device.type == "cuda":
@@ -171,6 +188,10 @@ class SpeculativeDecoder:
             modules, so prefill, autoregressive steps, drafts and verifies all run on it.
         kv_cache: the target's KV cache (``pipeline.models.target.new_cache``): ``dynamic``, ``preallocated`` or
             ``auto``; kept resolved in ``self.kv_cache``.
+        fast_forward: run the target's decode steps (up to ``SMALLM_MAX_ROWS`` tokens) on
+            ``pipeline.models.fast_forward.FastForward``, bit-identical to transformers' forward with less
+            overhead: ``auto`` (on a packed backend when the target's architecture is supported), True (raises
+            when unsupported) or False. Prefills always take transformers' forward. ``self.fast`` holds it or None.
 
     Raises:
         ValueError: when the drafter does not fit the target (hidden size, vocab, layer ids), or for a
@@ -178,7 +199,7 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None, backend: str = "eager",
-                 kv_cache: str = "auto"):
+                 kv_cache: str = "auto", fast_forward: bool | str = "auto"):
         self.target = target
         self.model = target.model
         self.base = target.model.base_model
@@ -197,6 +218,7 @@ class SpeculativeDecoder:
             set_backend(drafter, self.backend)
         # [..., H] -> [..., V] target logits as the model computes them (bias, scaling, softcapping)
         self.head = logit_head(target.model).with_backend(self.backend)
+        self.fast = _fast_forward(self.base, fast_forward, self.backend)
         self.drafter_head = LMHead(self.draft_head, self.backend) if drafter is not None else None
         self.max_context = int(getattr(target.model.config, "max_position_embeddings", 1 << 30))
         self.stop_ids = set(target.stop_token_ids())
@@ -243,11 +265,15 @@ class SpeculativeDecoder:
             (logits [q or 1, V] float32, features [1, q, n_taps*H] or None).
         """
         positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]
-        out = self.base(input_ids=ids, position_ids=positions, cache=cache, use_cache=True,
-                        output_hidden_states=want_features)
-        hidden = out.last_hidden_state[0, -1:] if last_only else out.last_hidden_state[0]
+        if self.fast is not None and ids.shape[1] <= SMALLM_MAX_ROWS:
+            last, hidden_states = self.fast(ids, positions, cache, output_hidden_states=want_features)
+        else:
+            out = self.base(input_ids=ids, position_ids=positions, cache=cache, use_cache=True,
+                            output_hidden_states=want_features)
+            last, hidden_states = out.last_hidden_state, out.hidden_states
+        hidden = last[0, -1:] if last_only else last[0]
         logits = self.head(hidden).float()
-        features = self.drafter.extract_context(out.hidden_states) if want_features else None
+        features = self.drafter.extract_context(hidden_states) if want_features else None
         return logits, features
 
     def draft(self, state: DecodeState, block: torch.Tensor, sampler: PositionKeyedSampler,

@@ -34,6 +34,7 @@ from transformers import DynamicCache
 from pipeline.decoding.sampling import PositionKeyedSampler
 from pipeline.decoding.speculative import RequestStats, SpeculativeDecoder, _now, crop_to
 from pipeline.models.target import new_cache
+from pipeline.models.backend import backend_signature
 
 log = logging.getLogger(__name__)
 
@@ -306,7 +307,7 @@ def measure_latency_cached(decoder: SpeculativeDecoder, block_sizes: Sequence[in
     if cache_dir is None:
         return measure_latency(decoder, block_sizes, context_buckets, repeats, temperature, seed)
     key = {"identity": identity or {}, "host": platform.node(), "threads": torch.get_num_threads(),
-           "backend": getattr(decoder, "backend", None), "kv_cache": getattr(decoder, "kv_cache", None),  # the forward path
+           "backend": backend_signature(getattr(decoder, "backend", None) or "eager"), "kv_cache": getattr(decoder, "kv_cache", None),  # the forward path
            "block_sizes": sorted(int(b) for b in block_sizes), "context_buckets": sorted(int(c) for c in context_buckets),
            "repeats": int(repeats), "temperature": float(temperature), "seed": int(seed)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]

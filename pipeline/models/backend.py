@@ -14,7 +14,13 @@ the call. The backends:
   packed in 16-column panels that are streamed once per call for all rows (up to ``SMALLM_MAX_ROWS``;
   larger inputs, such as a prefill, take PyTorch's GEMM). Every output is one sequential FMA chain over
   K, so a row's result is bit-identical alone or with 15 others: the verify computes exactly what the
-  autoregressive step would.
+  autoregressive step would. Each weight is stored in the smallest form that holds its float32 values
+  exactly (``exact_format``): ``q4`` (blocks of 32 along K, w = d * q + m, q in 0..15: the values of a
+  GGUF Q4_1 tensor), ``q8`` (w = d * q, q int8: GGUF Q8_0), ``bf16`` (a bf16-trained drafter), else
+  ``f32``. The kernel expands them in registers to the same float32 values, so the outputs equal the
+  float32 kernel's bit for bit while a step reads ~5x fewer bytes; every packing is checked by expanding
+  it back (``unpack_exact``) and falls back to ``f32`` on any difference.
+- ``smallm_f32``: the same kernel with every weight in float32 panels (the comparison point).
 
 Packed backends also make transformers' SDPA attention run grouped-query attention natively for every
 query length (``TRANSFORMERS_SDPA_FORCE_GQA=1``): by default it does so only without a mask (one-token
@@ -33,6 +39,7 @@ CPU, else ``eager``. Measured choices: ``python -m pipeline.bench_step`` (README
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -43,8 +50,12 @@ from torch.nn import functional as F
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "eager", "onednn", "smallm")
-PACKED = ("onednn", "smallm")  # backends that keep a packed copy of each weight
+BACKENDS = ("auto", "eager", "onednn", "smallm", "smallm_f32")
+PACKED = ("onednn", "smallm", "smallm_f32")  # backends that keep a packed copy of each weight
+SMALLM = ("smallm", "smallm_f32")  # the backends on this project's kernel
+EXACT_FORMATS = ("q4", "q8", "bf16")  # smallm's compressed forms, tried in this order (then f32)
+_FORMAT_CODE = {"bf16": 1, "q8": 2, "q4": 3}  # kernels/smallm.cpp's Format
+_GROUP = 32  # the q4/q8 block length along K
 SMALLM_MAX_ROWS = 32  # smallm runs inputs of up to this many rows; more go to PyTorch's GEMM
 _KERNEL = Path(__file__).with_name("kernels") / "smallm.cpp"
 
@@ -65,11 +76,20 @@ def smallm_kernel():
 
     try:
         # -fopenmp: at::parallel_for runs on torch's OpenMP threads (torch's own libgomp.so.1 is already loaded)
-        return load("blockpilot_smallm", [str(_KERNEL)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+        return load("blockpilot_smallm", [str(_KERNEL)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as err:  # compiler, ninja or header problems
         raise RuntimeError(f"could not build the smallm kernel ({err}); install a C++ compiler and ninja, "
                            "or use model.backend=onednn") from err
+
+
+def backend_signature(backend: str) -> str:
+    """``backend`` plus a hash of the code its timings depend on (the smallm kernel's source and formats), so a
+    cached latency model measured on an older kernel is not reused."""
+    if backend not in SMALLM:
+        return backend
+    digest = hashlib.sha256(_KERNEL.read_bytes() + repr(EXACT_FORMATS).encode()).hexdigest()[:8]
+    return f"{backend}:{digest}"
 
 
 def smallm_available() -> bool:
@@ -109,7 +129,7 @@ def resolve_backend(backend: str, device: torch.device | str, dtype: torch.dtype
     if backend == "onednn" and not onednn_available():
         raise ValueError("model.backend=onednn needs a PyTorch build with oneDNN (torch.backends.mkldnn); "
                          "use model.backend=eager")
-    if backend == "smallm":
+    if backend in SMALLM:
         try:
             smallm_kernel()
         except RuntimeError as err:
@@ -117,8 +137,121 @@ def resolve_backend(backend: str, device: torch.device | str, dtype: torch.dtype
     return backend
 
 
+def _f16_near(x: torch.Tensor, offsets) -> list[torch.Tensor]:
+    """float32 copies of ``x`` rounded to float16 and moved by each of ``offsets`` float16 steps."""
+    bits = x.half().view(torch.int16)
+    return [(bits + i).view(torch.float16).float() for i in offsets]
+
+
+def _affine_blocks(w: torch.Tensor, signed: bool):
+    """(q, d, m) with ``w == (d * q) + m`` (q4: q in 0..15) or ``w == d * q`` (q8: q in -128..127, m None),
+    bit for bit, in blocks of 32 along K; None when some block is not of that form.
+
+    The scale of a GGUF block is a float16 near its range / 15 (q4) or absmax / 127 (q8) and a q4 block's
+    minimum is its offset, so a few float16 candidates around those are tried for each block.
+    """
+    n, k = w.shape
+    if n > 64 and _affine_blocks(w[:64], signed) is None:  # a quick refusal on a few rows first
+        return None
+    blocks = w.view(n, k // _GROUP, _GROUP)
+    bits = blocks.view(torch.int32)
+    if signed:
+        m, estimate, lo, hi = None, blocks.abs().amax(-1, keepdim=True) / 127, -128, 127
+    else:
+        m = blocks.amin(-1, keepdim=True)
+        estimate, lo, hi = (blocks.amax(-1, keepdim=True) - m) / 15, 0, 15
+    found = torch.zeros(n, k // _GROUP, 1, dtype=torch.bool)
+    q_out, d_out = torch.zeros_like(blocks), torch.zeros_like(estimate)
+    for d in _f16_near(estimate, (0, -1, 1, -2, 2)):
+        positive = d > 0
+        q = torch.round((blocks if signed else blocks - m) / torch.where(positive, d, 1.0)).clamp_(lo, hi)
+        q = torch.where(positive, q, 0.0) + 0.0  # no -0.0: the kernel's integer q converts to +0.0
+        rebuilt = d * q if signed else (d * q) + m  # two roundings, as the kernel computes it
+        ok = (rebuilt.view(torch.int32) == bits).all(-1, keepdim=True) & ~found
+        q_out, d_out = torch.where(ok, q, q_out), torch.where(ok, d, d_out)
+        found |= ok
+        if bool(found.all()):
+            return q_out.view(n, k), d_out.view(n, -1), None if signed else m.view(n, -1)
+    return None
+
+
+def _panels(t: torch.Tensor, width: int = 16) -> torch.Tensor:
+    """[N, C] -> [ceil(N / 16), C, 16], zero-padded past N (the kernel's panel layout)."""
+    n, c = t.shape
+    p = (n + width - 1) // width
+    padded = t.new_zeros(p * width, c)
+    padded[:n] = t
+    return padded.view(p, width, c).transpose(1, 2).contiguous()
+
+
+class SmallmWeight:
+    """One weight [N, K] packed for the smallm kernel in ``fmt`` (``f32``, ``bf16``, ``q8`` or ``q4``).
+
+    Attributes:
+        fmt: the stored form; q: the panels ([P, K, 16] float32 / uint16 / int8, or [P, K, 8] uint8 for q4);
+        d, m: [P, K / 32, 16] float32 block scales and offsets (empty when unused); n: N; nbytes: bytes streamed
+        per call.
+    """
+
+    __slots__ = ("fmt", "q", "d", "m", "n", "nbytes")
+
+    def __init__(self, fmt: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, n: int):
+        self.fmt, self.q, self.d, self.m, self.n = fmt, q, d, m, n
+        self.nbytes = sum(t.numel() * t.element_size() for t in (q, d, m))
+
+    def dense(self) -> torch.Tensor:
+        """The float32 weight [N, K] the kernel computes with."""
+        if self.fmt == "f32":
+            return self.q.transpose(1, 2).reshape(-1, self.q.shape[1])[: self.n]
+        return smallm_kernel().unpack_exact(_FORMAT_CODE[self.fmt], self.q, self.d, self.m, self.q.shape[1])[: self.n]
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """y [M, N] = x [M, K] @ W.T (+ bias), float32."""
+        if self.fmt == "f32":
+            return smallm_kernel().linear(x, self.q, self.n, bias)
+        return smallm_kernel().linear_exact(x, _FORMAT_CODE[self.fmt], self.q, self.d, self.m, self.n, bias)
+
+
+def exact_format(w: torch.Tensor) -> str | None:
+    """The smallest of ``EXACT_FORMATS`` that holds every float32 value of ``w`` [N, K] exactly, else None."""
+    return pack_smallm(w).fmt if w.dim() == 2 and w.dtype == torch.float32 else None
+
+
+def pack_smallm(w: torch.Tensor, formats=EXACT_FORMATS) -> SmallmWeight:
+    """Pack ``w`` [N, K] float32 in the first of ``formats`` that holds it exactly (checked by expanding the
+    packing back, bit for bit), else in float32 panels.
+
+    Raises:
+        ValueError: when ``w`` is not a 2-D float32 tensor.
+    """
+    if w.dim() != 2 or w.dtype != torch.float32:
+        raise ValueError(f"smallm packs 2-D float32 weights, got {tuple(w.shape)} {w.dtype}")
+    w = w.detach().contiguous()
+    n, k = w.shape
+    empty = torch.empty(0)
+    for fmt in formats if k % _GROUP == 0 else ():
+        if fmt == "bf16":
+            if not bool(((w.view(torch.int32) & 0xFFFF) == 0).all()):
+                continue
+            packed = SmallmWeight(fmt, _panels((w.view(torch.int32) >> 16).to(torch.int16)), empty, empty, n)
+        else:
+            found = _affine_blocks(w, signed=fmt == "q8")
+            if found is None:
+                continue
+            q, d, m = found
+            if fmt == "q8":
+                packed = SmallmWeight(fmt, _panels(q.to(torch.int8)), _panels(d), empty, n)
+            else:
+                nib = _panels(q.to(torch.uint8))
+                packed = SmallmWeight(fmt, (nib[..., :8] | (nib[..., 8:] << 4)).contiguous(), _panels(d), _panels(m), n)
+        if torch.equal(packed.dense().view(torch.int32), w.view(torch.int32)):
+            return packed
+        log.warning("smallm: a %s packing of a %s weight did not expand back exactly; using float32", fmt, tuple(w.shape))
+    return SmallmWeight("f32", smallm_kernel().pack(w), empty, empty, n)
+
+
 class _Packed:
-    """A weight [N, K] packed for ``kind`` (``onednn`` | ``smallm``), repacked when the weight changes."""
+    """A weight [N, K] packed for ``kind`` (``onednn`` | ``smallm`` | ``smallm_f32``), repacked when the weight changes."""
 
     __slots__ = ("weight", "kind", "version", "packed")
 
@@ -129,12 +262,14 @@ class _Packed:
         self.version = -1
         self.packed = None
 
-    def get(self) -> torch.Tensor:
+    def get(self):
         if self.version != self.weight._version or self.packed is None:
             with torch.no_grad():
                 w = self.weight.detach().contiguous()
-                self.packed = (torch.ops.mkldnn._reorder_linear_weight(w) if self.kind == "onednn"
-                               else smallm_kernel().pack(w))
+                if self.kind == "onednn":
+                    self.packed = torch.ops.mkldnn._reorder_linear_weight(w)
+                else:
+                    self.packed = pack_smallm(w, EXACT_FORMATS if self.kind == "smallm" else ())
             self.version = self.weight._version
         return self.packed
 
@@ -148,14 +283,14 @@ def packed_linear(x: torch.Tensor, packed: _Packed, bias: torch.Tensor | None) -
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return F.linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1])
-    if packed.kind == "smallm" and flat.shape[0] > SMALLM_MAX_ROWS:
+    if packed.kind in SMALLM and flat.shape[0] > SMALLM_MAX_ROWS:
         return F.linear(x, weight, bias)
     if not flat.is_contiguous():
         flat = flat.contiguous()
     if packed.kind == "onednn":
         out = torch.ops.mkldnn._linear_pointwise(flat, packed.get(), bias, "none", [], "")
     else:
-        out = smallm_kernel().linear(flat, packed.get(), weight.shape[0], bias)
+        out = packed.get()(flat, bias)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -173,7 +308,7 @@ class PackedLinear(nn.Linear):
 
 
 def set_backend(module: nn.Module, backend: str) -> nn.Module:
-    """Put every ``nn.Linear`` inside ``module`` on ``backend`` (``eager``, ``onednn`` or ``smallm``), in place.
+    """Put every ``nn.Linear`` inside ``module`` on ``backend`` (``eager`` or one of ``PACKED``), in place.
 
     Returns:
         ``module``.
@@ -181,7 +316,7 @@ def set_backend(module: nn.Module, backend: str) -> nn.Module:
         ValueError: for another name (resolve ``auto`` first with ``resolve_backend``).
     """
     if backend not in ("eager", *PACKED):
-        raise ValueError(f"set_backend takes 'eager', 'onednn' or 'smallm' (resolve 'auto' first), got {backend!r}")
+        raise ValueError(f"set_backend takes 'eager' or one of {list(PACKED)} (resolve 'auto' first), got {backend!r}")
     if backend in PACKED:
         os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"  # read by transformers at every attention call
     for sub in module.modules():
@@ -208,14 +343,14 @@ class LMHead:
 
     Attributes:
         weight: [N, H] the head's rows (the target's LM head, or the drafter's draft-vocabulary rows).
-        backend: ``eager``, ``onednn`` or ``smallm``.
+        backend: ``eager`` or one of ``PACKED``.
     Raises:
         ValueError: for another backend name.
     """
 
     def __init__(self, weight: torch.Tensor, backend: str = "eager"):
         if backend not in ("eager", *PACKED):
-            raise ValueError(f"LMHead backend must be 'eager', 'onednn' or 'smallm', got {backend!r}")
+            raise ValueError(f"LMHead backend must be 'eager' or one of {list(PACKED)}, got {backend!r}")
         self.weight = weight
         self.backend = backend
         self._packed = _Packed(weight, backend) if backend in PACKED else None

@@ -43,4 +43,5 @@ def build_decoder(model_cfg) -> SpeculativeDecoder:
     """
     target, drafter = load_models(model_cfg)
     return SpeculativeDecoder(target, drafter, backend=model_cfg.get("backend", "auto"),
-                              kv_cache=model_cfg.get("kv_cache", "auto"))
+                              kv_cache=model_cfg.get("kv_cache", "auto"),
+                              fast_forward=model_cfg.get("fast_forward", "auto"))

@@ -6,9 +6,19 @@
 // (12 accumulators); a second tile re-reads the panel from L1/L2, not from memory. Every output
 // y[m, n] is one sequential FMA chain over k = 0..K-1, whatever M or the tiling: a row's result is
 // bit-identical whether it is computed alone (an autoregressive step) or with others (a verify).
+//
+// Weights that are exactly representable in fewer bits are streamed in that form and expanded in
+// registers to the very same float32 values (linear_exact): bf16 (w = bits << 16), q8 (blocks of 32 along K,
+// w = d * q, q int8: GGUF Q8_0) and q4 (w = d * q + m, q in 0..15, two roundings: GGUF Q4_1). Each group of
+// 32 k is expanded once into an L1 buffer and every row tile runs the same FMA chain over it, so an output
+// equals the float32 kernel's bit for bit (the accumulators are parked in memory between groups, exactly).
+// Compiled with -ffp-contract=off, so that d * q + m is not fused into one rounding.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
 
 namespace {
 
@@ -46,6 +56,156 @@ void tile(const float* __restrict x, int64_t ldx, const float* __restrict panel,
       for (int64_t j = 0; j < ncols; ++j) out[j] = tmp[j];
     }
   }
+}
+
+constexpr int64_t kGroup = 32;
+enum Format : int64_t { kBF16 = 1, kQ8 = 2, kQ4 = 3 };
+
+// Expands group g of one panel into buf[kGroup][kPanel] float32 (the exact weight values).
+inline void expand(int64_t fmt, const uint8_t* __restrict q, const float* __restrict d, const float* __restrict mn,
+                   int64_t g, float* __restrict buf) {
+  if (fmt == kBF16) {
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(q) + g * kGroup * kPanel;
+    for (int64_t k = 0; k < kGroup; ++k) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k * kPanel));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k * kPanel + 8));
+      _mm256_store_ps(buf + k * kPanel, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16)));
+      _mm256_store_ps(buf + k * kPanel + 8, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16)));
+    }
+    return;
+  }
+  const __m256 d0 = _mm256_loadu_ps(d + g * kPanel), d1 = _mm256_loadu_ps(d + g * kPanel + 8);
+  if (fmt == kQ8) {
+    const int8_t* src = reinterpret_cast<const int8_t*>(q) + g * kGroup * kPanel;
+    for (int64_t k = 0; k < kGroup; ++k) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k * kPanel));
+      const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+      const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+      _mm256_store_ps(buf + k * kPanel, _mm256_mul_ps(d0, q0));
+      _mm256_store_ps(buf + k * kPanel + 8, _mm256_mul_ps(d1, q1));
+    }
+    return;
+  }
+  // kQ4: per k, 8 bytes; byte j holds column j (low nibble) and column j + 8 (high nibble)
+  const __m256 m0 = _mm256_loadu_ps(mn + g * kPanel), m1 = _mm256_loadu_ps(mn + g * kPanel + 8);
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const uint8_t* src = q + g * kGroup * (kPanel / 2);
+  for (int64_t k = 0; k < kGroup; ++k) {
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + k * (kPanel / 2)));
+    const __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+    const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    _mm256_store_ps(buf + k * kPanel, _mm256_add_ps(_mm256_mul_ps(d0, q0), m0));
+    _mm256_store_ps(buf + k * kPanel + 8, _mm256_add_ps(_mm256_mul_ps(d1, q1), m1));
+  }
+}
+
+// For NP panels side by side (buf: NP x [kGroup][kPanel], acc: NP x [M][kPanel]):
+// acc[j][m0 + i] += x[m0 + i, k0 .. k0 + kGroup) * buf[j], one FMA per k, in order. Several panels keep
+// enough independent FMA chains in flight when there are few rows.
+template <int MT, int NP>
+void group_tile(const float* __restrict x, int64_t ldx, int64_t k0, const float* __restrict buf,
+                float* __restrict acc, int64_t M, int64_t m0) {
+  __m256 a[NP][MT][2];
+#pragma GCC unroll 8
+  for (int j = 0; j < NP; ++j)
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) {
+      a[j][i][0] = _mm256_loadu_ps(acc + (j * M + m0 + i) * kPanel);
+      a[j][i][1] = _mm256_loadu_ps(acc + (j * M + m0 + i) * kPanel + 8);
+    }
+  const float* xr[MT];
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i) xr[i] = x + (m0 + i) * ldx + k0;
+  for (int64_t k = 0; k < kGroup; ++k) {
+    __m256 xb[MT];
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) xb[i] = _mm256_broadcast_ss(xr[i] + k);
+#pragma GCC unroll 8
+    for (int j = 0; j < NP; ++j) {
+      const __m256 w0 = _mm256_load_ps(buf + (j * kGroup + k) * kPanel);
+      const __m256 w1 = _mm256_load_ps(buf + (j * kGroup + k) * kPanel + 8);
+#pragma GCC unroll 8
+      for (int i = 0; i < MT; ++i) {
+        a[j][i][0] = _mm256_fmadd_ps(w0, xb[i], a[j][i][0]);
+        a[j][i][1] = _mm256_fmadd_ps(w1, xb[i], a[j][i][1]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < NP; ++j)
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) {
+      _mm256_storeu_ps(acc + (j * M + m0 + i) * kPanel, a[j][i][0]);
+      _mm256_storeu_ps(acc + (j * M + m0 + i) * kPanel + 8, a[j][i][1]);
+    }
+}
+
+// One row, q4, NP panels: each k's 16 weights a panel expanded in registers and used at once.
+template <int NP>
+void q4_row(const uint8_t* qp, const float* dp, const float* mp, int64_t p0, int64_t pbytes, int64_t G,
+            const float* __restrict x, float* __restrict acc) {
+  __m256 a[NP][2];
+  for (int j = 0; j < NP; ++j) { a[j][0] = _mm256_setzero_ps(); a[j][1] = _mm256_setzero_ps(); }
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 d[NP][2], m[NP][2];
+    const uint8_t* src[NP];
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) {
+      const int64_t p = p0 + j;
+      const float* pd = dp + (p * G + g) * kPanel;
+      const float* pm = mp + (p * G + g) * kPanel;
+      d[j][0] = _mm256_loadu_ps(pd); d[j][1] = _mm256_loadu_ps(pd + 8);
+      m[j][0] = _mm256_loadu_ps(pm); m[j][1] = _mm256_loadu_ps(pm + 8);
+      src[j] = qp + p * pbytes + g * kGroup * (kPanel / 2);
+    }
+    for (int64_t k = 0; k < kGroup; ++k) {
+      const __m256 xb = _mm256_broadcast_ss(x + g * kGroup + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) {
+        const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src[j] + k * (kPanel / 2)));
+        const __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+        const __m256 w0 = _mm256_add_ps(_mm256_mul_ps(d[j][0], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo))), m[j][0]);
+        const __m256 w1 = _mm256_add_ps(_mm256_mul_ps(d[j][1], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi))), m[j][1]);
+        a[j][0] = _mm256_fmadd_ps(w0, xb, a[j][0]);
+        a[j][1] = _mm256_fmadd_ps(w1, xb, a[j][1]);
+      }
+    }
+  }
+  for (int j = 0; j < NP; ++j) {
+    _mm256_storeu_ps(acc + j * kPanel, a[j][0]);
+    _mm256_storeu_ps(acc + j * kPanel + 8, a[j][1]);
+  }
+}
+
+// All rows of NP consecutive panels from p0, group by group.
+template <int NP>
+void exact_block(int64_t fmt, const uint8_t* qp, const float* dp, const float* mp, int64_t p0, int64_t pbytes,
+                 int64_t G, const float* xp, int64_t M, int64_t K, float* buf, float* acc) {
+  std::fill(acc, acc + NP * M * kPanel, 0.0f);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int j = 0; j < NP; ++j) {
+      const int64_t p = p0 + j;
+      expand(fmt, qp + p * pbytes, dp ? dp + p * G * kPanel : nullptr, mp ? mp + p * G * kPanel : nullptr, g,
+             buf + j * kGroup * kPanel);
+    }
+    int64_t r = 0;
+    if (NP == 4) {
+      for (; r < M; ++r) group_tile<1, NP>(xp, K, g * kGroup, buf, acc, M, r);
+    } else {
+      while (r < M) {
+        const int64_t left = M - r;
+        if (left >= 3) { group_tile<3, NP>(xp, K, g * kGroup, buf, acc, M, r); r += 3; }
+        else if (left == 2) { group_tile<2, NP>(xp, K, g * kGroup, buf, acc, M, r); r += 2; }
+        else { group_tile<1, NP>(xp, K, g * kGroup, buf, acc, M, r); r += 1; }
+      }
+    }
+  }
+}
+
+int64_t panel_bytes(int64_t fmt, int64_t K) {
+  return fmt == kBF16 ? K * kPanel * 2 : fmt == kQ8 ? K * kPanel : K * kPanel / 2;
 }
 
 }  // namespace
@@ -87,7 +247,76 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t n, c10::opti
   return y;
 }
 
+// x [M, K] float32, q: [P, K, 16] uint16 (bf16) | [P, K, 16] int8 (q8) | [P, K, 8] uint8 (q4, two nibbles a
+// byte); d, m: [P, K / 32, 16] float32 (q8: d; q4: d and m; unused ones may be empty) -> y [M, n].
+torch::Tensor linear_exact(torch::Tensor x, int64_t fmt, torch::Tensor q, torch::Tensor d, torch::Tensor m, int64_t n,
+                           c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "linear_exact: x must be float32 [M, K]");
+  TORCH_CHECK(fmt == kBF16 || fmt == kQ8 || fmt == kQ4, "linear_exact: unknown format ", fmt);
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), P = q.size(0);
+  TORCH_CHECK(K % kGroup == 0 && q.is_contiguous() && q.size(1) == K, "linear_exact: panels do not match x");
+  TORCH_CHECK(q.numel() * q.element_size() == P * panel_bytes(fmt, K), "linear_exact: panel size does not match format");
+  if (fmt != kBF16) TORCH_CHECK(d.is_contiguous() && d.numel() == P * (K / kGroup) * kPanel, "linear_exact: bad scales");
+  if (fmt == kQ4) TORCH_CHECK(m.is_contiguous() && m.numel() == P * (K / kGroup) * kPanel, "linear_exact: bad minima");
+  auto y = torch::empty({M, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
+  const float* dp = fmt == kBF16 ? nullptr : d.data_ptr<float>();
+  const float* mp = fmt == kQ4 ? m.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t G = K / kGroup, pbytes = panel_bytes(fmt, K);
+  // one row: 4 panels a unit (8 FMA chains); more rows: 2 panels a unit, row tiles of 3
+  const int64_t NP = M == 1 ? 4 : 2, units = (P + NP - 1) / NP;
+  at::parallel_for(0, units, 2, [&](int64_t begin, int64_t end) {
+    alignas(32) float buf[4 * kGroup * kPanel];
+    std::vector<float> accv(4 * M * kPanel);
+    float* acc = accv.data();
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t p0 = u * NP, np = std::min(NP, P - p0);
+      if (M == 1 && fmt == kQ4) {
+        if (np == 4) q4_row<4>(qp, dp, mp, p0, pbytes, G, xp, acc);
+        else for (int64_t j = 0; j < np; ++j) q4_row<1>(qp, dp, mp, p0 + j, pbytes, G, xp, acc + j * kPanel);
+      } else if (np == 4) exact_block<4>(fmt, qp, dp, mp, p0, pbytes, G, xp, M, K, buf, acc);
+      else if (np == 2) exact_block<2>(fmt, qp, dp, mp, p0, pbytes, G, xp, M, K, buf, acc);
+      else
+        for (int64_t j = 0; j < np; ++j)
+          exact_block<1>(fmt, qp, dp, mp, p0 + j, pbytes, G, xp, M, K, buf, acc + j * M * kPanel);
+      for (int64_t j = 0; j < np; ++j) {
+        const int64_t n0 = (p0 + j) * kPanel, ncols = std::min(kPanel, n - n0);
+        if (n0 >= n) break;
+        for (int64_t i = 0; i < M; ++i)
+          for (int64_t c = 0; c < ncols; ++c) yp[i * n + n0 + c] = acc[(j * M + i) * kPanel + c];
+      }
+    }
+  });
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+}
+
+// The float32 weight [P * 16, K] that linear_exact computes with (the same expansion), for checking a packing.
+torch::Tensor unpack_exact(int64_t fmt, torch::Tensor q, torch::Tensor d, torch::Tensor m, int64_t K) {
+  TORCH_CHECK(K % kGroup == 0 && q.is_contiguous(), "unpack_exact: K must be a multiple of 32");
+  const int64_t P = q.size(0), G = K / kGroup, pbytes = panel_bytes(fmt, K);
+  TORCH_CHECK(q.numel() * q.element_size() == P * pbytes, "unpack_exact: panel size does not match format");
+  auto w = torch::empty({P * kPanel, K}, torch::dtype(torch::kFloat32));
+  const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
+  const float* dp = fmt == kBF16 ? nullptr : d.data_ptr<float>();
+  const float* mp = fmt == kQ4 ? m.data_ptr<float>() : nullptr;
+  float* wp = w.data_ptr<float>();
+  alignas(32) float buf[kGroup * kPanel];
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t g = 0; g < G; ++g) {
+      expand(fmt, qp + p * pbytes, dp ? dp + p * G * kPanel : nullptr, mp ? mp + p * G * kPanel : nullptr, g, buf);
+      for (int64_t k = 0; k < kGroup; ++k)
+        for (int64_t j = 0; j < kPanel; ++j) wp[(p * kPanel + j) * K + g * kGroup + k] = buf[k * kPanel + j];
+    }
+  return w;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack W [N, K] into [ceil(N/16), K, 16] panels");
   m.def("linear", &linear, "y = x @ W^T (+ bias) from packed panels");
+  m.def("linear_exact", &linear_exact, "y = x @ W^T (+ bias) from bf16 / q8 / q4 panels expanded exactly");
+  m.def("unpack_exact", &unpack_exact, "the float32 weight that linear_exact computes with");
 }

@@ -1,0 +1,179 @@
+"""A lean forward of a Llama-family target's base model for decode steps, bit-identical to transformers' own.
+
+On this project's CPU path an autoregressive step of SmolLM2-135M spends more time in Python and small-op
+dispatch (module calls, decorators, output recorders, a dozen element-wise ops per layer) than in its
+GEMMs. ``FastForward`` runs the same computation with the same tensor operations in the same order, but
+without the module machinery, and on the ``smallm`` kernels it multiplies q/k/v and gate/up with one
+concatenated weight each (every output column of the smallm kernel is its own FMA chain, so a
+concatenated product equals the separate ones bit for bit). It uses transformers' own pieces where they
+decide numerics: the model's rotary embedding and ``apply_rotary_pos_emb``, ``create_causal_mask``, the
+KV cache's ``update`` and ``sdpa_attention_forward``.
+
+Supported: decoder layers of the Llama, Mistral, Qwen2 and Qwen3 families (RMSNorm, SiLU gated MLP,
+optional q/k norms and biases) with SDPA attention and no sliding window. ``FastForward.supports`` says
+whether a model qualifies; anything else keeps transformers' forward. Tests check the logits, the hidden
+states and the cache against transformers' forward bit for bit, and the decodes against ``generate``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import create_causal_mask
+
+from pipeline.models.backend import EXACT_FORMATS, SMALLM, PackedLinear, pack_smallm
+
+LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
+NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+
+
+def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``LlamaRMSNorm.forward``'s operations, in its order (bit-identical)."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + norm.variance_epsilon)
+    return norm.weight * h.to(dtype)
+
+
+class _Fused:
+    """Linears sharing one input, multiplied as one concatenated smallm weight, repacked when any weight changes."""
+
+    __slots__ = ("linears", "kind", "versions", "packed", "splits", "bias")
+
+    def __init__(self, linears: list[nn.Linear], kind: str):
+        self.linears, self.kind = linears, kind
+        self.versions, self.packed = None, None
+        self.splits = [lin.weight.shape[0] for lin in linears]
+        self.bias = None
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        versions = [lin.weight._version for lin in self.linears]
+        if versions != self.versions:
+            with torch.no_grad():
+                weight = torch.cat([lin.weight.detach() for lin in self.linears])
+                self.packed = pack_smallm(weight, () if self.kind == "smallm_f32" else EXACT_FORMATS)
+                biases = [lin.bias for lin in self.linears]
+                self.bias = None if all(b is None for b in biases) else torch.cat(
+                    [b.detach() if b is not None else torch.zeros(n) for b, n in zip(biases, self.splits)])
+            self.versions = versions
+        out = self.packed(x.reshape(-1, x.shape[-1]), self.bias)
+        return [t.view(*x.shape[:-1], t.shape[-1]) for t in out.split(self.splits, dim=-1)]
+
+
+class FastForward:
+    """The lean forward of ``base`` (a transformers base model: ``embed_tokens``, ``layers``, ``norm``,
+    ``rotary_emb``), for inference.
+
+    Raises:
+        ValueError: from the constructor when ``base`` is not supported (``supports`` says why).
+    """
+
+    def __init__(self, base: nn.Module):
+        reason = self.unsupported(base)
+        if reason:
+            raise ValueError(f"FastForward does not support this model: {reason}")
+        self.base = base
+        layer = base.layers[0]
+        self.rotary = sys.modules[type(layer).__module__].apply_rotary_pos_emb
+        self._fused: dict[int, tuple] = {}
+        self._kind = None
+
+    @staticmethod
+    def unsupported(base: nn.Module) -> str | None:
+        """Why ``base`` cannot run on ``FastForward`` (None when it can)."""
+        config = getattr(base, "config", None)
+        layers = getattr(base, "layers", None)
+        if config is None or layers is None or not all(hasattr(base, a) for a in ("embed_tokens", "norm", "rotary_emb")):
+            return f"{type(base).__name__} is not a decoder-only base model with embed_tokens, layers, norm, rotary_emb"
+        if getattr(config, "_attn_implementation", "sdpa") != "sdpa":
+            return f"attention implementation {config._attn_implementation!r} (needs sdpa)"
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            return "sliding-window attention"
+        if type(base.norm).__name__ not in NORMS:
+            return f"final norm {type(base.norm).__name__}"
+        for layer in layers:
+            if type(layer).__name__ not in LAYERS:
+                return f"decoder layer {type(layer).__name__}"
+            attn, mlp = layer.self_attn, layer.mlp
+            if not all(isinstance(getattr(attn, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
+                return "attention projections are not linear layers"
+            if not all(isinstance(getattr(mlp, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
+                return "the MLP is not gate/up/down linear layers"
+            if type(mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+                return f"MLP activation {type(mlp.act_fn).__name__}"
+            for name in ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm"):
+                sub = getattr(layer, name, None) if "layernorm" in name else getattr(attn, name, None)
+                if sub is not None and type(sub).__name__ not in NORMS:
+                    return f"{name} is a {type(sub).__name__}"
+            if getattr(attn, "sliding_window", None):
+                return "sliding-window attention"
+        return None
+
+    @classmethod
+    def supports(cls, base: nn.Module) -> bool:
+        """True when ``base`` can run on ``FastForward``."""
+        return cls.unsupported(base) is None
+
+    def _linears(self, i: int, layer: nn.Module, kind: str | None):
+        """(qkv, gate_up, o, down) callables of layer i for the linears' backend ``kind``."""
+        if self._kind != kind:
+            self._fused, self._kind = {}, kind
+        if i not in self._fused:
+            attn, mlp = layer.self_attn, layer.mlp
+            if kind in SMALLM:
+                qkv = _Fused([attn.q_proj, attn.k_proj, attn.v_proj], kind)
+                gate_up = _Fused([mlp.gate_proj, mlp.up_proj], kind)
+            else:
+                def qkv(x, attn=attn):
+                    return [attn.q_proj.forward(x), attn.k_proj.forward(x), attn.v_proj.forward(x)]
+
+                def gate_up(x, mlp=mlp):
+                    return [mlp.gate_proj.forward(x), mlp.up_proj.forward(x)]
+            self._fused[i] = (qkv, gate_up, attn.o_proj.forward, mlp.down_proj.forward)
+        return self._fused[i]
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache, output_hidden_states: bool = False):
+        """The base model's forward over ``ids`` [1, q] at ``positions`` [1, q], appending to ``cache``.
+
+        Returns:
+            (last_hidden_state [1, q, H] after the final norm, hidden_states or None): ``hidden_states`` is
+            transformers' ``output_hidden_states`` tuple (the embedding output, then every decoder layer's
+            output, the last one after the final norm).
+        """
+        base = self.base
+        first = base.layers[0].self_attn.q_proj
+        kind = first._bp_packed.kind if type(first) is PackedLinear else None
+        h = base.embed_tokens(ids)
+        mask = create_causal_mask(config=base.config, inputs_embeds=h, attention_mask=None, cache=cache,
+                                  position_ids=positions)
+        cos, sin = base.rotary_emb(h, position_ids=positions)
+        states = [h] if output_hidden_states else None
+        q_len = ids.shape[1]
+        for i, layer in enumerate(base.layers[: base.config.num_hidden_layers]):
+            qkv, gate_up, o_proj, down_proj = self._linears(i, layer, kind)
+            attn = layer.self_attn
+            x = _rms_norm(layer.input_layernorm, h)
+            q, k, v = qkv(x)
+            shape = (1, q_len, -1, attn.head_dim)
+            q, k, v = q.view(shape), k.view(shape), v.view(shape)
+            if getattr(attn, "q_norm", None) is not None:
+                q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q, k = self.rotary(q, k, cos, sin)
+            k, v = cache.update(k, v, attn.layer_idx)
+            out, _ = sdpa_attention_forward(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)
+            h = h + o_proj(out.reshape(1, q_len, -1).contiguous())
+            x = _rms_norm(layer.post_attention_layernorm, h)
+            gate, up = gate_up(x)
+            h = h + down_proj(layer.mlp.act_fn(gate) * up)
+            if states is not None:
+                states.append(h)
+        h = _rms_norm(base.norm, h)
+        if states is not None:
+            states[-1] = h
+        return h, tuple(states) if states is not None else None

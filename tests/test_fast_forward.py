@@ -1,0 +1,89 @@
+"""``pipeline.models.fast_forward``: the lean decode-step forward equals transformers' own forward bit for bit
+(last hidden state, every hidden state, the KV cache) on every packed backend, for Llama and Qwen3 (q/k
+norms), and the decoder takes it only where it may."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline.decoding import SpeculativeDecoder
+from pipeline.models.backend import set_backend
+from pipeline.models.fast_forward import FastForward
+from pipeline.models.target import new_cache
+
+
+@pytest.fixture
+def eager_afterwards(tiny):
+    yield
+    for arch in ("llama", "qwen3"):
+        set_backend(tiny.target(arch).model, "eager")
+
+
+@pytest.mark.parametrize("backend", ["smallm", "smallm_f32", "onednn"])
+@pytest.mark.parametrize("q", [1, 3, 9])
+def test_fast_forward_is_bit_identical_to_transformers(tiny, arch, backend, q, eager_afterwards):
+    target = tiny.target(arch)
+    base = target.model.base_model
+    set_backend(base, backend)
+    fast = FastForward(base)
+    torch.manual_seed(0)
+    ids = torch.randint(0, target.model.config.vocab_size, (1, 20 + q))
+    with torch.inference_mode():
+        theirs, ours = new_cache(target.model), new_cache(target.model)
+        for cache in (theirs, ours):
+            base(input_ids=ids[:, :20], cache=cache, use_cache=True)
+        for step in range(2):  # two steps: the second reads what the first appended
+            start = 20 + step * q
+            block = torch.randint(0, target.model.config.vocab_size, (1, q))
+            positions = torch.arange(start, start + q)[None]
+            ref = base(input_ids=block, position_ids=positions, cache=theirs, use_cache=True, output_hidden_states=True)
+            last, states = fast(block, positions, ours, output_hidden_states=True)
+            assert torch.equal(last, ref.last_hidden_state)
+            assert len(states) == len(ref.hidden_states) and all(torch.equal(a, b) for a, b in zip(states, ref.hidden_states))
+            for mine, hf in zip(ours.layers, theirs.layers):
+                assert torch.equal(mine.keys, hf.keys) and torch.equal(mine.values, hf.values)
+        last_plain, none = fast(block, positions, ours)
+        assert none is None and last_plain.shape == last.shape
+
+
+def test_fast_forward_follows_weight_updates(tiny, eager_afterwards):
+    target = tiny.target("llama")
+    base = target.model.base_model
+    set_backend(base, "smallm")
+    fast = FastForward(base)
+    ids = torch.arange(1, 6)[None]
+    with torch.inference_mode():
+        before, _ = fast(ids, torch.arange(5)[None], new_cache(target.model))
+    proj = base.layers[0].self_attn.k_proj
+    saved = proj.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            proj.weight.mul_(1.5)  # the fused q/k/v weight must be repacked
+        with torch.inference_mode():
+            after, _ = fast(ids, torch.arange(5)[None], new_cache(target.model))
+            ref = base(input_ids=ids, position_ids=torch.arange(5)[None], cache=new_cache(target.model), use_cache=True)
+        assert not torch.equal(after, before) and torch.equal(after, ref.last_hidden_state)
+    finally:
+        with torch.no_grad():
+            proj.weight.copy_(saved)
+
+
+def test_decoder_takes_the_fast_forward_only_where_it_may(tiny, eager_afterwards):
+    target = tiny.target("llama")
+    assert SpeculativeDecoder(target, backend="smallm").fast is not None  # auto, packed backend
+    assert SpeculativeDecoder(target, backend="eager").fast is None  # eager = transformers' path, unchanged
+    assert SpeculativeDecoder(target, backend="smallm", fast_forward=False).fast is None
+    with pytest.raises(ValueError, match="auto, true or false"):
+        SpeculativeDecoder(target, backend="smallm", fast_forward="sometimes")
+    layer = target.model.base_model.layers[0]
+    act = layer.mlp.act_fn
+    try:
+        layer.mlp.act_fn = nn.GELU()  # an architecture the lean forward does not reproduce
+        assert "MLP activation GELU" in FastForward.unsupported(target.model.base_model)
+        assert SpeculativeDecoder(target, backend="smallm").fast is None
+        with pytest.raises(ValueError, match="does not support this model: MLP activation GELU"):
+            SpeculativeDecoder(target, backend="smallm", fast_forward=True)
+    finally:
+        layer.mlp.act_fn = act
