@@ -295,7 +295,7 @@ def measure_latency_cached(decoder: SpeculativeDecoder, block_sizes: Sequence[in
                            identity: dict | None = None) -> LatencyModel:
     """``measure_latency``, reused across runs: the model is kept in ``cache_dir/<key>.json``, the key hashing
     ``identity`` (target, drafter, dtype, device), this host, torch's thread count, the decoder's resolved forward path
-    (``backend``, ``kv_cache``) and the arguments.
+    (``backend`` with its kernel's version, ``fast_forward``, ``kv_cache``) and the arguments.
 
     A new run on the same machine and models reuses the stored model instead of measuring it again (about
     half a minute for the embedded default); delete the file, or pass ``cache_dir=None``
@@ -307,7 +307,8 @@ def measure_latency_cached(decoder: SpeculativeDecoder, block_sizes: Sequence[in
     if cache_dir is None:
         return measure_latency(decoder, block_sizes, context_buckets, repeats, temperature, seed)
     key = {"identity": identity or {}, "host": platform.node(), "threads": torch.get_num_threads(),
-           "backend": backend_signature(getattr(decoder, "backend", None) or "eager"), "kv_cache": getattr(decoder, "kv_cache", None),  # the forward path
+           "backend": backend_signature(getattr(decoder, "backend", None) or "eager"),
+           "fast_forward": getattr(decoder, "fast", None) is not None, "kv_cache": getattr(decoder, "kv_cache", None),  # the forward path
            "block_sizes": sorted(int(b) for b in block_sizes), "context_buckets": sorted(int(c) for c in context_buckets),
            "repeats": int(repeats), "temperature": float(temperature), "seed": int(seed)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
