@@ -539,10 +539,12 @@ class RowLog:
             os.fsync(f.fileno())
 
 
-def row_settings(cfg: DictConfig, methods: list[str], split: str | None, inputs: EvalInputs | None = None) -> dict:
+def row_settings(cfg: DictConfig, methods: list[str], split: str | None, inputs: EvalInputs | None = None,
+                 decoder: SpeculativeDecoder | None = None) -> dict:
     """What the per-prompt rows of an eval run depend on (a resumed run must match it): the methods, decoding and
-    model settings, the drafter's weight files (size, mtime) and digests of the loaded predictors and labels (a
-    retrained drafter or predictor invalidates the rows)."""
+    model settings, the decoder's forward path (backend with its kernel's version, fast forward, KV cache: the
+    rows hold timings), the drafter's weight files (size, mtime) and digests of the loaded predictors and labels
+    (a retrained drafter or predictor invalidates the rows)."""
     import hashlib
 
     def digest(obj) -> str:
@@ -562,7 +564,13 @@ def row_settings(cfg: DictConfig, methods: list[str], split: str | None, inputs:
         loaded.update({m: digest(p.meta) for m, p in inputs.predictors.items()})
         if inputs.labels is not None:
             loaded["labels"] = digest(inputs.labels[["id", "label_tau", "label_speed"]].astype(str).values.tolist())
-    return {"loaded": loaded, "methods": list(methods), "split": split,
+    forward = None
+    if decoder is not None:
+        from pipeline.models.backend import backend_signature
+
+        forward = {"backend": backend_signature(getattr(decoder, "backend", "eager")),
+                   "fast_forward": getattr(decoder, "fast", None) is not None, "kv_cache": getattr(decoder, "kv_cache", None)}
+    return {"loaded": loaded, "methods": list(methods), "split": split, "forward": forward,
             "decode": OmegaConf.to_container(cfg.decode, resolve=True),
             "model": {k: cfg.model.get(k) for k in keep},
             "share_decodes": bool(cfg.eval.get("share_decodes", True)), "target": str(cfg.eval.get("target", "tau")),
@@ -603,7 +611,7 @@ def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, input
     split = resolve_split(cfg, methods)
     prompts = select_prompts(cfg, split, inputs)
     decode_cfg = DecodeConfig(cfg.decode.max_new_tokens, cfg.decode.temperature, cfg.decode.seed)
-    row_log = RowLog(rows_path, row_settings(cfg, methods, split, inputs))
+    row_log = RowLog(rows_path, row_settings(cfg, methods, split, inputs, decoder))
 
     def factory(method: str, prompt: Prompt, chosen: list):
         make = available[method].bind(prompt) if isinstance(available[method], PerPrompt) else available[method]

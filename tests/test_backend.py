@@ -61,6 +61,7 @@ def test_smallm_streams_exact_forms_and_computes_the_float32_kernels_bits(kind, 
     weight = gguf_round(torch.randn(shape) * 0.05, kind)
     packed, plain = pack_smallm(weight), pack_smallm(weight, ())
     assert packed.fmt == kind and plain.fmt == "f32" and exact_format(weight) == kind
+    assert packed.f32 is not None and plain.f32 is None  # float32 panels beside the exact form, for wide calls
     assert packed.nbytes < plain.nbytes / (1.9 if kind == "bf16" else 3.5)
     assert torch.equal(packed.dense().view(torch.int32), weight.view(torch.int32))
     x, bias = torch.randn(SMALLM_MAX_ROWS, shape[1]), torch.randn(shape[0])

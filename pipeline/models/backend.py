@@ -56,6 +56,10 @@ SMALLM = ("smallm", "smallm_f32")  # the backends on this project's kernel
 EXACT_FORMATS = ("q4", "q8", "bf16")  # smallm's compressed forms, tried in this order (then f32)
 _FORMAT_CODE = {"bf16": 1, "q8": 2, "q4": 3}  # kernels/smallm.cpp's Format
 _GROUP = 32  # the q4/q8 block length along K
+# Calls of more rows than this use the float32 panels kept beside an exact form: expanding 4-bit weights in registers
+# costs more than streaming float32 ones once a call has enough rows to be compute-bound (bench_step: forward q=4,
+# 8, 16 ran 10-20% faster on float32 panels, q=1, 2 30-35% slower). Both give the same bits.
+EXACT_MAX_ROWS = 3
 SMALLM_MAX_ROWS = 32  # smallm runs inputs of up to this many rows; more go to PyTorch's GEMM
 _KERNEL = Path(__file__).with_name("kernels") / "smallm.cpp"
 
@@ -88,7 +92,7 @@ def backend_signature(backend: str) -> str:
     cached latency model measured on an older kernel is not reused."""
     if backend not in SMALLM:
         return backend
-    digest = hashlib.sha256(_KERNEL.read_bytes() + repr(EXACT_FORMATS).encode()).hexdigest()[:8]
+    digest = hashlib.sha256(_KERNEL.read_bytes() + repr((EXACT_FORMATS, EXACT_MAX_ROWS)).encode()).hexdigest()[:8]
     return f"{backend}:{digest}"
 
 
@@ -190,13 +194,15 @@ class SmallmWeight:
     Attributes:
         fmt: the stored form; q: the panels ([P, K, 16] float32 / uint16 / int8, or [P, K, 8] uint8 for q4);
         d, m: [P, K / 32, 16] float32 block scales and offsets (empty when unused); n: N; nbytes: bytes streamed
-        per call.
+        per call of up to ``EXACT_MAX_ROWS`` rows; f32: float32 panels kept beside an exact form for calls of more
+        rows (None for ``f32``, or when not kept).
     """
 
-    __slots__ = ("fmt", "q", "d", "m", "n", "nbytes")
+    __slots__ = ("fmt", "q", "d", "m", "n", "nbytes", "f32")
 
-    def __init__(self, fmt: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, n: int):
-        self.fmt, self.q, self.d, self.m, self.n = fmt, q, d, m, n
+    def __init__(self, fmt: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, n: int,
+                 f32: torch.Tensor | None = None):
+        self.fmt, self.q, self.d, self.m, self.n, self.f32 = fmt, q, d, m, n, f32
         self.nbytes = sum(t.numel() * t.element_size() for t in (q, d, m))
 
     def dense(self) -> torch.Tensor:
@@ -209,6 +215,8 @@ class SmallmWeight:
         """y [M, N] = x [M, K] @ W.T (+ bias), float32."""
         if self.fmt == "f32":
             return smallm_kernel().linear(x, self.q, self.n, bias)
+        if self.f32 is not None and x.shape[0] > EXACT_MAX_ROWS:
+            return smallm_kernel().linear(x, self.f32, self.n, bias)
         return smallm_kernel().linear_exact(x, _FORMAT_CODE[self.fmt], self.q, self.d, self.m, self.n, bias)
 
 
@@ -217,9 +225,10 @@ def exact_format(w: torch.Tensor) -> str | None:
     return pack_smallm(w).fmt if w.dim() == 2 and w.dtype == torch.float32 else None
 
 
-def pack_smallm(w: torch.Tensor, formats=EXACT_FORMATS) -> SmallmWeight:
+def pack_smallm(w: torch.Tensor, formats=EXACT_FORMATS, keep_f32: bool = True) -> SmallmWeight:
     """Pack ``w`` [N, K] float32 in the first of ``formats`` that holds it exactly (checked by expanding the
-    packing back, bit for bit), else in float32 panels.
+    packing back, bit for bit), else in float32 panels; with ``keep_f32``, float32 panels are kept beside an exact
+    form for calls of more than ``EXACT_MAX_ROWS`` rows.
 
     Raises:
         ValueError: when ``w`` is not a 2-D float32 tensor.
@@ -245,6 +254,8 @@ def pack_smallm(w: torch.Tensor, formats=EXACT_FORMATS) -> SmallmWeight:
                 nib = _panels(q.to(torch.uint8))
                 packed = SmallmWeight(fmt, (nib[..., :8] | (nib[..., 8:] << 4)).contiguous(), _panels(d), _panels(m), n)
         if torch.equal(packed.dense().view(torch.int32), w.view(torch.int32)):
+            if keep_f32:
+                packed.f32 = smallm_kernel().pack(w)
             return packed
         log.warning("smallm: a %s packing of a %s weight did not expand back exactly; using float32", fmt, tuple(w.shape))
     return SmallmWeight("f32", smallm_kernel().pack(w), empty, empty, n)
