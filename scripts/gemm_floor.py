@@ -2,8 +2,9 @@
 
     python scripts/gemm_floor.py [--rows 1 2 4 9 16] [--repeats 15]
 
-Packs every linear weight of the embedded target (and its LM head) as the decoder's default backend does
-(``smallm``: 4-bit / 8-bit exact forms; ``smallm_f32``: float32 panels) and times only the matrix products
+Packs every linear weight of the embedded target (and its LM head) in smallm's exact forms at every row count
+(``smallm``: 4-bit / 8-bit, without the float32 panels the default keeps for calls of more than 3 rows) and in
+float32 panels (``smallm_f32``), and times only the matrix products
 of one forward over M rows, back to back, with no model code around them: the least a target forward
 over M tokens can cost here. Prints, per backend and M, the median ms, the weight bytes streamed and the
 arithmetic rate (2 * params * M flops).
@@ -33,7 +34,7 @@ def main() -> None:
     params = sum(w.numel() for w in weights)
     print(f"{len(weights)} weights, {params / 1e6:.1f}M parameters")
     for backend, formats in (("smallm", None), ("smallm_f32", ())):
-        packed = [pack_smallm(w) if formats is None else pack_smallm(w, formats) for w in weights]
+        packed = [pack_smallm(w, keep_f32=False) if formats is None else pack_smallm(w, formats) for w in weights]
         nbytes = sum(p.nbytes for p in packed)
         for m in args.rows:
             xs = {w.shape[1]: torch.randn(m, w.shape[1]) for w in weights}

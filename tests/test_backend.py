@@ -68,8 +68,12 @@ def test_smallm_streams_exact_forms_and_computes_the_float32_kernels_bits(kind, 
     full = packed(x, bias)
     assert torch.equal(full, plain(x, bias))
     torch.testing.assert_close(full, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
+    exact_only = pack_smallm(weight, keep_f32=False)  # the exact form at every width (no float32 panels beside it)
+    assert exact_only.fmt == kind and exact_only.f32 is None
+    assert torch.equal(exact_only(x, bias), full)
     for m in (1, 2, 3, 4, 5, 9, 16):
         assert torch.equal(packed(x[:m].contiguous(), bias), full[:m]), f"{m} rows"
+        assert torch.equal(exact_only(x[:m].contiguous(), bias), full[:m]), f"{m} rows, exact form"
         assert torch.equal(packed(x[m - 1 : m].contiguous(), bias), full[m - 1 : m]), f"row {m - 1} alone"
 
 
@@ -77,8 +81,8 @@ def test_smallm_keeps_float32_for_weights_no_exact_form_holds():
     torch.manual_seed(0)
     weight = gguf_round(torch.randn(64, 64), "q4")
     weight[3, 5] += 1e-3  # one value off the 4-bit grid of its block
-    assert exact_format(weight) == "f32" or exact_format(weight) is None or pack_smallm(weight).fmt == "f32"
-    assert pack_smallm(torch.randn(64, 64)).fmt == "f32"
+    assert exact_format(weight) is None and pack_smallm(weight).fmt == "f32"
+    assert pack_smallm(torch.randn(64, 64)).fmt == "f32" and exact_format(torch.randn(64, 64)) is None
     assert pack_smallm(gguf_round(torch.randn(64, 64), "q4")[:, :48].contiguous()).fmt == "f32"  # K not a multiple of 32
     assert pack_smallm(gguf_round(torch.randn(64, 64), "q4"), ()).fmt == "f32"  # smallm_f32
 

@@ -18,9 +18,10 @@ from transformers import DynamicCache
 
 from pipeline.decoding.sampling import PositionKeyedSampler, draft_confidence
 from pipeline.decoding.schedules import BlockSizeSchedule, FixedSchedule
-from pipeline.models.backend import PACKED, SMALLM_MAX_ROWS, LMHead, resolve_backend, set_backend
+from pipeline.models.backend import SMALLM_MAX_ROWS, LMHead, resolve_backend, set_backend
 from pipeline.models.cache import resolve_kv_cache
 from pipeline.models.drafter import DFlashDrafter, check_compatible
+from pipeline.models.fast_forward import fast_forward_for
 from pipeline.models.target import Target, logit_head, new_cache
 
 
@@ -153,23 +154,6 @@ class DecodeState:
     last_confidence: torch.Tensor | None = None
 
 
-def _fast_forward(base, setting: bool | str, backend: str):
-    """The decoder's ``FastForward`` for ``setting`` (``auto`` | True | False), or None.
-
-    Raises:
-        ValueError: for True on an unsupported target, or another setting.
-    """
-    from pipeline.models.fast_forward import FastForward
-
-    if setting in ("auto", None):
-        return FastForward(base) if backend in PACKED and FastForward.supports(base) else None
-    if setting is True or setting == "true":
-        return FastForward(base)  # raises, naming the reason, when unsupported
-    if setting is False or setting == "false":
-        return None
-    raise ValueError(f"model.fast_forward must be auto, true or false, got {setting!r}")
-
-
 def _now(device: torch.device) -> float:
     """perf_counter after a CUDA synchronize (when on GPU), in seconds."""
     if device.type == "cuda":
@@ -218,7 +202,7 @@ class SpeculativeDecoder:
             set_backend(drafter, self.backend)
         # [..., H] -> [..., V] target logits as the model computes them (bias, scaling, softcapping)
         self.head = logit_head(target.model).with_backend(self.backend)
-        self.fast = _fast_forward(self.base, fast_forward, self.backend)
+        self.fast = fast_forward_for(self.base, fast_forward, self.backend)
         self.drafter_head = LMHead(self.draft_head, self.backend) if drafter is not None else None
         self.max_context = int(getattr(target.model.config, "max_position_embeddings", 1 << 30))
         self.stop_ids = set(target.stop_token_ids())

@@ -222,7 +222,10 @@ class SmallmWeight:
 
 def exact_format(w: torch.Tensor) -> str | None:
     """The smallest of ``EXACT_FORMATS`` that holds every float32 value of ``w`` [N, K] exactly, else None."""
-    return pack_smallm(w).fmt if w.dim() == 2 and w.dtype == torch.float32 else None
+    if w.dim() != 2 or w.dtype != torch.float32:
+        return None
+    fmt = pack_smallm(w, keep_f32=False).fmt
+    return None if fmt == "f32" else fmt
 
 
 def pack_smallm(w: torch.Tensor, formats=EXACT_FORMATS, keep_f32: bool = True) -> SmallmWeight:

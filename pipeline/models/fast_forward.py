@@ -24,7 +24,7 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask
 
-from pipeline.models.backend import EXACT_FORMATS, SMALLM, PackedLinear, pack_smallm
+from pipeline.models.backend import EXACT_FORMATS, PACKED, SMALLM, PackedLinear, pack_smallm
 
 LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
@@ -177,3 +177,21 @@ class FastForward:
         if states is not None:
             states[-1] = h
         return h, tuple(states) if states is not None else None
+
+
+def fast_forward_for(base: nn.Module, setting: bool | str | None, backend: str) -> FastForward | None:
+    """A decoder's ``FastForward`` for ``model.fast_forward`` = ``setting`` on ``backend``, or None.
+
+    ``auto`` (or None): one for a packed backend when ``base`` is supported; True: one (raises when unsupported);
+    False: None.
+
+    Raises:
+        ValueError: for True on an unsupported target (naming why), or another setting.
+    """
+    if setting in ("auto", None):
+        return FastForward(base) if backend in PACKED and FastForward.supports(base) else None
+    if setting is True or setting == "true":
+        return FastForward(base)
+    if setting is False or setting == "false":
+        return None
+    raise ValueError(f"model.fast_forward must be auto, true or false, got {setting!r}")
