@@ -117,6 +117,29 @@ def _check_label(cfg) -> None:
         raise ValueError(f"label.lm_head={label.get('lm_head')!r}: choose one of {list(LM_HEAD_MODES)}")
 
 
+def _check_draft(cfg) -> None:
+    from omegaconf import OmegaConf
+
+    from pipeline.drafting.module import check_loss
+
+    draft = cfg.draft
+    loss = draft.get("loss")
+    check_loss(OmegaConf.to_container(loss) if loss is not None else None)
+    sources = {"stdlib", "stdlib_source", "self"}
+    for s in draft.get("sets") or []:
+        temperature = s.get("temperature", 0.0)
+        check_temperature(temperature, f"draft.sets[{s.get('name')}].temperature")
+        if s.get("source") == "self" and (s.get("limit") is None or not _is_int(s.limit) or s.limit < 1):
+            raise ValueError(f"draft.sets[{s.get('name')}]: source: self needs limit >= 1 (how many prompts the "
+                             "target writes), e.g. limit: 1024")
+        if s.get("source") not in sources and not str(s.get("source", "")).strip():
+            raise ValueError(f"draft.sets[{s.get('name')}] has no source: give a JSONL path, humaneval, hub:<id>, "
+                             "stdlib, stdlib_source or self")
+    if draft.get("checkpoint_every") is not None and (not _is_int(draft.checkpoint_every) or draft.checkpoint_every < 0):
+        raise ValueError(f"draft.checkpoint_every={draft.checkpoint_every!r}: optimizer steps between checkpoints "
+                         "(0 or null: none)")
+
+
 def validate_config(cfg, stage: str) -> None:
     """Check the composed config of ``stage`` before any model or data loads.
 
@@ -124,7 +147,8 @@ def validate_config(cfg, stage: str) -> None:
     (>= 1), ``decode.temperature`` (finite, >= 0), ``decode.block_size`` (null or >= 1; 0 is not "default"),
     ``data.limit`` (null or >= 0); for ``eval``: every ``eval.methods`` entry is known and each predictor
     method has an ``eval.predictors`` entry, ``eval.split``; for ``label``: ``label.block_sizes``, ``mode``,
-    ``turns``, ``lm_head``.
+    ``turns``, ``lm_head``; for ``draft``: ``draft.loss``, each set's ``temperature`` and a ``source: self``
+    set's ``limit``, ``draft.checkpoint_every``.
 
     Args:
         cfg: the stage's composed ``DictConfig``.
@@ -145,3 +169,5 @@ def validate_config(cfg, stage: str) -> None:
         _check_eval(cfg)
     if stage == "label":
         _check_label(cfg)
+    if stage == "draft" and cfg.get("draft") is not None:
+        _check_draft(cfg)

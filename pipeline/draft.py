@@ -3,11 +3,14 @@
     make draft                       # the embedded default (SmolLM2-135M-Instruct), shipped drafter
     python -m pipeline.draft draft.trainer.max_time=00:00:30:00 draft.out=data/drafters/my-drafter
 
-Pipeline: training prompt sets (local JSONL with ``turns``, hub ids, stdlib code prompts) ->
-target-generated greedy responses with the tapped layers' features (cached shards, resumable) ->
-Lightning training with random anchors, a block-sparse mask and position-decayed cross-entropy ->
+Pipeline: training prompt sets (local JSONL with ``turns``, hub ids, stdlib code prompts, prompts the
+target writes itself: ``source: self``) -> target-generated responses, greedy or sampled per set
+(``temperature``), with the tapped layers' features (cached shards, resumable) -> Lightning training
+with random anchors, a block-sparse mask and a position-decayed loss (CE, optionally TV/KL to the
+target; checkpointed every ``draft.checkpoint_every`` steps, resumed with ``draft.resume=true``) ->
 ``config.json`` + ``model.safetensors`` (bf16) + ``README.md`` model card.
-Never point it at the benchmark sets used for evaluation.
+Never point it at the benchmark sets used for evaluation (``draft.decontaminate`` lists them, and
+self-written prompts that share a word 8-gram with any of them are dropped).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pipeline.drafting.corpus import build_corpus_cache
 from pipeline.drafting.data import AnchorDataset, collate, load_sequences
 from pipeline.drafting.module import DrafterModule, init_from_target_layers
 from pipeline.drafting.responses import build_response_cache, generation_seconds
+from pipeline.drafting.self_prompts import build_self_prompts
 from pipeline.drafting.stdlib_prompts import stdlib_prompts
 from pipeline.models.drafter import DFlashDrafter, make_drafter_config, num_parameters
 from pipeline.models.export_drafter import with_loading_section
@@ -45,11 +49,32 @@ from pipeline.tracking import init_wandb
 log = logging.getLogger(__name__)
 
 
-def training_prompts(set_cfg) -> list:
-    """Prompts of one configured training set (``source: stdlib`` builds the stdlib code prompts;
-    ``source: stdlib_source`` is handled by ``build_corpus_cache`` instead)."""
+def decontamination_texts(sources) -> list[str]:
+    """Every user turn of the benchmark prompt sets ``sources`` (``humaneval`` or JSONL paths); a missing
+    file is skipped with a warning (the sets live outside the repository)."""
+    texts = []
+    for source in sources or []:
+        try:
+            texts += [t for p in load_prompt_set(str(source)) for t in p.turns]
+        except FileNotFoundError as err:
+            log.warning("decontamination set skipped: %s", err)
+    return texts
+
+
+def training_prompts(set_cfg, target=None, cfg: DictConfig | None = None) -> list:
+    """Prompts of one configured training set (``source: stdlib`` builds the stdlib code prompts; ``source:
+    self`` has ``target`` write them, filtered against ``cfg.draft.decontaminate``; ``source: stdlib_source``
+    is handled by ``build_corpus_cache`` instead)."""
     if set_cfg.source == "stdlib":
         return stdlib_prompts(set_cfg.get("limit"), seed=0)
+    if set_cfg.source == "self":
+        if target is None or cfg is None:
+            raise ValueError("source: self needs the target and the draft config")
+        return build_self_prompts(
+            target, str(cfg.model.target), Path(cfg.draft.cache_dir) / "self-prompts", set_cfg.name,
+            int(set_cfg.get("limit") or 1024), decontamination_texts(cfg.draft.get("decontaminate")),
+            batch_size=int(cfg.draft.gen_batch_size), max_new_tokens=int(set_cfg.get("prompt_max_tokens", 96)),
+            seed=int(set_cfg.get("prompt_seed", 0)))
     return load_prompt_set(set_cfg.source, set_cfg.name, set_cfg.get("limit"), seed=0)
 
 
@@ -103,12 +128,15 @@ def write_model_card(out: Path, name: str, cfg: DictConfig, stats: dict) -> None
         "| item | value |", "|---|---|",
     ]
     for k, v in stats.items():
-        if k != "val_tau":
+        if k not in ("val_tau", "val_tau_per_set"):
             lines.append(f"| {k} | {', '.join(f'{a}: {b}' for a, b in v.items()) if isinstance(v, dict) else v} |")
     lines += ["", "Teacher-forced acceptance length on held-out training-distribution sequences (not a benchmark):", "",
               "| B | tau |", "|---|---|"]
     for b, tau in sorted(stats.get("val_tau", {}).items(), key=lambda kv: int(kv[0])):
         lines.append(f"| {b} | {tau:.3f} |")
+    if stats.get("val_tau_per_set"):
+        lines += ["", f"The same at the training block size, per training set:", "", "| set | tau |", "|---|---|"]
+        lines += [f"| {k} | {v:.3f} |" for k, v in sorted(stats["val_tau_per_set"].items())]
     lines += ["", "Config:", "", "```yaml", OmegaConf.to_yaml(cfg.draft), "```", ""]
     vocab = stats.get("draft vocabulary")
     (out / "README.md").write_text(with_loading_section("\n".join(lines), vocab if isinstance(vocab, int) else None))
@@ -137,9 +165,10 @@ def train_drafter(cfg: DictConfig) -> Path:
             paths = build_corpus_cache(target, d, layer_ids, window=set_cfg.get("window", 384), limit=set_cfg.get("limit"),
                                        with_features=with_features)
         else:
-            prompts = training_prompts(set_cfg)
+            prompts = training_prompts(set_cfg, target, cfg)
             paths = build_response_cache(target, prompts, d, layer_ids, dcfg.max_new_tokens, dcfg.max_prompt_tokens,
-                                         dcfg.gen_batch_size, set_cfg.get("max_batches"), with_features)
+                                         dcfg.gen_batch_size, set_cfg.get("max_batches"), with_features,
+                                         temperature=float(set_cfg.get("temperature", 0.0)), seed=cfg.seed)
         seconds, unknown = generation_seconds(paths)
         data_seconds[set_cfg.name] = round(seconds) if not unknown else f"{round(seconds)} + {unknown} shards without a record"
         dirs.append(d)
@@ -166,7 +195,8 @@ def train_drafter(cfg: DictConfig) -> Path:
                            lr=dcfg.lr, weight_decay=dcfg.weight_decay, warmup_steps=dcfg.warmup_steps,
                            max_steps=dcfg.trainer.max_steps, gamma=dcfg.gamma, eval_block_sizes=tuple(dcfg.eval_block_sizes),
                            target_model=None if with_features else target.model,
-                           max_seconds=schedule_seconds(dcfg.trainer.get("max_time")))
+                           max_seconds=schedule_seconds(dcfg.trainer.get("max_time")),
+                           loss=OmegaConf.to_container(dcfg.loss) if dcfg.get("loss") is not None else None)
     train_ds = AnchorDataset(train, dcfg.anchors_per_seq, cfg.seed)
     val_ds = AnchorDataset(val, dcfg.anchors_per_seq, cfg.seed + 1)
     workers = int(dcfg.get("num_workers", 0))
@@ -180,20 +210,33 @@ def train_drafter(cfg: DictConfig) -> Path:
         from lightning.pytorch.loggers import WandbLogger
 
         loggers.append(WandbLogger(experiment=run))
+    ckpt_dir = Path(cfg.paths.data) / "runs" / "draft" / cfg.run_name / "checkpoints"
+    callbacks = [PrintProgress(every_n_steps=10)]
+    every = int(dcfg.get("checkpoint_every") or 0)
+    if every:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="step-{step}", every_n_train_steps=every,
+                                         save_last=True, save_top_k=1, monitor="step", mode="max"))
+    resume = ckpt_dir / "last.ckpt" if dcfg.get("resume") and (ckpt_dir / "last.ckpt").exists() else None
+    if dcfg.get("resume"):
+        log.info("resuming from %s" if resume else "draft.resume=true but no checkpoint in %s: starting fresh",
+                 resume or ckpt_dir)
     trainer = L.Trainer(
         max_steps=dcfg.trainer.max_steps, max_time=dcfg.trainer.get("max_time"), val_check_interval=dcfg.trainer.val_check_interval,
         check_val_every_n_epoch=None,
         limit_val_batches=dcfg.trainer.limit_val_batches, accelerator=dcfg.trainer.accelerator, devices=1,
-        precision=dcfg.trainer.precision, gradient_clip_val=1.0, logger=loggers or False, enable_checkpointing=False,
+        precision=dcfg.trainer.precision, gradient_clip_val=1.0, logger=loggers or False, enable_checkpointing=bool(every),
         default_root_dir=str(Path(cfg.paths.data) / "runs" / "draft"), log_every_n_steps=10, num_sanity_val_steps=0,
-        callbacks=[PrintProgress(every_n_steps=10)],
+        callbacks=callbacks,
     )
     t_train = time.time()
-    trainer.fit(module, train_dl, val_dl)
+    trainer.fit(module, train_dl, val_dl, ckpt_path=str(resume) if resume else None)
     train_seconds = time.time() - t_train
     final = trainer.validate(module, val_dl, verbose=False)[0]
     val_tau = {str(drafter.block_size): final.get("val/tau", float("nan"))}
     val_tau.update({k.removeprefix("val/tau_b"): v for k, v in final.items() if k.startswith("val/tau_b")})
+    val_tau_per_set = {k.removeprefix("val/tau/"): round(float(v), 4) for k, v in final.items() if k.startswith("val/tau/")}
 
     out = Path(dcfg.out) if Path(dcfg.out).is_absolute() else PROJECT_ROOT / dcfg.out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -218,7 +261,9 @@ def train_drafter(cfg: DictConfig) -> Path:
         "training wall time (s)": round(train_seconds),
         "features": features_mode,
         "hardware": hardware(cfg.model.device),
+        "loss": OmegaConf.to_container(dcfg.loss) if dcfg.get("loss") is not None else {"ce": 1.0},
         "val_tau": val_tau,
+        "val_tau_per_set": val_tau_per_set,
     }
     write_model_card(tmp, out.name, cfg, stats)
     (tmp / "training_stats.json").write_text(json.dumps(stats, indent=2, default=str))

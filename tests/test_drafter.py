@@ -67,6 +67,9 @@ def test_z_lab_layout_round_trip(tiny, tmp_path):
     assert config["dflash_config"]["mask_token_id"] == 0
     assert config["architectures"] == ["DFlashDraftModel"]
     assert config["dtype"] == "float32"
+    # transformers 4.x readers take the rotary base from rope_theta; transformers 5 from rope_parameters
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == drafter.config.rope_parameters["rope_theta"]
+    assert "rope_scaling" not in config or config["rope_scaling"] is None
     weights = load_file(out / "model.safetensors")
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight",
             "layers.0.self_attn.k_norm.weight", "layers.0.mlp.down_proj.weight"} <= set(weights)
@@ -74,6 +77,7 @@ def test_z_lab_layout_round_trip(tiny, tmp_path):
     assert weights["fc.weight"].shape == (64, 2 * 64)
 
     reloaded = DFlashDrafter.from_pretrained(out)
+    assert reloaded.config.rope_parameters == drafter.config.rope_parameters
     noise, features, positions = _inputs(drafter)
     with torch.no_grad():
         assert torch.equal(drafter(noise, features, positions), reloaded(noise, features, positions))

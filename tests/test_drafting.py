@@ -280,16 +280,17 @@ def test_online_features_equal_cached_features(llama, prompt_ids):
     drafter = DFlashDrafter(make_drafter_config(llama.model.config, num_layers=1, block_size=4, target_layer_ids=LAYERS))
     module = DrafterModule(drafter, llama.model.get_input_embeddings().weight, llama.model.get_output_embeddings().weight,
                            target_model=llama.model)
-    feats = module.target_features(online["tokens"], online["lengths"])
+    feats, final = module.target_features(online["tokens"], online["lengths"])
+    assert final.shape == (*online["tokens"].shape, 64)
     for i, n in enumerate(online["lengths"].tolist()):  # the stored last row is zero: never fed during generation
         torch.testing.assert_close(feats[i, : n - 1].float(), cached["features"][i, : n - 1].float(), atol=2e-2, rtol=2e-2)
     hidden_cached, labels_cached = module._logits(cached, 4)
-    hidden_online, labels_online = module._logits(online, 4)
+    hidden_online, labels_online = module._logits(module._with_features(online), 4)
     assert torch.equal(labels_cached, labels_online)
     torch.testing.assert_close(hidden_online, hidden_cached, atol=5e-2, rtol=5e-2)
     no_target = DrafterModule(drafter, llama.model.get_input_embeddings().weight, llama.model.get_output_embeddings().weight)
     with pytest.raises(ValueError, match="target_model"):
-        no_target._logits(online, 4)
+        no_target._with_features(online)
 
 
 def test_learning_rate_decay_follows_the_time_budget(llama):

@@ -48,8 +48,10 @@ def stdlib_source_windows(tokenizer, window: int = 384, prefix: int = 16, limit:
 
 
 @torch.inference_mode()
-def teacher_forced_features(target: Target, windows: list[torch.Tensor], layer_ids: list[int]) -> list[torch.Tensor]:
-    """Tapped features [n_i, n_taps*H] (bf16) of one right-padded batch of windows, one target forward."""
+def teacher_forced_features(target: Target, windows: list[torch.Tensor], layer_ids: list[int],
+                            with_final: bool = False) -> list[torch.Tensor]:
+    """Tapped features [n_i, n_taps*H] (bf16) of one right-padded batch of windows, one target forward;
+    ``with_final`` appends the target's final hidden state (H more columns)."""
     base = target.model.base_model
     width = max(len(w) for w in windows)
     ids = torch.zeros(len(windows), width, dtype=torch.long)
@@ -58,7 +60,8 @@ def teacher_forced_features(target: Target, windows: list[torch.Tensor], layer_i
         ids[i, : len(w)] = w
         mask[i, : len(w)] = 1
     out = base(input_ids=ids.to(target.device), attention_mask=mask.to(target.device), output_hidden_states=True)
-    feats = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.bfloat16).cpu()
+    taps = [out.hidden_states[i + 1] for i in layer_ids] + ([out.last_hidden_state] if with_final else [])
+    feats = torch.cat(taps, dim=-1).to(torch.bfloat16).cpu()
     return [feats[i, : len(w)] for i, w in enumerate(windows)]
 
 
@@ -83,7 +86,9 @@ def build_corpus_cache(target: Target, out_dir: str | Path, layer_ids: list[int]
         sequences = []
         for i in range(0, len(group), batch_size):
             batch = group[i : i + batch_size]
-            feats = teacher_forced_features(target, batch, layer_ids) if with_features else [None] * len(batch)
+            feats = (teacher_forced_features(target, batch, layer_ids, with_final=True) if with_features
+                     else [None] * len(batch))
             sequences += list(zip(batch, feats))
-        write_shard(path, sequences, [prefix] * len(sequences), time.perf_counter() - t0)
+        write_shard(path, sequences, [prefix] * len(sequences), time.perf_counter() - t0,
+                    final_size=target.model.config.hidden_size if with_features else 0)
     return paths

@@ -17,8 +17,8 @@ from pipeline.drafting.responses import read_shard
 
 
 def load_sequences(dirs: list[str | Path], max_len: int | None = None, features: bool = True) -> list[dict]:
-    """All cached sequences of the shard folders in ``dirs`` (``tokens``, ``features``, ``prompt_length``,
-    ``set`` = the folder's name).
+    """All cached sequences of the shard folders in ``dirs`` (``tokens``, ``features``, ``final`` where the
+    shard has it, ``prompt_length``, ``set`` = the folder's name).
 
     Sequences whose response is shorter than 2 tokens are dropped; ``max_len`` truncates from the right.
     ``features=False`` drops stored features (the training step computes them: ``draft.features=online``).
@@ -33,13 +33,15 @@ def load_sequences(dirs: list[str | Path], max_len: int | None = None, features:
                 seq["set"] = Path(d).name
                 if not features:
                     seq.pop("features", None)
+                    seq.pop("final", None)
                 elif "features" not in seq:
                     raise ValueError(f"{path} holds tokens only (written with draft.features=online); train with "
                                      "draft.features=online or delete that folder to regenerate it with features")
                 if max_len is not None and len(seq["tokens"]) > max_len:
                     seq = {**seq, "tokens": seq["tokens"][:max_len]}
-                    if "features" in seq:
-                        seq["features"] = seq["features"][:max_len]
+                    for key in ("features", "final"):
+                        if key in seq:
+                            seq[key] = seq[key][:max_len]
                 if len(seq["tokens"]) - seq["prompt_length"] >= 2:
                     sequences.append(seq)
     return sequences
@@ -75,15 +77,19 @@ def collate(items: list[dict]) -> dict:
 
     Returns:
         tokens [b, L] long (right-padded with 0), features [b, L, F] bf16 (only when every item has
-        features), lengths [b], anchors [b, K] (padding -1).
+        features), final [b, L, H] bf16 (only when every item has it), lengths [b], anchors [b, K] (padding -1),
+        sets (list of b training-set names, when every item has one).
     """
     b = len(items)
     L = max(len(it["tokens"]) for it in items)
     K = max(len(it["anchors"]) for it in items)
     with_features = all("features" in it for it in items)
+    with_final = all("final" in it for it in items)
     tokens = torch.zeros(b, L, dtype=torch.long)
     if with_features:
         features = torch.zeros(b, L, items[0]["features"].shape[-1], dtype=items[0]["features"].dtype)
+    if with_final:
+        final = torch.zeros(b, L, items[0]["final"].shape[-1], dtype=items[0]["final"].dtype)
     anchors = torch.full((b, K), -1, dtype=torch.long)
     lengths = torch.zeros(b, dtype=torch.long)
     for i, it in enumerate(items):
@@ -91,11 +97,17 @@ def collate(items: list[dict]) -> dict:
         tokens[i, :n] = it["tokens"]
         if with_features:
             features[i, :n] = it["features"]
+        if with_final:
+            final[i, :n] = it["final"]
         anchors[i, : len(it["anchors"])] = it["anchors"]
         lengths[i] = n
     batch = {"tokens": tokens, "lengths": lengths, "anchors": anchors}
     if with_features:
         batch["features"] = features
+    if with_final:
+        batch["final"] = final
+    if all("set" in it for it in items):
+        batch["sets"] = [it["set"] for it in items]
     return batch
 
 

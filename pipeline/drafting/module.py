@@ -1,8 +1,12 @@
 """Lightning module that trains a DFlash drafter on cached target features.
 
-Loss: position-decayed cross-entropy, weight exp(-(k-1)/gamma) at block position k = 1..B-1, against
-the target's own (greedy) tokens (DFlash, Chen et al. 2026). The target's embedding and LM head are
-frozen and shared; only the drafter's layers, ``fc`` and norms train.
+Loss: position-decayed, weight exp(-(k-1)/gamma) at block position k = 1..B-1 (DFlash, Chen et al.
+2026), of ``ce`` x cross-entropy against the target's own tokens, plus optionally ``tv`` x the total
+variation and ``kl`` x the KL(target || drafter) to the target's next-token distribution (the
+speculators' DFlash recipe uses 0.1 CE + 0.9 TV). The target distribution is its softmax over the
+draft vocabulary (the only tokens the drafter can propose), from its final hidden state: stored
+in the cached shards (``final``) or computed by the online target pass. The target's embedding and
+LM head are frozen and shared; only the drafter's layers, ``fc`` and norms train.
 Validation reports the teacher-forced acceptance length: per block, 1 + the number of leading
 positions whose argmax equals the label, averaged over blocks ("val/tau").
 """
@@ -18,6 +22,40 @@ from torch.nn import functional as F
 
 from pipeline.drafting.data import block_inputs
 from pipeline.models.drafter import DFlashDrafter, lm_head_logits, loss_weights
+
+
+LOSS_TERMS = ("ce", "tv", "kl")
+
+
+def check_loss(loss: dict | None) -> dict[str, float]:
+    """The loss weights ``{"ce", "tv", "kl"}`` (missing terms 0; None is hard CE alone).
+
+    Raises:
+        ValueError: an unknown term, a negative weight, or all weights 0.
+    """
+    weights = {"ce": 1.0, "tv": 0.0, "kl": 0.0} if loss is None else {k: 0.0 for k in LOSS_TERMS} | dict(loss)
+    unknown = set(weights) - set(LOSS_TERMS)
+    if unknown:
+        raise ValueError(f"draft.loss has unknown terms {sorted(unknown)}: use ce, tv and kl, e.g. {{ce: 0.1, tv: 0.9}}")
+    if any(float(v) < 0 for v in weights.values()) or not any(float(v) > 0 for v in weights.values()):
+        raise ValueError(f"draft.loss={dict(weights)}: weights must be >= 0 with at least one > 0, e.g. {{ce: 1.0}}")
+    return {k: float(v) for k, v in weights.items()}
+
+
+def distillation_terms(logits: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row total variation and KL(target || drafter) between two distributions over the same tokens.
+
+    Args:
+        logits: drafter logits [n, V']; target_logits: target logits [n, V'] over the same V' tokens.
+    Returns:
+        (tv [n], kl [n]); tv = 0.5 * sum |p - q| in [0, 1], kl = sum p (log p - log q) >= 0 (nats).
+    """
+    log_q = torch.log_softmax(logits.float(), dim=-1)
+    log_p = torch.log_softmax(target_logits.float(), dim=-1)
+    p = log_p.exp()
+    tv = 0.5 * (p - log_q.exp()).abs().sum(-1)
+    kl = (p * (log_p - log_q)).sum(-1)
+    return tv, kl
 
 
 def init_from_target_layers(drafter: DFlashDrafter, target_model) -> list[int]:
@@ -44,6 +82,8 @@ class DrafterModule(L.LightningModule):
             of steps and seconds runs out first, so a run cut by ``trainer.max_time`` still ends at the
             low learning rate.
         gamma: loss decay constant (DFlash uses 7 for B=16; 4 suits B=8).
+        loss: weights of the terms ``ce``, ``tv``, ``kl`` (see ``check_loss``; None = hard CE). A tv or kl
+            weight needs the target's final hidden state: cached shards written with it, or online features.
         eval_block_sizes: block sizes for teacher-forced validation tau.
         target_model: the frozen target (a transformers causal LM), needed only for batches without
             ``features`` (``draft.features=online``): each step then runs one no-grad target forward
@@ -52,8 +92,10 @@ class DrafterModule(L.LightningModule):
 
     def __init__(self, drafter: DFlashDrafter, embedding: torch.Tensor, lm_head: torch.Tensor, lr: float = 6e-4,
                  weight_decay: float = 0.01, warmup_steps: int = 50, max_steps: int = 1000, gamma: float = 4.0,
-                 eval_block_sizes: tuple[int, ...] = (4, 8, 16), target_model=None, max_seconds: float | None = None):
+                 eval_block_sizes: tuple[int, ...] = (4, 8, 16), target_model=None, max_seconds: float | None = None,
+                 loss: dict | None = None):
         super().__init__()
+        self.loss_mix = check_loss(loss)
         self.drafter = drafter
         self.target = target_model
         if target_model is not None:
@@ -70,11 +112,13 @@ class DrafterModule(L.LightningModule):
         self.eval_block_sizes = tuple(eval_block_sizes)
         self.max_seconds = max_seconds
         self._t0: float | None = None
+        self._elapsed_before = 0.0  # training seconds spent before a resume (restored from the checkpoint)
 
     @torch.no_grad()
-    def target_features(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Tapped target hidden states [b, L, n_taps*H] (bf16) of right-padded ``tokens`` [b, L] with
-        ``lengths`` [b], from one float32 forward of the frozen target (the ``responses`` cache's features).
+    def target_features(self, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tapped target hidden states [b, L, n_taps*H] and the final hidden state [b, L, H] (both bf16) of
+        right-padded ``tokens`` [b, L] with ``lengths`` [b], from one float32 forward of the frozen target
+        (the ``responses`` cache's ``features`` and ``final``).
 
         Raises:
             ValueError: the module was built without ``target_model``.
@@ -85,16 +129,21 @@ class DrafterModule(L.LightningModule):
         mask = (torch.arange(tokens.shape[1], device=self.device)[None] < lengths[:, None]).long()
         with torch.autocast(device_type=self.device.type, enabled=False):
             out = self.target.base_model(input_ids=tokens, attention_mask=mask, output_hidden_states=True)
-        return self.drafter.extract_context(out.hidden_states).to(torch.bfloat16)
+        return (self.drafter.extract_context(out.hidden_states).to(torch.bfloat16),
+                out.last_hidden_state.to(torch.bfloat16))
+
+    def _with_features(self, batch: dict) -> dict:
+        """``batch`` with ``features`` and ``final`` (one online target pass when they are not cached)."""
+        if "features" in batch:
+            return batch
+        features, final = self.target_features(batch["tokens"], batch["lengths"])
+        return {**batch, "features": features, "final": final}
 
     def _logits(self, batch: dict, block_size: int):
         inputs = block_inputs(batch, block_size, self.drafter.mask_token_id)
         inputs = {k: v.to(self.device) for k, v in inputs.items()}
         noise = F.embedding(inputs["block_ids"], self.embedding)
-        if "features" in batch:
-            features = batch["features"].to(self.device, noise.dtype)
-        else:
-            features = self.target_features(batch["tokens"], batch["lengths"]).to(noise.dtype)
+        features = batch["features"].to(self.device, noise.dtype)
         hidden = self.drafter(noise, features, inputs["position_ids"], inputs["attention_mask"])
         labels = inputs["labels"]
         b, K = labels.shape[:2]
@@ -105,38 +154,86 @@ class DrafterModule(L.LightningModule):
         labels = torch.where(in_seq & (labels < 0), torch.full_like(labels, -1), labels)
         return hidden, labels
 
+    def target_block_logits(self, batch: dict, block_size: int) -> torch.Tensor:
+        """The target's logits over the draft vocabulary [b, K, B-1, N] for each block's label positions:
+        label a+i is predicted from the target's final hidden state at a+i-1.
+
+        Raises:
+            ValueError: the batch has no ``final`` hidden states (cached shards written before they were stored).
+        """
+        if "final" not in batch:
+            raise ValueError("draft.loss with tv or kl needs the target's final hidden states: regenerate the cached "
+                             "data (delete draft.cache_dir's sets) or train with draft.features=online")
+        final, anchors = batch["final"].to(self.device), batch["anchors"].to(self.device)
+        b, L, H = final.shape
+        pos = (anchors.clamp(min=0)[:, :, None] + torch.arange(block_size - 1, device=self.device)).clamp(max=L - 1)
+        hidden = final.gather(1, pos.reshape(b, -1, 1).expand(-1, -1, H)).reshape(b, anchors.shape[1], block_size - 1, H)
+        return hidden.float() @ self.lm_head.T.float()
+
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         B = self.drafter.block_size
+        w = self.loss_mix
+        batch = self._with_features(batch)
         hidden, labels = self._logits(batch, B)
         keep = labels >= 0  # in-sequence and inside the draft vocabulary
         weights = loss_weights(B, self.gamma).to(self.device)[None, None].expand_as(labels)[keep]
         logits = hidden[keep] @ self.lm_head.T
         ce = F.cross_entropy(logits.float(), labels[keep], reduction="none")
-        loss = (ce * weights).sum() / weights.sum()
+        terms = {"ce": ce}
+        if w["tv"] or w["kl"]:
+            terms["tv"], terms["kl"] = distillation_terms(logits, self.target_block_logits(batch, B)[keep])
+        per_row = sum(w[k] * v for k, v in terms.items())
+        loss = (per_row * weights).sum() / weights.sum()
         acc = (logits.argmax(-1) == labels[keep]).float().mean()
-        self.log_dict({"train/loss": loss, "train/acc": acc}, prog_bar=True, batch_size=int(keep.sum()))
+        logged = {"train/loss": loss, "train/acc": acc}
+        if len(terms) > 1:
+            logged.update({f"train/{k}": (v.detach() * weights).sum() / weights.sum() for k, v in terms.items()})
+        self.log_dict(logged, prog_bar=True, batch_size=int(keep.sum()))
         return loss
+
+    @torch.no_grad()
+    def block_acceptance(self, batch: dict, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced acceptance length (1 + leading correct drafts) of every block [b, K] at ``block_size``,
+        and which blocks are full (all B-1 labels inside the sequence) [b, K] bool."""
+        hidden, labels = self._logits(batch, block_size)
+        full = (labels != -100).all(-1)
+        pred = lm_head_logits(hidden, self.lm_head).argmax(-1)
+        accepted = ((pred == labels).int().cumprod(-1).sum(-1) + 1) * full
+        return accepted, full
 
     @torch.no_grad()
     def teacher_forced_tau(self, batch: dict, block_size: int) -> tuple[float, int]:
         """(sum of per-block acceptance lengths, number of full blocks) for one batch at ``block_size``."""
-        hidden, labels = self._logits(batch, block_size)
-        full = (labels != -100).all(-1)
-        if not bool(full.any()):
-            return 0.0, 0
-        hidden, labels = hidden[full], labels[full]
-        pred = lm_head_logits(hidden, self.lm_head).argmax(-1)
-        accepted = (pred == labels).int().cumprod(-1).sum(-1)
-        return float((accepted + 1).sum()), int(full.sum())
+        accepted, full = self.block_acceptance(batch, block_size)
+        return float(accepted.sum()), int(full.sum())
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        if "features" not in batch:  # one target pass serves every block size
-            batch = {**batch, "features": self.target_features(batch["tokens"], batch["lengths"])}
+        """Logs ``val/tau`` (the training B), ``val/tau_b<B>`` (the other eval block sizes) and
+        ``val/tau/<set>`` (the training B, per training set, when the batch names its rows' sets)."""
+        batch = self._with_features(batch)  # one target pass serves every block size
         for bs in sorted(set(self.eval_block_sizes) | {self.drafter.block_size}):
-            total, count = self.teacher_forced_tau(batch, bs)
+            accepted, full = self.block_acceptance(batch, bs)
+            count = int(full.sum())
             if count:
                 name = "val/tau" if bs == self.drafter.block_size else f"val/tau_b{bs}"
-                self.log(name, total / count, batch_size=count, prog_bar=bs == self.drafter.block_size)
+                self.log(name, float(accepted.sum()) / count, batch_size=count, prog_bar=bs == self.drafter.block_size)
+            if bs == self.drafter.block_size and "sets" in batch:
+                for name in sorted(set(batch["sets"])):
+                    rows = torch.tensor([s == name for s in batch["sets"]], device=full.device)
+                    n = int(full[rows].sum())
+                    if n:
+                        self.log(f"val/tau/{name}", float(accepted[rows].sum()) / n, batch_size=n)
+
+    def elapsed_seconds(self) -> float:
+        """Training seconds so far, across resumes (the time budget the learning-rate decay follows)."""
+        return self._elapsed_before + (time.monotonic() - self._t0 if self._t0 is not None else 0.0)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["blockpilot_elapsed_seconds"] = self.elapsed_seconds()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._elapsed_before = float(checkpoint.get("blockpilot_elapsed_seconds", 0.0))
+        self._t0 = None
 
     def configure_optimizers(self):
         params = [p for p in self.drafter.parameters() if p.requires_grad]
@@ -152,7 +249,7 @@ class DrafterModule(L.LightningModule):
                 return (step + 1) / self.warmup_steps
             progress = min(1.0, (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps))
             if self.max_seconds:
-                progress = max(progress, min(1.0, (time.monotonic() - self._t0) / self.max_seconds))
+                progress = max(progress, min(1.0, self.elapsed_seconds() / self.max_seconds))
             return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
         return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "step"}}

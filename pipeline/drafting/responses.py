@@ -10,6 +10,8 @@ Shard ``shard-XXXXX.safetensors`` holds, for the S sequences of one batch:
   ``features`` bfloat16 [T, n_taps*H]  tapped hidden states at those tokens (the final token's row is
                zero: it was never fed to the target). Absent in token-only shards
                (``draft.features=online``: the training step runs the frozen target instead);
+  ``final``    bfloat16 [T, H]  the target's last hidden state (after its final norm) at those tokens,
+               beside ``features``: the target's next-token distribution for distillation losses;
   ``offsets``  int64 [S+1]     sequence boundaries in ``tokens``;
   ``prompt_lengths`` int64 [S] prompt tokens of each sequence.
 """
@@ -36,9 +38,11 @@ log = logging.getLogger(__name__)
 @torch.inference_mode()
 def generate_batch(
     target: Target, prompt_ids: list[torch.Tensor], layer_ids: list[int], max_new_tokens: int,
-    with_features: bool = True,
+    with_features: bool = True, temperature: float = 0.0, generator: torch.Generator | None = None,
+    with_final: bool = False,
 ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """Greedy responses for a batch of prompts, with the tapped features of every fed token.
+    """Responses for a batch of prompts (greedy, or sampled at ``temperature`` > 0 with ``generator``),
+    with the tapped features of every fed token.
 
     Rows that reach a stop token leave the batch (their cache rows are dropped), so stragglers do not
     keep finished rows busy.
@@ -47,10 +51,17 @@ def generate_batch(
         prompt_ids: S tensors [n_i] of prompt ids.
         layer_ids: target decoder layers to tap (0-based).
         with_features: False returns ``features=None`` (token-only data, no hidden states kept).
+        temperature: 0 takes the argmax; > 0 samples from softmax(logits / temperature) (full vocabulary,
+            no top-k/top-p), drawing on ``generator`` (CPU) so a shard is reproducible.
+        with_final: append the target's final hidden state (after its final norm) as H more feature columns.
     Returns:
-        per sequence ``(tokens [n_i + r_i], features [n_i + r_i, n_taps*H] bf16 or None)``; responses end
-        at the first stop token or after ``max_new_tokens``. The final token's feature row is zero (never fed).
+        per sequence ``(tokens [n_i + r_i], features [n_i + r_i, n_taps*H (+ H)] bf16 or None)``; responses
+        end at the first stop token or after ``max_new_tokens``. The final token's feature row is zero (never fed).
+    Raises:
+        ValueError: a negative temperature.
     """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     model, base = target.model, target.model.base_model
     device = model.device
     stop = torch.tensor(target.stop_token_ids(), device=device)
@@ -72,8 +83,14 @@ def generate_batch(
         out = base(input_ids=step_ids, attention_mask=mask, position_ids=positions, cache=cache,
                    use_cache=True, output_hidden_states=with_features)
         if with_features:
-            tapped = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.bfloat16)
-        nxt = head(out.last_hidden_state[:, -1]).argmax(-1)
+            taps = [out.hidden_states[i + 1] for i in layer_ids] + ([out.last_hidden_state] if with_final else [])
+            tapped = torch.cat(taps, dim=-1).to(torch.bfloat16)
+        logits = head(out.last_hidden_state[:, -1])
+        if temperature > 0:
+            probs = torch.softmax(logits.float() / temperature, dim=-1).cpu()
+            nxt = torch.multinomial(probs, 1, generator=generator).flatten().to(device)
+        else:
+            nxt = logits.argmax(-1)
         finished = torch.isin(nxt, stop) | (step == max_new_tokens - 1)
         for j, r in enumerate(rows):
             if with_features:
@@ -101,15 +118,20 @@ def generate_batch(
 
 
 def write_shard(path: Path, sequences: list[tuple[torch.Tensor, torch.Tensor | None]], prompt_lengths: list[int],
-                seconds: float | None = None) -> None:
+                seconds: float | None = None, final_size: int = 0) -> None:
     """Atomically write one shard (see the module docstring for its tensors); ``seconds``, the wall time
     that produced it, goes into the safetensors metadata (``generation_seconds``). Sequences whose
-    features are all None make a token-only shard."""
+    features are all None make a token-only shard. ``final_size`` > 0: the last ``final_size`` feature
+    columns are the target's final hidden state and go to the ``final`` tensor."""
     tokens = torch.cat([t for t, _ in sequences]).to(torch.int32)
     offsets = torch.tensor([0] + [len(t) for t, _ in sequences]).cumsum(0)
     tensors = {"tokens": tokens, "offsets": offsets, "prompt_lengths": torch.tensor(prompt_lengths)}
     if any(f is not None for _, f in sequences):
-        tensors["features"] = torch.cat([f for _, f in sequences]).contiguous()
+        feats = torch.cat([f for _, f in sequences])
+        if final_size:
+            tensors["final"] = feats[:, -final_size:].contiguous()
+            feats = feats[:, :-final_size]
+        tensors["features"] = feats.contiguous()
     tmp = path.with_suffix(".tmp")
     save_file(tensors, tmp,
               metadata=None if seconds is None else {"generation_seconds": f"{seconds:.3f}"})
@@ -130,15 +152,16 @@ def generation_seconds(paths: list[Path]) -> tuple[float, int]:
 
 
 def read_shard(path: Path) -> list[dict]:
-    """Sequences of one shard as dicts ``{tokens [n], features [n, F], prompt_length}`` (no ``features``
-    key for a token-only shard)."""
+    """Sequences of one shard as dicts ``{tokens [n], features [n, F], final [n, H], prompt_length}`` (no
+    ``features`` key for a token-only shard, no ``final`` key for a shard written without it)."""
     data = load_file(path)
     off = data["offsets"].tolist()
     sequences = []
     for a, b, n in zip(off[:-1], off[1:], data["prompt_lengths"].tolist()):
         seq = {"tokens": data["tokens"][a:b].long(), "prompt_length": int(n)}
-        if "features" in data:
-            seq["features"] = data["features"][a:b]
+        for key in ("features", "final"):
+            if key in data:
+                seq[key] = data[key][a:b]
         sequences.append(seq)
     return sequences
 
@@ -153,11 +176,15 @@ def build_response_cache(
     batch_size: int = 32,
     max_batches: int | None = None,
     with_features: bool = True,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> list[Path]:
     """Generate (or resume) the response cache for ``prompts``; returns the shard paths.
 
     ``max_batches`` keeps only the first batches (the shortest prompts), to bound generation time.
     ``with_features=False`` writes token-only shards (for ``draft.features=online``).
+    ``temperature`` > 0 samples the replies (shard ``k`` from a generator seeded with ``seed`` and ``k``,
+    so a resumed run writes the same shard); 0 is greedy.
 
     Prompts longer than ``max_prompt_tokens`` are skipped (logged). Prompts are sorted by length so
     that batches need little padding; shard ``k`` always holds the same prompts, so reruns resume.
@@ -181,6 +208,9 @@ def build_response_cache(
         if path.exists():
             continue
         t0 = time.perf_counter()
-        sequences = generate_batch(target, batch, layer_ids, max_new_tokens, with_features)
-        write_shard(path, sequences, [len(b) for b in batch], time.perf_counter() - t0)
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + k) if temperature > 0 else None
+        sequences = generate_batch(target, batch, layer_ids, max_new_tokens, with_features, temperature, generator,
+                                   with_final=with_features)
+        write_shard(path, sequences, [len(b) for b in batch], time.perf_counter() - t0,
+                    final_size=target.model.config.hidden_size if with_features else 0)
     return paths

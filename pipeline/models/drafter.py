@@ -62,10 +62,18 @@ def write_config(directory: str | Path, config: dict) -> Path:
     """Write ``config`` as ``config.json`` with ``auto_map`` set, and copy ``modeling_dflash.py`` beside it.
 
     The pair makes ``AutoModel.from_pretrained(directory, trust_remote_code=True)`` build the DFlash drafter (with
-    its draft vocabulary) instead of a plain ``Qwen3Model``. Returns the path of ``config.json``.
+    its draft vocabulary) instead of a plain ``Qwen3Model``. transformers 5 writes the rotary settings only as
+    ``rope_parameters``; ``rope_theta`` (and ``rope_scaling`` for a non-default rotary type) are written beside
+    it so that transformers 4.x readers (z-lab's ``dflash`` on older installs) get the same rotary embedding.
+    Returns the path of ``config.json``.
     """
     directory = Path(directory)
     config = {**config, "auto_map": dict(AUTO_MAP)}
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        config.setdefault("rope_theta", rope["rope_theta"])
+        if rope.get("rope_type", "default") != "default":
+            config.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
     path = directory / CONFIG_NAME
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     shutil.copyfile(REMOTE_CODE, directory / REMOTE_CODE_NAME)
