@@ -3,9 +3,9 @@
 # shipped drafter for 300 optimizer steps on the same data, and only the named setting changes.
 #   bash scripts/cpu_draft_ablation.sh            # data ~25 min, then ~10 min a run (2 cores)
 #   bash scripts/cpu_draft_ablation.sh mixed-tv   # one run by name
-# Each run writes data/drafters/ablate-<name>/ (not committed); its training_stats.json holds the held-out
+# Each run writes data/runs/draft-ablation/ablate-<name>/ (not committed); its training_stats.json holds the held-out
 # teacher-forced tau overall (val_tau) and per training set (val_tau_per_set). Decode tau on the benchmark
-# sets: python -m pipeline.evaluate ... model.drafter=data/drafters/ablate-<name> 'eval.methods=[fixed]'.
+# sets: python -m pipeline.evaluate ... model.drafter=data/runs/draft-ablation/ablate-<name> 'eval.methods=[fixed]'.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -35,7 +35,7 @@ run() {
   local name=$1 args=() sets="$SETS"
   for a in ${RUNS[$name]}; do if [ "$a" = MIX ]; then sets="$MIX"; else args+=("$a"); fi; done
   echo "=== $name $(date -u +%T)"
-  "$PY" -m pipeline.draft run_name="ablate-$name" draft.out="data/drafters/ablate-$name" "${COMMON[@]}" \
+  "$PY" -m pipeline.draft run_name="ablate-$name" draft.out="data/runs/draft-ablation/ablate-$name" "${COMMON[@]}" \
       "draft.sets=$sets" "${args[@]}"
 }
 
