@@ -15,8 +15,7 @@ from pipeline.models.drafter import DFlashDrafter, check_compatible, make_drafte
 from pipeline.models.target import load_target
 from pipeline.prompts import Prompt, chat_input_ids
 
-LAYERS = [0, 2]
-TEXTS = ["def add(a, b):", "Natalia sold clips to 48 of her friends in April", "hello", "The quick brown fox jumps"]
+from drafting_fixtures import LAYERS, TEXTS, llama, prompt_ids, train_steps  # noqa: F401 (fixtures)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -64,16 +63,6 @@ def test_block_inputs_on_a_hand_made_batch():
 # ------------------------------------------------------------------------------------------------
 # target responses and their features
 # ------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def llama(tiny):
-    return tiny.target("llama")
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(llama) -> list[torch.Tensor]:
-    return [chat_input_ids(llama.tokenizer, [t])[0] for t in TEXTS]
-
-
 def _teacher_forced_taps(target, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         out = target.model.base_model(input_ids=tokens[None], output_hidden_states=True)
@@ -193,14 +182,7 @@ def test_drafter_module_learns_and_reports_tau(llama):
                            lr=5e-3, warmup_steps=1, max_steps=30)
     module.log_dict = module.log = lambda *a, **k: None  # no Trainer attached
     batch = collate([AnchorDataset(_sequences(), 4, 0)[i] for i in range(3)])
-    optimizer = module.configure_optimizers()["optimizer"]
-    losses = []
-    for _ in range(15):
-        loss = module.training_step(batch, 0)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss))
+    losses = train_steps(module, batch, 15)
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.5 * losses[0]
     total, count = module.teacher_forced_tau(batch, 4)
     assert count > 0 and 1.0 <= total / count <= 4.0

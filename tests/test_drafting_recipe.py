@@ -16,18 +16,7 @@ from pipeline.drafting.self_prompts import PromptFilter, build_self_prompts, ngr
 from pipeline.models.drafter import DFlashDrafter, make_drafter_config
 from pipeline.prompts import Prompt, chat_input_ids
 
-LAYERS = [0, 2]
-TEXTS = ["def add(a, b):", "Natalia sold clips to 48 of her friends in April", "hello", "The quick brown fox jumps"]
-
-
-@pytest.fixture(scope="module")
-def llama(tiny):
-    return tiny.target("llama")
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(llama) -> list[torch.Tensor]:
-    return [chat_input_ids(llama.tokenizer, [t])[0] for t in TEXTS]
+from drafting_fixtures import LAYERS, TEXTS, llama, prompt_ids, train_steps  # noqa: F401 (fixtures)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -222,14 +211,7 @@ def test_tv_loss_from_cached_and_online_final_states_agree_and_it_trains(llama, 
     target_logits = module.target_block_logits(cached, 4)
     a = int(cached["anchors"][0, 0])
     torch.testing.assert_close(target_logits[0, 0, 0], cached["final"][0, a].float() @ module.lm_head.T.float())
-    optimizer = module.configure_optimizers()["optimizer"]
-    losses = []
-    for _ in range(12):
-        loss = module.training_step(cached, 0)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss))
+    losses = train_steps(module, cached, 12)
     assert losses[-1] < 0.7 * losses[0]
 
 
