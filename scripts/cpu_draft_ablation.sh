@@ -26,10 +26,11 @@ declare -A RUNS=(
   [ce]="draft.trainer.max_steps=300"
   [tv]="draft.trainer.max_steps=300 draft.loss={ce:0.1,tv:0.9,kl:0.0}"
   [kl]="draft.trainer.max_steps=300 draft.loss={ce:0.1,tv:0.0,kl:0.9}"
+  [ce-gamma7]="draft.trainer.max_steps=300 draft.gamma=7.0"
   [mixed-base]="draft.trainer.max_steps=0 MIX"
   [mixed-tv]="draft.trainer.max_steps=500 draft.loss={ce:0.1,tv:0.9,kl:0.0} MIX"
 )
-ORDER=(base ce tv kl mixed-tv mixed-base)
+ORDER=(base ce tv kl ce-gamma7 mixed-tv mixed-base)
 
 run() {
   local name=$1 args=() sets="$SETS"
