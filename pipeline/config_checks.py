@@ -125,14 +125,13 @@ def _check_draft(cfg) -> None:
     draft = cfg.draft
     loss = draft.get("loss")
     check_loss(OmegaConf.to_container(loss) if loss is not None else None)
-    sources = {"stdlib", "stdlib_source", "self"}
     for s in draft.get("sets") or []:
         temperature = s.get("temperature", 0.0)
         check_temperature(temperature, f"draft.sets[{s.get('name')}].temperature")
         if s.get("source") == "self" and (s.get("limit") is None or not _is_int(s.limit) or s.limit < 1):
             raise ValueError(f"draft.sets[{s.get('name')}]: source: self needs limit >= 1 (how many prompts the "
                              "target writes), e.g. limit: 1024")
-        if s.get("source") not in sources and not str(s.get("source", "")).strip():
+        if not str(s.get("source") or "").strip():
             raise ValueError(f"draft.sets[{s.get('name')}] has no source: give a JSONL path, humaneval, hub:<id>, "
                              "stdlib, stdlib_source or self")
     if draft.get("checkpoint_every") is not None and (not _is_int(draft.checkpoint_every) or draft.checkpoint_every < 0):

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 
 from pipeline.drafting.corpus import build_corpus_cache
 from pipeline.drafting.data import AnchorDataset, collate, load_sequences
-from pipeline.drafting.module import DrafterModule, init_from_target_layers
+from pipeline.drafting.module import DrafterModule, check_loss, init_from_target_layers
 from pipeline.drafting.responses import build_response_cache, generation_seconds
 from pipeline.drafting.self_prompts import build_self_prompts
 from pipeline.drafting.stdlib_prompts import stdlib_prompts
@@ -72,7 +72,7 @@ def training_prompts(set_cfg, target=None, cfg: DictConfig | None = None) -> lis
             raise ValueError("source: self needs the target and the draft config")
         return build_self_prompts(
             target, str(cfg.model.target), Path(cfg.draft.cache_dir) / "self-prompts", set_cfg.name,
-            int(set_cfg.get("limit") or 1024), decontamination_texts(cfg.draft.get("decontaminate")),
+            set_cfg.get("limit"), decontamination_texts(cfg.draft.get("decontaminate")),
             batch_size=int(cfg.draft.gen_batch_size), max_new_tokens=int(set_cfg.get("prompt_max_tokens", 96)),
             seed=int(set_cfg.get("prompt_seed", 0)))
     return load_prompt_set(set_cfg.source, set_cfg.name, set_cfg.get("limit"), seed=0)
@@ -154,6 +154,7 @@ def train_drafter(cfg: DictConfig) -> Path:
         raise ValueError(f"draft.features={features_mode!r}: use 'cached' (features stored with the data) or 'online' "
                          "(token-only data; each training step runs the target)")
     with_features = features_mode == "cached"
+    loss = check_loss(OmegaConf.to_container(dcfg.loss) if dcfg.get("loss") is not None else None)
     drafter_config = make_drafter_config(target.model.config, num_layers=dcfg.num_layers, block_size=dcfg.block_size,
                                          target_layer_ids=dcfg.get("target_layer_ids"), mask_token_id=dcfg.mask_token_id)
     layer_ids = drafter_config.dflash_config["target_layer_ids"]
@@ -196,7 +197,7 @@ def train_drafter(cfg: DictConfig) -> Path:
                            max_steps=dcfg.trainer.max_steps, gamma=dcfg.gamma, eval_block_sizes=tuple(dcfg.eval_block_sizes),
                            target_model=None if with_features else target.model,
                            max_seconds=schedule_seconds(dcfg.trainer.get("max_time")),
-                           loss=OmegaConf.to_container(dcfg.loss) if dcfg.get("loss") is not None else None)
+                           loss=loss)
     train_ds = AnchorDataset(train, dcfg.anchors_per_seq, cfg.seed)
     val_ds = AnchorDataset(val, dcfg.anchors_per_seq, cfg.seed + 1)
     workers = int(dcfg.get("num_workers", 0))
@@ -261,7 +262,7 @@ def train_drafter(cfg: DictConfig) -> Path:
         "training wall time (s)": round(train_seconds),
         "features": features_mode,
         "hardware": hardware(cfg.model.device),
-        "loss": OmegaConf.to_container(dcfg.loss) if dcfg.get("loss") is not None else {"ce": 1.0},
+        "loss": loss,
         "val_tau": val_tau,
         "val_tau_per_set": val_tau_per_set,
     }

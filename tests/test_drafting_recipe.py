@@ -284,7 +284,8 @@ def test_draft_config_checks_run_before_the_target_loads(compose_config, tmp_pat
     for override, msg in [("draft.loss={ce: 0.0}", "at least one"), ("+draft.loss.mse=1.0", "unknown"),
                           ("draft.sets=[{name: x, source: self}]", "limit"),
                           ("draft.sets=[{name: x, source: self, limit: 4, temperature: -1}]", "temperature"),
-                          ("draft.checkpoint_every=-5", "checkpoint_every")]:
+                          ("draft.checkpoint_every=-5", "checkpoint_every"),
+                          ("draft.sets=[{name: x}]", "has no source")]:
         with pytest.raises(ValueError, match=msg):
             validate_config(compose_config("draft", base + [override]), "draft")
     validate_config(compose_config("draft", base), "draft")

@@ -129,34 +129,17 @@ def sample_user_turns(target: Target, n: int, max_new_tokens: int, generator: to
         per row ``(text, finished)``; ``finished`` is False when the row ran out of ``max_new_tokens``
         before a stop token (the caller drops those: a cut-off request).
     """
-    from transformers import DynamicCache
+    from pipeline.drafting.responses import generate_batch
 
-    model = target.model
-    prefix = user_turn_prefix(target.tokenizer).to(model.device)
-    stop = torch.tensor(target.stop_token_ids(), device=model.device)
-    cache = DynamicCache(config=model.config)
-    rows = list(range(n))  # original index of each active batch row; finished rows leave the batch
-    written: list[list[int]] = [[] for _ in range(n)]
-    ended = [False] * n
-    step_ids = prefix[None].expand(n, -1)
-    for _ in range(max_new_tokens):
-        logits = model(input_ids=step_ids, cache=cache, use_cache=True).logits[:, -1].float()
-        probs = torch.softmax(logits / temperature, dim=-1).cpu()
-        nxt = torch.multinomial(probs, 1, generator=generator).flatten().to(model.device)
-        is_stop = torch.isin(nxt, stop)
-        for j, r in enumerate(rows):
-            if bool(is_stop[j]):
-                ended[r] = True
-            else:
-                written[r].append(int(nxt[j]))
-        keep = (~is_stop).nonzero().flatten()
-        if len(keep) == 0:
-            break
-        if len(keep) < len(rows):
-            cache.batch_select_indices(keep)
-            rows = [rows[k] for k in keep.tolist()]
-        step_ids = nxt[keep][:, None]
-    return [(target.tokenizer.decode(w, skip_special_tokens=True), e) for w, e in zip(written, ended)]
+    prefix = user_turn_prefix(target.tokenizer)
+    stop = set(target.stop_token_ids())
+    results = []
+    for tokens, _ in generate_batch(target, [prefix] * n, [], max_new_tokens, with_features=False,
+                                    temperature=temperature, generator=generator):
+        reply = tokens[len(prefix):].tolist()
+        ended = bool(reply) and reply[-1] in stop
+        results.append((target.tokenizer.decode(reply[:-1] if ended else reply, skip_special_tokens=True), ended))
+    return results
 
 
 def self_prompts_key(target_name: str, settings: dict) -> str:
@@ -183,8 +166,8 @@ def build_self_prompts(target: Target, target_name: str, out_dir: str | Path, na
     Raises:
         ValueError: ``limit`` < 1, ``temperature`` <= 0, a target without a chat template, or no prompt kept.
     """
-    if limit < 1:
-        raise ValueError(f"self-written prompt sets need limit >= 1, got {limit}")
+    if not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"self-written prompt sets need limit >= 1 (how many prompts the target writes), got {limit!r}")
     if temperature <= 0:
         raise ValueError(f"self-written prompts are sampled: temperature must be > 0, got {temperature}")
     blocked_texts = list(blocked_texts)
