@@ -19,7 +19,7 @@ import time
 import torch
 from safetensors.torch import load_file
 
-from pipeline.models.backend import pack_smallm
+from pipeline.models.backend import SMALLM_MAX_ROWS, pack_smallm
 from pipeline.models.target import cache_embedded_target
 
 
@@ -34,7 +34,7 @@ def main() -> None:
     params = sum(w.numel() for w in weights)
     print(f"{len(weights)} weights, {params / 1e6:.1f}M parameters")
     for backend, formats in (("smallm", None), ("smallm_f32", ())):
-        packed = [pack_smallm(w, keep_f32=False) if formats is None else pack_smallm(w, formats) for w in weights]
+        packed = [pack_smallm(w, exact_rows=SMALLM_MAX_ROWS) if formats is None else pack_smallm(w, formats) for w in weights]
         nbytes = sum(p.nbytes for p in packed)
         for m in args.rows:
             xs = {w.shape[1]: torch.randn(m, w.shape[1]) for w in weights}

@@ -11,8 +11,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipeline.decoding import DecodeConfig, SpeculativeDecoder
-from pipeline.models.backend import (SMALLM_MAX_ROWS, LMHead, PackedLinear, exact_format, module_backend, pack_smallm,
-                                    resolve_backend, set_backend)
+from pipeline.models.backend import (EXACT_ROWS_ENV, SMALLM_MAX_ROWS, LMHead, PackedLinear, exact_crossover, exact_format,
+                                    measure_crossover, module_backend, pack_smallm, resolve_backend, set_backend)
 from pipeline.prompts import chat_input_ids
 
 PROMPTS = ["def add(a, b):", "Natalia sold clips to 48 of her friends", "The quick brown fox"]
@@ -59,7 +59,7 @@ def test_smallm_streams_exact_forms_and_computes_the_float32_kernels_bits(kind, 
     to the same bits, and every output equals the float32 panels' output bit for bit, alone or in a verify."""
     torch.manual_seed(0)
     weight = gguf_round(torch.randn(shape) * 0.05, kind)
-    packed, plain = pack_smallm(weight), pack_smallm(weight, ())
+    packed, plain = pack_smallm(weight, exact_rows=3), pack_smallm(weight, ())
     assert packed.fmt == kind and plain.fmt == "f32" and exact_format(weight) == kind
     assert packed.f32 is not None and plain.f32 is None  # float32 panels beside the exact form, for wide calls
     assert packed.nbytes < plain.nbytes / (1.9 if kind == "bf16" else 3.5)
@@ -68,10 +68,10 @@ def test_smallm_streams_exact_forms_and_computes_the_float32_kernels_bits(kind, 
     full = packed(x, bias)
     assert torch.equal(full, plain(x, bias))
     torch.testing.assert_close(full, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
-    exact_only = pack_smallm(weight, keep_f32=False)  # the exact form at every width (no float32 panels beside it)
+    exact_only = pack_smallm(weight, exact_rows=SMALLM_MAX_ROWS)  # the exact form at every width (no float32 panels)
     assert exact_only.fmt == kind and exact_only.f32 is None
     assert torch.equal(exact_only(x, bias), full)
-    for m in (1, 2, 3, 4, 5, 9, 16):
+    for m in range(1, SMALLM_MAX_ROWS + 1):  # register-fused row tiles up to 4 rows, buffered groups above
         assert torch.equal(packed(x[:m].contiguous(), bias), full[:m]), f"{m} rows"
         assert torch.equal(exact_only(x[:m].contiguous(), bias), full[:m]), f"{m} rows, exact form"
         assert torch.equal(packed(x[m - 1 : m].contiguous(), bias), full[m - 1 : m]), f"row {m - 1} alone"
@@ -85,6 +85,33 @@ def test_smallm_keeps_float32_for_weights_no_exact_form_holds():
     assert pack_smallm(torch.randn(64, 64)).fmt == "f32" and exact_format(torch.randn(64, 64)) is None
     assert pack_smallm(gguf_round(torch.randn(64, 64), "q4")[:, :48].contiguous()).fmt == "f32"  # K not a multiple of 32
     assert pack_smallm(gguf_round(torch.randn(64, 64), "q4"), ()).fmt == "f32"  # smallm_f32
+
+
+def test_smallm_crossover_is_measured_forced_or_refused(monkeypatch):
+    """Where float32 panels take over from an exact form is this machine's measurement (a row count per format,
+    SMALLM_MAX_ROWS when exact wins throughout), can be forced by the environment, and a bad value names the fix.
+    Whatever the crossover, packing keeps float32 panels exactly when some call width would use them."""
+    measured = measure_crossover(megabytes=4.0, rows=(2, 4, 8))
+    assert set(measured) == {"q4", "q8", "bf16"}
+    assert all(v in (1, 2, 4, SMALLM_MAX_ROWS) for v in measured.values()), measured
+    weight = gguf_round(torch.randn(64, 64) * 0.05, "q4")
+    monkeypatch.setenv(EXACT_ROWS_ENV, "5")
+    exact_crossover.cache_clear()
+    try:
+        assert exact_crossover() == {"q4": 5, "q8": 5, "bf16": 5}
+        forced = pack_smallm(weight)
+        assert forced.exact_rows == 5 and forced.f32 is not None
+        monkeypatch.setenv(EXACT_ROWS_ENV, str(SMALLM_MAX_ROWS + 10))
+        exact_crossover.cache_clear()
+        wide = pack_smallm(weight)
+        assert wide.exact_rows == SMALLM_MAX_ROWS and wide.f32 is None  # no float32 copy that no call would use
+        monkeypatch.setenv(EXACT_ROWS_ENV, "many")
+        exact_crossover.cache_clear()
+        with pytest.raises(ValueError, match="positive int.*unset it"):
+            exact_crossover()
+    finally:
+        monkeypatch.delenv(EXACT_ROWS_ENV)
+        exact_crossover.cache_clear()
 
 
 def test_smallm_decodes_a_gguf_rounded_target_losslessly_on_its_compressed_weights(tiny, eager_afterwards):

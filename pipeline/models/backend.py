@@ -19,7 +19,11 @@ the call. The backends:
   GGUF Q4_1 tensor), ``q8`` (w = d * q, q int8: GGUF Q8_0), ``bf16`` (a bf16-trained drafter), else
   ``f32``. The kernel expands them in registers to the same float32 values, so the outputs equal the
   float32 kernel's bit for bit while a step reads ~5x fewer bytes; every packing is checked by expanding
-  it back (``unpack_exact``) and falls back to ``f32`` on any difference.
+  it back (``unpack_exact``) and falls back to ``f32`` on any difference. Calls of up to
+  ``FUSED_MAX_ROWS`` (4) rows use each expanded weight at once for every row (a 2-4 token verify costs
+  about what a 1-token step does); wider calls expand each group of 32 k into an L1 buffer first. Where
+  streaming float32 panels beats the exact forms (only at many rows, and not on every CPU) is measured
+  once per machine (``exact_crossover``) and float32 panels are kept only for the widths that use them.
 - ``smallm_f32``: the same kernel with every weight in float32 panels (the comparison point).
 
 Packed backends also make transformers' SDPA attention run grouped-query attention natively for every
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import os
 from pathlib import Path
@@ -56,12 +61,17 @@ SMALLM = ("smallm", "smallm_f32")  # the backends on this project's kernel
 EXACT_FORMATS = ("q4", "q8", "bf16")  # smallm's compressed forms, tried in this order (then f32)
 _FORMAT_CODE = {"bf16": 1, "q8": 2, "q4": 3}  # kernels/smallm.cpp's Format
 _GROUP = 32  # the q4/q8 block length along K
-# Calls of more rows than this use the float32 panels kept beside an exact form: expanding 4-bit weights in registers
-# costs more than streaming float32 ones once a call has enough rows to be compute-bound (bench_step: forward q=4,
-# 8, 16 ran 10-20% faster on float32 panels, q=1, 2 30-35% slower). Both give the same bits.
-EXACT_MAX_ROWS = 3
+# Calls of up to this many rows expand each weight in registers once per row tile of up to 4 rows and use it at once
+# (kernels/smallm.cpp: fused_rows); wider calls expand each group of 32 k into an L1 buffer first. Both give the same bits.
+FUSED_MAX_ROWS = 4
 SMALLM_MAX_ROWS = 32  # smallm runs inputs of up to this many rows; more go to PyTorch's GEMM
 _KERNEL = Path(__file__).with_name("kernels") / "smallm.cpp"
+# Calls of more rows than a format's crossover use float32 panels kept beside the exact form (same bits). Where the
+# crossover lies depends on the CPU: on a 2-core AMD EPYC (Zen 3 class, 2026-12-01) float32 panels won from 4 rows,
+# on a Zen 4 one the exact forms won at every width up to 24. ``exact_crossover`` measures it once per machine.
+EXACT_ROWS_ENV = "BLOCKPILOT_SMALLM_EXACT_ROWS"  # an int forces every format's crossover (no measurement)
+_TUNE_ROWS = (2, 3, 4, 6, 8, 12, 16, 24, 32)
+_TUNE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "blockpilot"
 
 
 @functools.lru_cache(maxsize=1)
@@ -92,8 +102,129 @@ def backend_signature(backend: str) -> str:
     cached latency model measured on an older kernel is not reused."""
     if backend not in SMALLM:
         return backend
-    digest = hashlib.sha256(_KERNEL.read_bytes() + repr((EXACT_FORMATS, EXACT_MAX_ROWS)).encode()).hexdigest()[:8]
+    crossover = exact_crossover() if backend == "smallm" else {}
+    digest = hashlib.sha256(_KERNEL.read_bytes() + repr((EXACT_FORMATS, FUSED_MAX_ROWS, crossover)).encode()).hexdigest()[:8]
     return f"{backend}:{digest}"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _time_pair_ms(first, second, weights, repeats: int = 7, warmup: int = 2) -> tuple[float, float]:
+    """The least ms of one pass of ``first`` and of ``second`` over ``weights``, the two interleaved run by run (the
+    least, not the median: other work on the cores only ever adds time)."""
+    import time
+
+    times: tuple[list, list] = ([], [])
+    for i in range(warmup + repeats):
+        for fn, out in zip((first, second), times):
+            t0 = time.perf_counter()
+            for w in weights:
+                fn(w)
+            if i >= warmup:
+                out.append((time.perf_counter() - t0) * 1e3)
+    return min(times[0]), min(times[1])
+
+
+def measure_crossover(n: int = 1536, k: int = 576, megabytes: float = 160.0, rows=_TUNE_ROWS,
+                      timings: dict | None = None) -> dict[str, int]:
+    """Per exact format, the crossover T (rows) that makes a pass at every row count of ``rows`` cheapest in total,
+    calls of up to T rows streaming the exact form and wider ones float32 panels; ``SMALLM_MAX_ROWS`` when the exact
+    form is cheapest throughout. A total, not the first loss, so one noisy row count does not move T.
+
+    Times one pass over enough random [n, k] weights to hold ``megabytes`` of float32 panels (more than a CPU's
+    last-level cache, as a target's weights are), in both forms interleaved, at each row count. About 5 s.
+
+    Returns:
+        {"q4": T, "q8": T, "bf16": T}; ``timings`` (when given) gets {fmt: {rows: [exact ms, float32 ms]}}.
+    """
+    kernel = smallm_kernel()
+    gen = torch.Generator().manual_seed(0)
+    count = max(4, int(megabytes * 2**20 / (n * k * 4)))
+    p, g = (n + 15) // 16, k // _GROUP
+    rows = sorted(rows)
+    out = {}
+    for fmt in EXACT_FORMATS:
+        if fmt == "q4":
+            q = torch.randint(0, 256, (p, k, 8), dtype=torch.uint8, generator=gen)
+        elif fmt == "q8":
+            q = torch.randint(-128, 128, (p, k, 16), dtype=torch.int8, generator=gen)
+        else:
+            q = torch.randn(p * 16, k, generator=gen).bfloat16().view(torch.int16)
+            q = q.view(p, 16, k).transpose(1, 2).contiguous()
+        d = torch.rand(p, g, 16, generator=gen) * 0.01 if fmt != "bf16" else torch.empty(0)
+        m = torch.rand(p, g, 16, generator=gen) * 0.01 if fmt == "q4" else torch.empty(0)
+        weights = [SmallmWeight(fmt, q.clone(), d.clone(), m.clone(), n, torch.randn(p, k, 16, generator=gen))
+                   for _ in range(count)]
+        exact, f32 = [], []
+        for rows_m in rows:
+            x = torch.randn(rows_m, k, generator=gen)
+            e, f = _time_pair_ms(lambda w: kernel.linear_exact(x, _FORMAT_CODE[fmt], w.q, w.d, w.m, n, None, FUSED_MAX_ROWS),
+                                 lambda w: kernel.linear(x, w.f32, n, None), weights)
+            exact.append(e)
+            f32.append(f)
+            if timings is not None:
+                timings.setdefault(fmt, {})[rows_m] = [round(e, 3), round(f, 3)]
+        # total over the row counts when calls of up to rows[i] rows stream the exact form (i = -1: none of them)
+        totals = [sum(exact[: i + 1]) + sum(f32[i + 1:]) for i in range(-1, len(rows))]
+        best = min(range(len(totals)), key=lambda i: (totals[i], -i))  # ties go to the exact form (less memory)
+        out[fmt] = 1 if best == 0 else SMALLM_MAX_ROWS if best == len(rows) else rows[best - 1]
+        del weights
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def exact_crossover() -> dict[str, int]:
+    """Per exact format (``q4``, ``q8``, ``bf16``), the most rows a call may have and still stream the exact form;
+    wider calls use float32 panels (the same bits). ``SMALLM_MAX_ROWS`` means never (no float32 panels are kept).
+
+    ``$BLOCKPILOT_SMALLM_EXACT_ROWS`` (an int) sets every format's; otherwise it is measured once per machine
+    (``measure_crossover``, ~5 s) and cached in ``~/.cache/blockpilot/`` under a key of the kernel source, the CPU
+    model and torch's thread count.
+
+    Raises:
+        ValueError: when the environment variable is not a positive int.
+    """
+    forced = os.environ.get(EXACT_ROWS_ENV)
+    if forced is not None:
+        try:
+            value = int(forced)
+            if value < 1:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"${EXACT_ROWS_ENV} must be a positive int (rows), got {forced!r}; unset it to measure") from None
+        return {fmt: min(value, SMALLM_MAX_ROWS) for fmt in EXACT_FORMATS}
+    key = hashlib.sha256(_KERNEL.read_bytes() + repr((EXACT_FORMATS, FUSED_MAX_ROWS, _TUNE_ROWS, _cpu_name(),
+                                                      torch.get_num_threads())).encode()).hexdigest()[:12]
+    path = _TUNE_DIR / f"smallm-crossover-{key}.json"
+    try:
+        found = json.loads(path.read_text())["crossover"]
+        if set(found) == set(EXACT_FORMATS) and all(isinstance(v, int) and v >= 1 for v in found.values()):
+            return found
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    log.info("smallm: measuring where float32 panels beat the exact forms on this CPU (once, ~5 s)")
+    timings: dict = {}
+    found = measure_crossover(timings=timings)
+    log.info("smallm: exact forms up to %s rows (%s)", found, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"crossover": found, "cpu": _cpu_name(), "threads": torch.get_num_threads(),
+                                   "ms_exact_f32": timings}, indent=1))
+        os.replace(tmp, path)
+    except OSError as err:
+        log.warning("smallm: could not cache the crossover in %s (%s)", path, err)
+    return found
 
 
 def smallm_available() -> bool:
@@ -194,15 +325,15 @@ class SmallmWeight:
     Attributes:
         fmt: the stored form; q: the panels ([P, K, 16] float32 / uint16 / int8, or [P, K, 8] uint8 for q4);
         d, m: [P, K / 32, 16] float32 block scales and offsets (empty when unused); n: N; nbytes: bytes streamed
-        per call of up to ``EXACT_MAX_ROWS`` rows; f32: float32 panels kept beside an exact form for calls of more
-        rows (None for ``f32``, or when not kept).
+        per call of up to ``exact_rows`` rows; f32: float32 panels kept beside an exact form for calls of more
+        rows (None for ``f32``, or when not kept); exact_rows: the most rows a call streams the exact form for.
     """
 
-    __slots__ = ("fmt", "q", "d", "m", "n", "nbytes", "f32")
+    __slots__ = ("fmt", "q", "d", "m", "n", "nbytes", "f32", "exact_rows")
 
     def __init__(self, fmt: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, n: int,
-                 f32: torch.Tensor | None = None):
-        self.fmt, self.q, self.d, self.m, self.n, self.f32 = fmt, q, d, m, n, f32
+                 f32: torch.Tensor | None = None, exact_rows: int = SMALLM_MAX_ROWS):
+        self.fmt, self.q, self.d, self.m, self.n, self.f32, self.exact_rows = fmt, q, d, m, n, f32, exact_rows
         self.nbytes = sum(t.numel() * t.element_size() for t in (q, d, m))
 
     def dense(self) -> torch.Tensor:
@@ -215,23 +346,24 @@ class SmallmWeight:
         """y [M, N] = x [M, K] @ W.T (+ bias), float32."""
         if self.fmt == "f32":
             return smallm_kernel().linear(x, self.q, self.n, bias)
-        if self.f32 is not None and x.shape[0] > EXACT_MAX_ROWS:
+        if self.f32 is not None and x.shape[0] > self.exact_rows:
             return smallm_kernel().linear(x, self.f32, self.n, bias)
-        return smallm_kernel().linear_exact(x, _FORMAT_CODE[self.fmt], self.q, self.d, self.m, self.n, bias)
+        return smallm_kernel().linear_exact(x, _FORMAT_CODE[self.fmt], self.q, self.d, self.m, self.n, bias, FUSED_MAX_ROWS)
 
 
 def exact_format(w: torch.Tensor) -> str | None:
     """The smallest of ``EXACT_FORMATS`` that holds every float32 value of ``w`` [N, K] exactly, else None."""
     if w.dim() != 2 or w.dtype != torch.float32:
         return None
-    fmt = pack_smallm(w, keep_f32=False).fmt
+    fmt = pack_smallm(w, exact_rows=SMALLM_MAX_ROWS).fmt
     return None if fmt == "f32" else fmt
 
 
-def pack_smallm(w: torch.Tensor, formats=EXACT_FORMATS, keep_f32: bool = True) -> SmallmWeight:
+def pack_smallm(w: torch.Tensor, formats=EXACT_FORMATS, exact_rows: int | None = None) -> SmallmWeight:
     """Pack ``w`` [N, K] float32 in the first of ``formats`` that holds it exactly (checked by expanding the
-    packing back, bit for bit), else in float32 panels; with ``keep_f32``, float32 panels are kept beside an exact
-    form for calls of more than ``EXACT_MAX_ROWS`` rows.
+    packing back, bit for bit), else in float32 panels. Calls of more than ``exact_rows`` rows (default: this
+    machine's ``exact_crossover()`` for the format) use float32 panels kept beside the exact form; none are kept
+    when ``exact_rows >= SMALLM_MAX_ROWS``.
 
     Raises:
         ValueError: when ``w`` is not a 2-D float32 tensor.
@@ -257,7 +389,8 @@ def pack_smallm(w: torch.Tensor, formats=EXACT_FORMATS, keep_f32: bool = True) -
                 nib = _panels(q.to(torch.uint8))
                 packed = SmallmWeight(fmt, (nib[..., :8] | (nib[..., 8:] << 4)).contiguous(), _panels(d), _panels(m), n)
         if torch.equal(packed.dense().view(torch.int32), w.view(torch.int32)):
-            if keep_f32:
+            packed.exact_rows = exact_crossover()[fmt] if exact_rows is None else exact_rows
+            if packed.exact_rows < SMALLM_MAX_ROWS:
                 packed.f32 = smallm_kernel().pack(w)
             return packed
         log.warning("smallm: a %s packing of a %s weight did not expand back exactly; using float32", fmt, tuple(w.shape))

@@ -141,41 +141,119 @@ void group_tile(const float* __restrict x, int64_t ldx, int64_t k0, const float*
     }
 }
 
-// One row, q4, NP panels: each k's 16 weights a panel expanded in registers and used at once.
-template <int NP>
-void q4_row(const uint8_t* qp, const float* dp, const float* mp, int64_t p0, int64_t pbytes, int64_t G,
-            const float* __restrict x, float* __restrict acc) {
-  __m256 a[NP][2];
-  for (int j = 0; j < NP; ++j) { a[j][0] = _mm256_setzero_ps(); a[j][1] = _mm256_setzero_ps(); }
-  const __m128i low = _mm_set1_epi8(0x0F);
+// Panel j's 16 weights at (group g, k), expanded in registers to the same float32 values as expand().
+template <int FMT>
+inline void load_w(const uint8_t* __restrict src, int64_t k, __m256 d0, __m256 d1, __m256 m0, __m256 m1,
+                   __m256& w0, __m256& w1) {
+  if (FMT == kQ4) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + k * (kPanel / 2)));
+    const __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+    w0 = _mm256_add_ps(_mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo))), m0);
+    w1 = _mm256_add_ps(_mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi))), m1);
+  } else if (FMT == kQ8) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k * kPanel));
+    w0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
+    w1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))));
+  } else {  // kBF16
+    const uint16_t* s16 = reinterpret_cast<const uint16_t*>(src) + k * kPanel;
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s16));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s16 + 8));
+    w0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16));
+    w1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+  }
+}
+
+// Bytes of one group of 32 k of one panel, per format.
+constexpr int64_t group_bytes(int FMT) { return FMT == kQ4 ? kGroup * kPanel / 2 : FMT == kQ8 ? kGroup * kPanel : kGroup * kPanel * 2; }
+
+// MT rows (MT <= 4) of NP consecutive panels from p0, every weight expanded in registers once per k and used at
+// once by every row: y[m0 + i, panel columns] = x[m0 + i] . W, one FMA per k in order from 0 (the same chain as
+// the buffered path and the float32 kernel).
+template <int FMT, int MT, int NP>
+void fused_rows(const uint8_t* qp, const float* dp, const float* mp, int64_t p0, int64_t pbytes, int64_t G,
+                const float* __restrict x, int64_t ldx, int64_t m0, float* __restrict y, int64_t n) {
+  __m256 a[NP][MT][2];
+#pragma GCC unroll 4
+  for (int j = 0; j < NP; ++j)
+#pragma GCC unroll 4
+    for (int i = 0; i < MT; ++i) { a[j][i][0] = _mm256_setzero_ps(); a[j][i][1] = _mm256_setzero_ps(); }
+  const float* xr[MT];
+#pragma GCC unroll 4
+  for (int i = 0; i < MT; ++i) xr[i] = x + (m0 + i) * ldx;
+  const __m256 zero = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m256 d[NP][2], m[NP][2];
+    __m256 d[NP][2], mn[NP][2];
     const uint8_t* src[NP];
 #pragma GCC unroll 4
     for (int j = 0; j < NP; ++j) {
       const int64_t p = p0 + j;
-      const float* pd = dp + (p * G + g) * kPanel;
-      const float* pm = mp + (p * G + g) * kPanel;
-      d[j][0] = _mm256_loadu_ps(pd); d[j][1] = _mm256_loadu_ps(pd + 8);
-      m[j][0] = _mm256_loadu_ps(pm); m[j][1] = _mm256_loadu_ps(pm + 8);
-      src[j] = qp + p * pbytes + g * kGroup * (kPanel / 2);
+      if (FMT != kBF16) {
+        const float* pd = dp + (p * G + g) * kPanel;
+        d[j][0] = _mm256_loadu_ps(pd); d[j][1] = _mm256_loadu_ps(pd + 8);
+      } else { d[j][0] = zero; d[j][1] = zero; }
+      if (FMT == kQ4) {
+        const float* pm = mp + (p * G + g) * kPanel;
+        mn[j][0] = _mm256_loadu_ps(pm); mn[j][1] = _mm256_loadu_ps(pm + 8);
+      } else { mn[j][0] = zero; mn[j][1] = zero; }
+      src[j] = qp + p * pbytes + g * group_bytes(FMT);
     }
     for (int64_t k = 0; k < kGroup; ++k) {
-      const __m256 xb = _mm256_broadcast_ss(x + g * kGroup + k);
+      __m256 xb[MT];
+#pragma GCC unroll 4
+      for (int i = 0; i < MT; ++i) xb[i] = _mm256_broadcast_ss(xr[i] + g * kGroup + k);
 #pragma GCC unroll 4
       for (int j = 0; j < NP; ++j) {
-        const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src[j] + k * (kPanel / 2)));
-        const __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
-        const __m256 w0 = _mm256_add_ps(_mm256_mul_ps(d[j][0], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo))), m[j][0]);
-        const __m256 w1 = _mm256_add_ps(_mm256_mul_ps(d[j][1], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi))), m[j][1]);
-        a[j][0] = _mm256_fmadd_ps(w0, xb, a[j][0]);
-        a[j][1] = _mm256_fmadd_ps(w1, xb, a[j][1]);
+        __m256 w0, w1;
+        load_w<FMT>(src[j], k, d[j][0], d[j][1], mn[j][0], mn[j][1], w0, w1);
+#pragma GCC unroll 4
+        for (int i = 0; i < MT; ++i) {
+          a[j][i][0] = _mm256_fmadd_ps(w0, xb[i], a[j][i][0]);
+          a[j][i][1] = _mm256_fmadd_ps(w1, xb[i], a[j][i][1]);
+        }
       }
     }
   }
+#pragma GCC unroll 4
   for (int j = 0; j < NP; ++j) {
-    _mm256_storeu_ps(acc + j * kPanel, a[j][0]);
-    _mm256_storeu_ps(acc + j * kPanel + 8, a[j][1]);
+    const int64_t n0 = (p0 + j) * kPanel, ncols = std::min(kPanel, n - n0);
+    if (ncols <= 0) break;
+#pragma GCC unroll 4
+    for (int i = 0; i < MT; ++i) {
+      float* out = y + (m0 + i) * n + n0;
+      if (ncols == kPanel) {
+        _mm256_storeu_ps(out, a[j][i][0]);
+        _mm256_storeu_ps(out + 8, a[j][i][1]);
+      } else {
+        alignas(32) float tmp[kPanel];
+        _mm256_store_ps(tmp, a[j][i][0]);
+        _mm256_store_ps(tmp + 8, a[j][i][1]);
+        for (int64_t c = 0; c < ncols; ++c) out[c] = tmp[c];
+      }
+    }
+  }
+}
+
+// Rows [m0, m0 + MT) of panels [p0, p0 + np), np <= NP: NP panels a pass where all exist, else one at a time.
+template <int FMT, int MT, int NP>
+void fused_unit(const uint8_t* qp, const float* dp, const float* mp, int64_t p0, int64_t np, int64_t pbytes,
+                int64_t G, const float* x, int64_t ldx, int64_t m0, float* y, int64_t n) {
+  if (np == NP) fused_rows<FMT, MT, NP>(qp, dp, mp, p0, pbytes, G, x, ldx, m0, y, n);
+  else for (int64_t j = 0; j < np; ++j) fused_rows<FMT, MT, 1>(qp, dp, mp, p0 + j, pbytes, G, x, ldx, m0, y, n);
+}
+
+// All M rows of panels [p0, p0 + np) in row tiles of up to 4 (kFusedPanels(M) panels a pass).
+template <int FMT>
+void fused_all(const uint8_t* qp, const float* dp, const float* mp, int64_t p0, int64_t np, int64_t pbytes,
+               int64_t G, const float* x, int64_t M, int64_t K, float* y, int64_t n) {
+  int64_t r = 0;
+  if (M == 1) { fused_unit<FMT, 1, 4>(qp, dp, mp, p0, np, pbytes, G, x, K, 0, y, n); return; }
+  while (r < M) {
+    const int64_t left = M - r;
+    if (left >= 4) { fused_unit<FMT, 4, 1>(qp, dp, mp, p0, np, pbytes, G, x, K, r, y, n); r += 4; }
+    else if (left == 3) { fused_unit<FMT, 3, 1>(qp, dp, mp, p0, np, pbytes, G, x, K, r, y, n); r += 3; }
+    else if (left == 2) { fused_unit<FMT, 2, 2>(qp, dp, mp, p0, np, pbytes, G, x, K, r, y, n); r += 2; }
+    else { fused_unit<FMT, 1, 4>(qp, dp, mp, p0, np, pbytes, G, x, K, r, y, n); r += 1; }
   }
 }
 
@@ -191,15 +269,11 @@ void exact_block(int64_t fmt, const uint8_t* qp, const float* dp, const float* m
              buf + j * kGroup * kPanel);
     }
     int64_t r = 0;
-    if (NP == 4) {
-      for (; r < M; ++r) group_tile<1, NP>(xp, K, g * kGroup, buf, acc, M, r);
-    } else {
-      while (r < M) {
-        const int64_t left = M - r;
-        if (left >= 3) { group_tile<3, NP>(xp, K, g * kGroup, buf, acc, M, r); r += 3; }
-        else if (left == 2) { group_tile<2, NP>(xp, K, g * kGroup, buf, acc, M, r); r += 2; }
-        else { group_tile<1, NP>(xp, K, g * kGroup, buf, acc, M, r); r += 1; }
-      }
+    while (r < M) {
+      const int64_t left = M - r;
+      if (left >= 3) { group_tile<3, NP>(xp, K, g * kGroup, buf, acc, M, r); r += 3; }
+      else if (left == 2) { group_tile<2, NP>(xp, K, g * kGroup, buf, acc, M, r); r += 2; }
+      else { group_tile<1, NP>(xp, K, g * kGroup, buf, acc, M, r); r += 1; }
     }
   }
 }
@@ -250,7 +324,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t n, c10::opti
 // x [M, K] float32, q: [P, K, 16] uint16 (bf16) | [P, K, 16] int8 (q8) | [P, K, 8] uint8 (q4, two nibbles a
 // byte); d, m: [P, K / 32, 16] float32 (q8: d; q4: d and m; unused ones may be empty) -> y [M, n].
 torch::Tensor linear_exact(torch::Tensor x, int64_t fmt, torch::Tensor q, torch::Tensor d, torch::Tensor m, int64_t n,
-                           c10::optional<torch::Tensor> bias) {
+                           c10::optional<torch::Tensor> bias, int64_t fused_max) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "linear_exact: x must be float32 [M, K]");
   TORCH_CHECK(fmt == kBF16 || fmt == kQ8 || fmt == kQ4, "linear_exact: unknown format ", fmt);
   x = x.contiguous();
@@ -266,22 +340,30 @@ torch::Tensor linear_exact(torch::Tensor x, int64_t fmt, torch::Tensor q, torch:
   const float* mp = fmt == kQ4 ? m.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t G = K / kGroup, pbytes = panel_bytes(fmt, K);
-  // one row: 4 panels a unit (8 FMA chains); more rows: 2 panels a unit, row tiles of 3
-  const int64_t NP = M == 1 ? 4 : 2, units = (P + NP - 1) / NP;
+  if (M <= fused_max) {
+    // every weight expanded in registers once per row tile of up to 4 and used at once (4 panels a unit)
+    const int64_t units = (P + 3) / 4;
+    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t p0 = u * 4, np = std::min<int64_t>(4, P - p0);
+        if (fmt == kQ4) fused_all<kQ4>(qp, dp, mp, p0, np, pbytes, G, xp, M, K, yp, n);
+        else if (fmt == kQ8) fused_all<kQ8>(qp, dp, mp, p0, np, pbytes, G, xp, M, K, yp, n);
+        else fused_all<kBF16>(qp, dp, mp, p0, np, pbytes, G, xp, M, K, yp, n);
+      }
+    });
+    if (bias.has_value() && bias->defined()) y.add_(*bias);
+    return y;
+  }
+  // more rows: each group of 32 k expanded once into an L1 buffer, 2 panels a unit, row tiles of 3
+  const int64_t NP = 2, units = (P + NP - 1) / NP;
   at::parallel_for(0, units, 2, [&](int64_t begin, int64_t end) {
     alignas(32) float buf[4 * kGroup * kPanel];
     std::vector<float> accv(4 * M * kPanel);
     float* acc = accv.data();
     for (int64_t u = begin; u < end; ++u) {
       const int64_t p0 = u * NP, np = std::min(NP, P - p0);
-      if (M == 1 && fmt == kQ4) {
-        if (np == 4) q4_row<4>(qp, dp, mp, p0, pbytes, G, xp, acc);
-        else for (int64_t j = 0; j < np; ++j) q4_row<1>(qp, dp, mp, p0 + j, pbytes, G, xp, acc + j * kPanel);
-      } else if (np == 4) exact_block<4>(fmt, qp, dp, mp, p0, pbytes, G, xp, M, K, buf, acc);
-      else if (np == 2) exact_block<2>(fmt, qp, dp, mp, p0, pbytes, G, xp, M, K, buf, acc);
-      else
-        for (int64_t j = 0; j < np; ++j)
-          exact_block<1>(fmt, qp, dp, mp, p0 + j, pbytes, G, xp, M, K, buf, acc + j * M * kPanel);
+      if (np == 2) exact_block<2>(fmt, qp, dp, mp, p0, pbytes, G, xp, M, K, buf, acc);
+      else exact_block<1>(fmt, qp, dp, mp, p0, pbytes, G, xp, M, K, buf, acc);
       for (int64_t j = 0; j < np; ++j) {
         const int64_t n0 = (p0 + j) * kPanel, ncols = std::min(kPanel, n - n0);
         if (n0 >= n) break;
