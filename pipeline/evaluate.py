@@ -564,12 +564,7 @@ def row_settings(cfg: DictConfig, methods: list[str], split: str | None, inputs:
         loaded.update({m: digest(p.meta) for m, p in inputs.predictors.items()})
         if inputs.labels is not None:
             loaded["labels"] = digest(inputs.labels[["id", "label_tau", "label_speed"]].astype(str).values.tolist())
-    forward = None
-    if decoder is not None:
-        from pipeline.models.backend import backend_signature
-
-        forward = {"backend": backend_signature(getattr(decoder, "backend", "eager")),
-                   "fast_forward": getattr(decoder, "fast", None) is not None, "kv_cache": getattr(decoder, "kv_cache", None)}
+    forward = decoder.forward_path() if decoder is not None else None
     return {"loaded": loaded, "methods": list(methods), "split": split, "forward": forward,
             "decode": OmegaConf.to_container(cfg.decode, resolve=True),
             "model": {k: cfg.model.get(k) for k in keep},

@@ -1,16 +1,18 @@
 """``pipeline.models.fast_forward``: the lean decode-step forward equals transformers' own forward bit for bit
 (last hidden state, every hidden state, the KV cache) on every packed backend, for Llama and Qwen3 (q/k
-norms), and the decoder takes it only where it may."""
+norms), and the decoder takes it only where it may; the same for the drafter's lean draft forward."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from pipeline.decoding import SpeculativeDecoder
+from pipeline.decoding.speculative import crop_to
 from pipeline.models.backend import set_backend
-from pipeline.models.fast_forward import FastForward
+from pipeline.models.fast_forward import FastDraft, FastForward
 from pipeline.models.target import new_cache
 
 
@@ -87,3 +89,55 @@ def test_decoder_takes_the_fast_forward_only_where_it_may(tiny, eager_afterwards
             SpeculativeDecoder(target, backend="smallm", fast_forward=True)
     finally:
         layer.mlp.act_fn = act
+
+
+@pytest.fixture
+def eager_drafters(tiny):
+    yield
+    for arch in ("llama", "qwen3"):
+        set_backend(tiny.drafter(arch, "random"), "eager")
+
+
+@pytest.mark.parametrize("backend", ["smallm", "smallm_f32", "onednn"])
+@pytest.mark.parametrize("context", [0, 2, 5])
+def test_fast_draft_is_bit_identical_to_the_drafters_forward(tiny, arch, backend, context, eager_drafters):
+    """The lean draft forward gives the drafter's hidden states and context keys/values bit for bit, over two
+    steps (the second reads the first's cached context), whatever the number of new context features."""
+    target, drafter = tiny.target(arch), tiny.drafter(arch, "random")
+    set_backend(drafter, backend)
+    fast = FastDraft(drafter)
+    hidden_size = target.model.config.hidden_size
+    torch.manual_seed(0)
+    theirs, ours = DynamicCache(), DynamicCache()
+    start = 7
+    with torch.inference_mode():
+        for step in range(2):
+            c = context if step == 0 else context + 1
+            features = torch.randn(1, c, len(drafter.target_layer_ids) * hidden_size)
+            block = torch.randn(1, drafter.block_size, hidden_size)
+            positions = torch.arange(start - c, start + drafter.block_size)[None]
+            ref = drafter(block, features, positions, cache=theirs)
+            mine = fast(block, features, positions, cache=ours)
+            assert torch.equal(mine, ref), f"step {step}"
+            for a, b in zip(ours.layers, theirs.layers):
+                assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+            for cache in (theirs, ours):
+                crop_to(cache, start)  # the decoder keeps the context keys/values, not the block's
+            start += 3
+
+
+def test_decoder_takes_the_fast_draft_only_where_it_may(tiny, eager_afterwards, eager_drafters):
+    target, drafter = tiny.target("llama"), tiny.drafter("llama", "random")
+    assert SpeculativeDecoder(target, drafter, backend="smallm").fast_draft is not None
+    assert SpeculativeDecoder(target, drafter, backend="eager").fast_draft is None
+    assert SpeculativeDecoder(target, drafter, backend="smallm", fast_forward=False).fast_draft is None
+    assert SpeculativeDecoder(target, backend="smallm").fast_draft is None  # no drafter
+    attn = drafter.layers[0].self_attn
+    try:
+        attn.is_causal = True  # a causal draft layer needs the block mask the lean forward does not build
+        assert "layer 0 is causal" in FastDraft.unsupported(drafter)
+        assert SpeculativeDecoder(target, drafter, backend="smallm").fast_draft is None
+        with pytest.raises(ValueError, match="does not support this drafter: layer 0"):
+            SpeculativeDecoder(target, drafter, backend="smallm", fast_forward=True)
+    finally:
+        attn.is_causal = False

@@ -21,7 +21,7 @@ from pipeline.decoding.schedules import BlockSizeSchedule, FixedSchedule
 from pipeline.models.backend import SMALLM_MAX_ROWS, LMHead, resolve_backend, set_backend
 from pipeline.models.cache import resolve_kv_cache
 from pipeline.models.drafter import DFlashDrafter, check_compatible
-from pipeline.models.fast_forward import fast_forward_for
+from pipeline.models.fast_forward import fast_draft_for, fast_forward_for
 from pipeline.models.target import Target, logit_head, new_cache
 
 
@@ -176,6 +176,7 @@ class SpeculativeDecoder:
             ``pipeline.models.fast_forward.FastForward``, bit-identical to transformers' forward with less
             overhead: ``auto`` (on a packed backend when the target's architecture is supported), True (raises
             when unsupported) or False. Prefills always take transformers' forward. ``self.fast`` holds it or None.
+            The same setting puts the drafter's draft forward on ``FastDraft`` (``self.fast_draft``, or None).
 
     Raises:
         ValueError: when the drafter does not fit the target (hidden size, vocab, layer ids), or for a
@@ -203,6 +204,7 @@ class SpeculativeDecoder:
         # [..., H] -> [..., V] target logits as the model computes them (bias, scaling, softcapping)
         self.head = logit_head(target.model).with_backend(self.backend)
         self.fast = fast_forward_for(self.base, fast_forward, self.backend)
+        self.fast_draft = fast_draft_for(drafter, fast_forward, self.backend)
         self.drafter_head = LMHead(self.draft_head, self.backend) if drafter is not None else None
         self.max_context = int(getattr(target.model.config, "max_position_embeddings", 1 << 30))
         self.stop_ids = set(target.stop_token_ids())
@@ -210,6 +212,14 @@ class SpeculativeDecoder:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    def forward_path(self) -> dict:
+        """What this decoder's timings depend on beyond the models: the backend (with a hash of its kernel and
+        formats), the lean target and draft forwards, the KV cache. Cache keys of timed results include it."""
+        from pipeline.models.backend import backend_signature
+
+        return {"backend": backend_signature(self.backend), "fast_forward": self.fast is not None,
+                "fast_draft": self.fast_draft is not None, "kv_cache": self.kv_cache}
 
     # ---------------------------------------------------------------------------------------------
     def check_block_size(self, block_size: int) -> None:
@@ -274,7 +284,8 @@ class SpeculativeDecoder:
         b = block.shape[1]
         c = state.features.shape[1]
         positions = torch.arange(state.start - c, state.start + b, device=self.device)[None]
-        hidden = self.drafter(self.embed(block), state.features, positions, cache=state.draft_cache)
+        forward = self.fast_draft if self.fast_draft is not None else self.drafter
+        hidden = forward(self.embed(block), state.features, positions, cache=state.draft_cache)
         crop_to(state.draft_cache, state.start)
         state.features = state.features[:, :0]
         draft_logits = self.drafter_head(hidden[0, 1:]).float()

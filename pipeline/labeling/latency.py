@@ -307,8 +307,8 @@ def measure_latency_cached(decoder: SpeculativeDecoder, block_sizes: Sequence[in
     if cache_dir is None:
         return measure_latency(decoder, block_sizes, context_buckets, repeats, temperature, seed)
     key = {"identity": identity or {}, "host": platform.node(), "threads": torch.get_num_threads(),
-           "backend": backend_signature(getattr(decoder, "backend", None) or "eager"),
-           "fast_forward": getattr(decoder, "fast", None) is not None, "kv_cache": getattr(decoder, "kv_cache", None),  # the forward path
+           "forward": decoder.forward_path() if hasattr(decoder, "forward_path")
+           else {"backend": backend_signature(getattr(decoder, "backend", None) or "eager")},
            "block_sizes": sorted(int(b) for b in block_sizes), "context_buckets": sorted(int(c) for c in context_buckets),
            "repeats": int(repeats), "temperature": float(temperature), "seed": int(seed)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]

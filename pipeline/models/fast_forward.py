@@ -13,6 +13,10 @@ Supported: decoder layers of the Llama, Mistral, Qwen2 and Qwen3 families (RMSNo
 optional q/k norms and biases) with SDPA attention and no sliding window. ``FastForward.supports`` says
 whether a model qualifies; anything else keeps transformers' forward. Tests check the logits, the hidden
 states and the cache against transformers' forward bit for bit, and the decodes against ``generate``.
+
+``FastDraft`` does the same for the DFlash drafter's draft forward (``DFlashDrafter.forward``): its layers'
+operations in their order, with the block's and the new context's q/k/v as one product on the smallm kernels
+(the context rows' queries are computed and dropped: a row's outputs do not depend on the other rows).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import sys
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask
 
@@ -192,6 +197,107 @@ def fast_forward_for(base: nn.Module, setting: bool | str | None, backend: str) 
         return FastForward(base) if backend in PACKED and FastForward.supports(base) else None
     if setting is True or setting == "true":
         return FastForward(base)
+    if setting is False or setting == "false":
+        return None
+    raise ValueError(f"model.fast_forward must be auto, true or false, got {setting!r}")
+
+
+class FastDraft:
+    """The lean draft forward of a ``DFlashDrafter`` (inference; full-attention, non-causal layers only),
+    bit-identical to ``DFlashDrafter.forward`` without an attention mask.
+
+    Raises:
+        ValueError: from the constructor when the drafter has causal or sliding-window layers.
+    """
+
+    def __init__(self, drafter: nn.Module):
+        reason = self.unsupported(drafter)
+        if reason:
+            raise ValueError(f"FastDraft does not support this drafter: {reason}")
+        self.drafter = drafter
+        self._fused: dict[int, tuple] = {}
+        self._kind = None
+
+    @staticmethod
+    def unsupported(drafter: nn.Module) -> str | None:
+        """Why ``drafter`` cannot run on ``FastDraft`` (None when it can)."""
+        for layer in getattr(drafter, "layers", ()):
+            attn = layer.self_attn
+            if attn.is_causal or attn.sliding_window is not None:
+                return f"layer {attn.layer_idx} is causal or sliding-window"
+            if type(layer.mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+                return f"MLP activation {type(layer.mlp.act_fn).__name__}"
+        return None
+
+    def _linears(self, i: int, layer: nn.Module, kind: str | None):
+        """(qkv, gate_up) callables of draft layer i for the linears' backend ``kind``."""
+        if self._kind != kind:
+            self._fused, self._kind = {}, kind
+        if i not in self._fused:
+            attn, mlp = layer.self_attn, layer.mlp
+            if kind in SMALLM:
+                qkv = _Fused([attn.q_proj, attn.k_proj, attn.v_proj], kind)
+                gate_up = _Fused([mlp.gate_proj, mlp.up_proj], kind)
+            else:
+                qkv = gate_up = None
+            self._fused[i] = (qkv, gate_up)
+        return self._fused[i]
+
+    @torch.inference_mode()
+    def __call__(self, noise_embedding: torch.Tensor, target_features: torch.Tensor, position_ids: torch.Tensor,
+                 cache=None) -> torch.Tensor:
+        """``DFlashDrafter.forward(noise_embedding, target_features, position_ids, None, cache)``: [b, q, H]."""
+        from pipeline.models.drafter import _apply_rotary
+
+        d = self.drafter
+        first = d.layers[0].self_attn.q_proj
+        kind = first._bp_packed.kind if type(first) is PackedLinear else None
+        context = _rms_norm(d.hidden_norm, d.fc.forward(target_features))
+        cos, sin = d.rotary_emb(noise_embedding, position_ids)
+        hidden = noise_embedding
+        b, q_len, _ = hidden.shape
+        c_len = context.shape[1]
+        for i, layer in enumerate(d.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, gate_up = self._linears(i, layer, kind)
+            x = _rms_norm(layer.input_layernorm, hidden)
+            kv_in = torch.cat([context, x], dim=1)
+            if qkv is not None:
+                q, k, v = qkv(kv_in)
+                q = q[:, c_len:]
+            else:
+                q, k, v = attn.q_proj.forward(x), attn.k_proj.forward(kv_in), attn.v_proj.forward(kv_in)
+            q = _rms_norm(attn.q_norm, q.reshape(b, q_len, -1, attn.head_dim)).transpose(1, 2)
+            k = _rms_norm(attn.k_norm, k.reshape(b, c_len + q_len, -1, attn.head_dim)).transpose(1, 2)
+            v = v.reshape(b, c_len + q_len, -1, attn.head_dim).transpose(1, 2)
+            q, k = _apply_rotary(q, k, cos, sin)
+            if cache is not None:
+                k, v = cache.update(k, v, attn.layer_idx)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=None,
+                                                 enable_gqa=attn.num_heads != attn.num_kv_heads)
+            hidden = hidden + attn.o_proj.forward(out.transpose(1, 2).reshape(b, q_len, -1))
+            x = _rms_norm(layer.post_attention_layernorm, hidden)
+            if gate_up is not None:
+                gate, up = gate_up(x)
+            else:
+                gate, up = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
+            hidden = hidden + mlp.down_proj.forward(mlp.act_fn(gate) * up)
+        return _rms_norm(d.norm, hidden)
+
+
+def fast_draft_for(drafter: nn.Module | None, setting: bool | str | None, backend: str) -> FastDraft | None:
+    """A decoder's ``FastDraft`` for ``model.fast_forward`` = ``setting`` (as ``fast_forward_for``), or None
+    (no drafter, or one ``FastDraft`` does not support under ``auto``).
+
+    Raises:
+        ValueError: for True with an unsupported drafter, or another setting.
+    """
+    if drafter is None:
+        return None
+    if setting in ("auto", None):
+        return FastDraft(drafter) if backend in PACKED and FastDraft.unsupported(drafter) is None else None
+    if setting is True or setting == "true":
+        return FastDraft(drafter)
     if setting is False or setting == "false":
         return None
     raise ValueError(f"model.fast_forward must be auto, true or false, got {setting!r}")
