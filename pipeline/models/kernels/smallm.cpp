@@ -12,6 +12,9 @@
 // w = d * q, q int8: GGUF Q8_0) and q4 (w = d * q + m, q in 0..15, two roundings: GGUF Q4_1). Each group of
 // 32 k is expanded once into an L1 buffer and every row tile runs the same FMA chain over it, so an output
 // equals the float32 kernel's bit for bit (the accumulators are parked in memory between groups, exactly).
+// Calls of up to fused_max rows (the caller's FUSED_MAX_ROWS, 4) skip the buffer: each k's 16 weights of a
+// panel are expanded in registers and used at once by every row of a tile of up to 4 (fused_rows), so a
+// 2-4 row verify expands the weights once, as a 1-row step does, and pays only for the extra FMAs.
 // Compiled with -ffp-contract=off, so that d * q + m is not fused into one rounding.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
