@@ -156,21 +156,26 @@ def train_predictor(cfg: DictConfig) -> Path:
         scores = {s: net(data[s]["x"], data[s].get("ids"), data[s].get("id_weights")) for s in dd if len(dd[s])}
     fallback = None
     if tcfg.get("fallback") and fixed_index is not None:
-        margin, val_tau = tune_margin(scores["validation"], data["validation"]["tau"], fixed_index)
-        fallback = {"block_size": candidates[fixed_index], "margin": margin, "validation_pick_tau": val_tau}
+        # the deploy check judges departures by the label target's own reward: tau, or (target=speed) tokens/s relative
+        # to the prompt's best, so a speed-labelled predictor is not held to tau, which it trades away on purpose
+        reward = data["validation"]["reward"]
+        unit = "tokens" if tcfg.target == "tau" else "of the best tokens/s"
+        margin, val_reward = tune_margin(scores["validation"], reward, fixed_index)
+        fallback = {"block_size": candidates[fixed_index], "margin": margin, "validation_pick_tau": val_reward,
+                    "reward": str(tcfg.target)}
         confidence = tcfg.get("fallback_confidence")
         if confidence is not None and margin < ALWAYS_FALLBACK:
-            check = departure_gain(scores["validation"], data["validation"]["tau"], fixed_index, margin, float(confidence),
+            check = departure_gain(scores["validation"], reward, fixed_index, margin, float(confidence),
                                    seed=int(cfg.seed))
             fallback.update({"tuned_margin": margin, "validation_gain": check})
             if check["lower_bound"] <= 0.0:
                 fallback["margin"] = ALWAYS_FALLBACK
-                fallback["validation_pick_tau"] = float(data["validation"]["tau"][:, fixed_index].mean())
-                log.info("tuned margin %.4f departs on %d validation requests for a mean gain of %.5f tokens, but its "
+                fallback["validation_pick_tau"] = float(reward[:, fixed_index].mean())
+                log.info("tuned margin %.4f departs on %d validation requests for a mean gain of %.5f %s, but its "
                          "%.0f%% lower bound is %.5f <= 0: always keeping B=%d", margin, check["departures"],
-                         check["mean_gain"], 100 * check["confidence"], check["lower_bound"], candidates[fixed_index])
-        log.info("confidence fallback to B=%d: margin %.4f (validation pick tau %.4f)", candidates[fixed_index],
-                 fallback["margin"], fallback["validation_pick_tau"])
+                         check["mean_gain"], unit, 100 * check["confidence"], check["lower_bound"], candidates[fixed_index])
+        log.info("confidence fallback to B=%d: margin %.4f (validation pick %s %.4f)", candidates[fixed_index],
+                 fallback["margin"], tcfg.target, fallback["validation_pick_tau"])
     for split, s in scores.items():
         d = data[split]
         pick = apply_fallback(s, fixed_index, fallback["margin"]) if fallback else None

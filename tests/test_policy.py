@@ -114,6 +114,24 @@ def test_mlp_learns_the_planted_entropy_rule(planted, objective):
     assert predictor.predict(peaked) == 2 and predictor.predict(flat) == 6
 
 
+def test_speed_labelled_predictor_is_deployed_by_its_own_reward(planted):
+    """The planted speed rule is the tau rule reversed (the fastest B is the tau-worst one in its bin). Trained on
+    speed labels, the predictor departs from B_train where tokens/s gains, and the deploy check, judging by the same
+    reward, keeps those departures; judged by tau (as before) it kept B_train on every request."""
+    out = train(planted, "topk", "train.target=speed", "train.objective=hard", "train.lr=1e-2", "trainer.max_epochs=40",
+                "trainer.patience=40")
+    fallback = json.loads((out / "predictor.json").read_text())["fallback"]
+    assert fallback["reward"] == "speed" and fallback["margin"] < ALWAYS_FALLBACK, fallback
+    check = fallback["validation_gain"]
+    assert check["departures"] > 0 and check["lower_bound"] > 0, check
+    # the reward is tokens/s over the prompt's best (<= 1): the deployed picks are near the best on validation
+    assert 0.9 < fallback["validation_pick_tau"] <= 1.0, fallback
+    predictor = load_predictor(out)
+    g = torch.Generator().manual_seed(7)
+    peaked, flat = torch.randn(320, generator=g) * 5.5, torch.randn(320, generator=g) * 0.05
+    assert predictor.predict(peaked) == 6 and predictor.predict(flat) == 2  # the reversed rule
+
+
 def test_early_stopping_keeps_the_best_checkpoint(planted):
     out = train(planted, "topk", "train.objective=soft", "trainer.max_epochs=25", "trainer.patience=3", "train.lr=0.05")
     meta = json.loads((out / "predictor.json").read_text())

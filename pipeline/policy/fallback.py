@@ -56,7 +56,8 @@ def tune_margin(scores: torch.Tensor, tau: torch.Tensor, fallback_index: int) ->
     """The margin that maximises the mean tau of the picks on a (validation) split.
 
     Args:
-        scores: [n, C] predictor scores; tau: [n, C] recorded tau per candidate (tokens);
+        scores: [n, C] predictor scores; tau: [n, C] recorded tau per candidate (tokens), or the label target's reward
+            (``train.target=speed``: tokens/s over the prompt's best);
         fallback_index: class index of the training block size.
     Returns:
         ``(margin, mean_pick_tau)``. Only the observed advantages can change the picks, so they (and
@@ -83,7 +84,7 @@ def departure_gain(scores: torch.Tensor, tau: torch.Tensor, fallback_index: int,
     """How much the picks under ``margin`` gain over always keeping the training block size, with a lower bound.
 
     Args:
-        scores: [n, C] predictor scores; tau: [n, C] recorded tau per candidate (tokens).
+        scores: [n, C] predictor scores; tau: [n, C] recorded tau per candidate (tokens), or the label target's reward.
         fallback_index: class index of the training block size; margin: the fallback margin.
         confidence: level of the one-sided percentile-bootstrap lower bound (resampling requests).
         resamples, seed: bootstrap size and generator seed (the bound is deterministic given them).
