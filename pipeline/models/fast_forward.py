@@ -69,6 +69,17 @@ class _Fused:
         return [t.view(*x.shape[:-1], t.shape[-1]) for t in out.split(self.splits, dim=-1)]
 
 
+def _fused_linears(cache: dict, i: int, layer: nn.Module, kind: str | None) -> tuple:
+    """(qkv, gate_up) of decoder or draft layer i on backend ``kind``: one concatenated smallm product each
+    (``_Fused``), or (None, None) off the smallm kernels, where a concatenated product may not give the separate
+    ones' bits. Kept in ``cache`` under (i, kind)."""
+    if (i, kind) not in cache:
+        attn, mlp = layer.self_attn, layer.mlp
+        cache[(i, kind)] = ((_Fused([attn.q_proj, attn.k_proj, attn.v_proj], kind), _Fused([mlp.gate_proj, mlp.up_proj], kind))
+                            if kind in SMALLM else (None, None))
+    return cache[(i, kind)]
+
+
 class FastForward:
     """The lean forward of ``base`` (a transformers base model: ``embed_tokens``, ``layers``, ``norm``,
     ``rotary_emb``), for inference.
@@ -84,8 +95,8 @@ class FastForward:
         self.base = base
         layer = base.layers[0]
         self.rotary = sys.modules[type(layer).__module__].apply_rotary_pos_emb
-        self._fused: dict[int, tuple] = {}
-        self._kind = None
+        self._fused: dict[tuple, tuple] = {}
+        self._layers: dict[tuple, tuple] = {}
 
     @staticmethod
     def unsupported(base: nn.Module) -> str | None:
@@ -125,21 +136,17 @@ class FastForward:
 
     def _linears(self, i: int, layer: nn.Module, kind: str | None):
         """(qkv, gate_up, o, down) callables of layer i for the linears' backend ``kind``."""
-        if self._kind != kind:
-            self._fused, self._kind = {}, kind
-        if i not in self._fused:
+        if (i, kind) not in self._layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if kind in SMALLM:
-                qkv = _Fused([attn.q_proj, attn.k_proj, attn.v_proj], kind)
-                gate_up = _Fused([mlp.gate_proj, mlp.up_proj], kind)
-            else:
+            qkv, gate_up = _fused_linears(self._fused, i, layer, kind)
+            if qkv is None:
                 def qkv(x, attn=attn):
                     return [attn.q_proj.forward(x), attn.k_proj.forward(x), attn.v_proj.forward(x)]
 
                 def gate_up(x, mlp=mlp):
                     return [mlp.gate_proj.forward(x), mlp.up_proj.forward(x)]
-            self._fused[i] = (qkv, gate_up, attn.o_proj.forward, mlp.down_proj.forward)
-        return self._fused[i]
+            self._layers[(i, kind)] = (qkv, gate_up, attn.o_proj.forward, mlp.down_proj.forward)
+        return self._layers[(i, kind)]
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache, output_hidden_states: bool = False):
@@ -215,8 +222,7 @@ class FastDraft:
         if reason:
             raise ValueError(f"FastDraft does not support this drafter: {reason}")
         self.drafter = drafter
-        self._fused: dict[int, tuple] = {}
-        self._kind = None
+        self._fused: dict[tuple, tuple] = {}
 
     @staticmethod
     def unsupported(drafter: nn.Module) -> str | None:
@@ -228,20 +234,6 @@ class FastDraft:
             if type(layer.mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
                 return f"MLP activation {type(layer.mlp.act_fn).__name__}"
         return None
-
-    def _linears(self, i: int, layer: nn.Module, kind: str | None):
-        """(qkv, gate_up) callables of draft layer i for the linears' backend ``kind``."""
-        if self._kind != kind:
-            self._fused, self._kind = {}, kind
-        if i not in self._fused:
-            attn, mlp = layer.self_attn, layer.mlp
-            if kind in SMALLM:
-                qkv = _Fused([attn.q_proj, attn.k_proj, attn.v_proj], kind)
-                gate_up = _Fused([mlp.gate_proj, mlp.up_proj], kind)
-            else:
-                qkv = gate_up = None
-            self._fused[i] = (qkv, gate_up)
-        return self._fused[i]
 
     @torch.inference_mode()
     def __call__(self, noise_embedding: torch.Tensor, target_features: torch.Tensor, position_ids: torch.Tensor,
@@ -259,7 +251,7 @@ class FastDraft:
         c_len = context.shape[1]
         for i, layer in enumerate(d.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, gate_up = self._linears(i, layer, kind)
+            qkv, gate_up = _fused_linears(self._fused, i, layer, kind)
             x = _rms_norm(layer.input_layernorm, hidden)
             kv_in = torch.cat([context, x], dim=1)
             if qkv is not None:
