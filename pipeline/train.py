@@ -161,7 +161,7 @@ def train_predictor(cfg: DictConfig) -> Path:
         reward = data["validation"]["reward"]
         unit = "tokens" if tcfg.target == "tau" else "of the best tokens/s"
         margin, val_reward = tune_margin(scores["validation"], reward, fixed_index)
-        fallback = {"block_size": candidates[fixed_index], "margin": margin, "validation_pick_tau": val_reward,
+        fallback = {"block_size": candidates[fixed_index], "margin": margin, "validation_pick_reward": val_reward,
                     "reward": str(tcfg.target)}
         confidence = tcfg.get("fallback_confidence")
         if confidence is not None and margin < ALWAYS_FALLBACK:
@@ -170,12 +170,12 @@ def train_predictor(cfg: DictConfig) -> Path:
             fallback.update({"tuned_margin": margin, "validation_gain": check})
             if check["lower_bound"] <= 0.0:
                 fallback["margin"] = ALWAYS_FALLBACK
-                fallback["validation_pick_tau"] = float(reward[:, fixed_index].mean())
+                fallback["validation_pick_reward"] = float(reward[:, fixed_index].mean())
                 log.info("tuned margin %.4f departs on %d validation requests for a mean gain of %.5f %s, but its "
                          "%.0f%% lower bound is %.5f <= 0: always keeping B=%d", margin, check["departures"],
                          check["mean_gain"], unit, 100 * check["confidence"], check["lower_bound"], candidates[fixed_index])
         log.info("confidence fallback to B=%d: margin %.4f (validation pick %s %.4f)", candidates[fixed_index],
-                 fallback["margin"], tcfg.target, fallback["validation_pick_tau"])
+                 fallback["margin"], tcfg.target, fallback["validation_pick_reward"])
     for split, s in scores.items():
         d = data[split]
         pick = apply_fallback(s, fixed_index, fallback["margin"]) if fallback else None

@@ -125,7 +125,7 @@ def test_speed_labelled_predictor_is_deployed_by_its_own_reward(planted):
     check = fallback["validation_gain"]
     assert check["departures"] > 0 and check["lower_bound"] > 0, check
     # the reward is tokens/s over the prompt's best (<= 1): the deployed picks are near the best on validation
-    assert 0.9 < fallback["validation_pick_tau"] <= 1.0, fallback
+    assert 0.9 < fallback["validation_pick_reward"] <= 1.0, fallback
     predictor = load_predictor(out)
     g = torch.Generator().manual_seed(7)
     peaked, flat = torch.randn(320, generator=g) * 5.5, torch.randn(320, generator=g) * 0.05

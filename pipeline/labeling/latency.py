@@ -34,7 +34,6 @@ from transformers import DynamicCache
 from pipeline.decoding.sampling import PositionKeyedSampler
 from pipeline.decoding.speculative import RequestStats, SpeculativeDecoder, _now, crop_to
 from pipeline.models.target import new_cache
-from pipeline.models.backend import backend_signature
 
 log = logging.getLogger(__name__)
 
@@ -307,8 +306,7 @@ def measure_latency_cached(decoder: SpeculativeDecoder, block_sizes: Sequence[in
     if cache_dir is None:
         return measure_latency(decoder, block_sizes, context_buckets, repeats, temperature, seed)
     key = {"identity": identity or {}, "host": platform.node(), "threads": torch.get_num_threads(),
-           "forward": decoder.forward_path() if hasattr(decoder, "forward_path")
-           else {"backend": backend_signature(getattr(decoder, "backend", None) or "eager")},
+           "forward": decoder.forward_path(),  # backend (kernel hash, crossover), lean forwards, KV cache
            "block_sizes": sorted(int(b) for b in block_sizes), "context_buckets": sorted(int(c) for c in context_buckets),
            "repeats": int(repeats), "temperature": float(temperature), "seed": int(seed)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -47,6 +47,8 @@ import hashlib
 import json
 import logging
 import os
+import platform
+import time
 from pathlib import Path
 
 import torch
@@ -114,16 +116,12 @@ def _cpu_name() -> str:
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    import platform
-
     return platform.processor() or platform.machine()
 
 
 def _time_pair_ms(first, second, weights, repeats: int = 7, warmup: int = 2) -> tuple[float, float]:
     """The least ms of one pass of ``first`` and of ``second`` over ``weights``, the two interleaved run by run (the
     least, not the median: other work on the cores only ever adds time)."""
-    import time
-
     times: tuple[list, list] = ([], [])
     for i in range(warmup + repeats):
         for fn, out in zip((first, second), times):

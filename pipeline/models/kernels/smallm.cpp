@@ -360,8 +360,8 @@ torch::Tensor linear_exact(torch::Tensor x, int64_t fmt, torch::Tensor q, torch:
   // more rows: each group of 32 k expanded once into an L1 buffer, 2 panels a unit, row tiles of 3
   const int64_t NP = 2, units = (P + NP - 1) / NP;
   at::parallel_for(0, units, 2, [&](int64_t begin, int64_t end) {
-    alignas(32) float buf[4 * kGroup * kPanel];
-    std::vector<float> accv(4 * M * kPanel);
+    alignas(32) float buf[2 * kGroup * kPanel];  // NP panels' expanded group
+    std::vector<float> accv(2 * M * kPanel);
     float* acc = accv.data();
     for (int64_t u = begin; u < end; ++u) {
       const int64_t p0 = u * NP, np = std::min(NP, P - p0);
