@@ -245,6 +245,23 @@ def load_verify_width_inputs(cfg: DictConfig, inputs: EvalInputs, decoder) -> No
         inputs.latency = load_cost_model(decoder, lat, widths, cfg.decode.temperature, cfg.seed, latency_identity(cfg.model))
 
 
+def verify_width_bound(inputs: "EvalInputs", block_size: int, prompt_ids: set[str]) -> dict | None:
+    """``pipeline.policy.verify_width.foresight_bound`` over the labelled requests of ``prompt_ids`` with the run's
+    latency model, or None (with a log line) when the labels or the latency model are missing or hold no samples
+    at ``block_size``."""
+    from pipeline.policy.verify_width import foresight_bound
+    from pipeline.prompts import prompt_id_of
+
+    if inputs.labels is None or inputs.latency is None:
+        return None
+    ids = {i for i in inputs.labels["id"].astype(str) if prompt_id_of(i) in prompt_ids}
+    try:
+        return foresight_bound(inputs.labels, inputs.latency, block_size, ids)
+    except ValueError as err:
+        log.info("no verify-width foresight bound: %s", err)
+        return None
+
+
 def verify_width_block_size(cfg: DictConfig, decoder) -> int:
     """B drafted by ``verify_width``: ``eval.verify_width.block_size``, else ``decode.block_size``, else the training B."""
     vw = cfg.eval.get("verify_width") or {}
@@ -675,6 +692,12 @@ def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, input
                                    "calibration_info": inputs.calibration.info,
                                    "reliability": stored.get("reliability"), "reliability_split": stored.get("reliability_split"),
                                    "latency_model": inputs.latency.to_dict() if inputs.latency is not None else None}
+        bound = verify_width_bound(inputs, verify_width_block_size(cfg, decoder), {r["id"] for r in rows["ar"]})
+        if bound is not None:
+            results["verify_width"]["bound"] = bound
+            log.info("verify-width foresight bound at B=%d (latency model, %d requests): %.2fx ar (drafting every step: "
+                     "%.2fx; fixed %.2fx)", bound["block_size"], bound["all"]["requests"], bound["all"]["foresight"],
+                     bound["all"]["foresight_drafting"], bound["all"]["fixed"])
     if inputs.predictors:
         results["predictors"] = {m: {k: p.meta.get(k) for k in ("arch", "num_parameters", "features", "candidates", "inference_ms", "fallback")}
                                  for m, p in inputs.predictors.items()}

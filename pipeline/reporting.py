@@ -183,6 +183,17 @@ def markdown_table(results: dict) -> str:
             lines += ["Tokens/s gain, paired by prompt [bootstrap 95% CI]: " + "; ".join(
                 f"`{m}` vs `{b}` {100 * g['gain']:+.1f}% [{_fmt(None if g['ci'][0] is None else 100 * g['ci'][0], 1)}, "
                 f"{_fmt(None if g['ci'][1] is None else 100 * g['ci'][1], 1)}]" for m, per in gains.items() for b, g in per.items()), ""]
+    bound = (results.get("verify_width") or {}).get("bound")
+    if bound:
+        lines += [f"## Verify-width headroom (B={bound['block_size']}, modelled)", "",
+                  "Speedup over `ar` from the run's latency model and the labels' replays: `fixed` at B, and a verify width "
+                  "chosen with foresight of each step's acceptance (no verify-width policy can beat it with this drafter "
+                  "here), without and with a draft on every step.", "",
+                  "| set | requests | fixed | foresight | foresight, drafting every step |", "|---|---|---|---|---|"]
+        for name, b in [("all", bound["all"]), *bound["per_set"].items()]:
+            lines.append(f"| {name} | {b['requests']} | {_fmt(b['fixed'])}x | {_fmt(b['foresight'])}x | "
+                         f"{_fmt(b['foresight_drafting'])}x |")
+        lines.append("")
     lines += ["B: the block sizes decoded with (a range when they varied per request or per step). tau: mean acceptance length "
               "(tokens per target verify). speedup: tokens/s over `ar` in the same run; intervals are percentile bootstrap "
               "95% over prompts (speedup paired with `ar` on the same prompts). oracle gain share: (tau - tau_fixed) / "

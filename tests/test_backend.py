@@ -5,6 +5,7 @@ every B."""
 
 from __future__ import annotations
 
+
 import pytest
 import torch
 from torch import nn
@@ -13,6 +14,8 @@ from torch.nn import functional as F
 from pipeline.decoding import DecodeConfig, SpeculativeDecoder
 from pipeline.models.backend import (EXACT_ROWS_ENV, SMALLM_MAX_ROWS, LMHead, PackedLinear, exact_crossover, exact_format,
                                     measure_crossover, module_backend, pack_smallm, resolve_backend, set_backend)
+from pipeline.models.drafter import DFlashDrafter
+from pipeline.models.target import load_target
 from pipeline.prompts import chat_input_ids
 
 PROMPTS = ["def add(a, b):", "Natalia sold clips to 48 of her friends", "The quick brown fox"]
@@ -260,3 +263,22 @@ def test_verify_width_is_lossless(trained_decoder):
                 assert len(new) == accepted + 1 <= min(k, B - 1) + 1
                 out.extend(new)
         assert out[: config.max_new_tokens] == reference, f"B={B}, k={k}"
+
+
+@pytest.mark.parametrize("backend", PACKED)
+def test_models_loaded_under_inference_mode_run_on_the_packed_paths(tiny, backend):
+    """Weights made under ``torch.inference_mode`` (a model loaded inside it) have no version counter; the packed
+    weights and the lean forwards pack them once and decode what transformers' generate decodes."""
+    source = tiny.target("llama")
+    target_dir, drafter_dir = tiny.target_dir("llama"), tiny.drafter_dir("llama", "trained")  # (trains it once)
+    with torch.inference_mode():  # as a script under @torch.inference_mode() loads them
+        target, drafter = load_target(str(target_dir)), DFlashDrafter.from_pretrained(drafter_dir)
+    assert drafter.layers[0].self_attn.q_proj.weight.is_inference()  # transformers' loader makes the target's normal
+    decoder = SpeculativeDecoder(target, drafter, backend=backend)
+    config = DecodeConfig(max_new_tokens=20)
+    for text in PROMPTS[:2]:
+        ids = chat_input_ids(target.tokenizer, [text])
+        ours = decoder.generate(ids, 1, config).output_ids
+        with torch.inference_mode():
+            reference = hf_greedy(source, ids, config.max_new_tokens, decoder.stop_ids)
+        assert ours == reference and decoder.generate(ids, 6, config).output_ids == ours, text

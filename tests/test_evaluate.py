@@ -23,7 +23,7 @@ from pipeline.evaluate import evaluate, load_eval_inputs, oracle_gain_share  # n
 from pipeline.models.loading import build_decoder  # noqa: E402
 from pipeline.policy import load_predictor  # noqa: E402
 from pipeline.prompts import chat_input_ids, load_prompt_sets  # noqa: E402
-from pipeline.reporting import confusion_counts, markdown_table  # noqa: E402
+from pipeline.reporting import confusion_counts, markdown_table, request_count  # noqa: E402
 
 CONF = str(PROJECT_ROOT / "conf")
 
@@ -161,6 +161,12 @@ def test_report_files_and_table(run, results):
     for m in ALL_METHODS:
         assert f"| {m} |" in table or f"| {m} † |" in table  # † marks rows of fewer than 10 requests
     assert "Source set `code`" in table and "Source set `math`" in table
+    # the verify-width headroom: modelled from the labels' replays of the evaluated requests, with the run's latency model
+    bound = results["verify_width"]["bound"]
+    assert bound["block_size"] == 8 and bound["all"]["requests"] == request_count(results["methods"]["ar"]["rows"])
+    assert bound["all"]["foresight"] >= bound["all"]["foresight_drafting"] > 0
+    assert bound["all"]["foresight_drafting"] >= bound["all"]["fixed"] * (1 - 1e-9)  # never more drafts verified than B-1
+    assert sorted(bound["per_set"]) == ["code", "math"] and "## Verify-width headroom (B=8, modelled)" in table
     counts = confusion_counts([2, 6, 6, 9], [2, 6, 4, 2], [2, 4, 6])
     assert counts.tolist() == [[1, 0, 0], [0, 0, 1], [0, 0, 1]]
 

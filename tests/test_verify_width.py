@@ -19,7 +19,7 @@ from pipeline.labeling.store import LabelStore, read_labels
 from pipeline import PROJECT_ROOT
 from pipeline.policy.verify_width import (AcceptanceCalibration, VerifyWidthSchedule, best_width, calibration_samples,
                                           expected_tokens, export_calibration, find_calibration, fit_from_labels,
-                                          load_calibration, reliability)
+                                          foresight_bound, load_calibration, reliability, step_acceptances)
 from pipeline.prompts import chat_input_ids
 
 PROMPTS = ["def add(a, b):", "Natalia sold clips to 48 of her friends", "Write a function that returns the sum",
@@ -90,6 +90,54 @@ def test_replay_confidence_samples_are_the_decoders(trained_decoder, temperature
                     checked += 1
                     rejected += not ok
     assert checked > 50 and 0 < rejected < checked
+
+
+def test_step_acceptances_read_back_the_decoders_steps(trained_decoder):
+    """The foresight bound's per-step acceptance, read from a replay's flattened samples (as the label store keeps
+    them), equals the accepted drafts of every drafting step of a real decode."""
+    config = DecodeConfig(28, 0.0, 0)
+    compared = 0
+    for text in PROMPTS:
+        ids = chat_input_ids(trained_decoder.target.tokenizer, [text])
+        trace = target_trace(trained_decoder, trained_decoder.prefill(ids, config), config)
+        for B in (4, 8):
+            result = replay(trained_decoder, trace, [B], config, record_confidence=True)[B]
+            flat = [(j, ok) for step in result.confidence for j, _, ok in step]
+            steps = manual_decode(trained_decoder, ids, B, config)
+            expected = [accepted for b, _, accepted in steps if b > 1]
+            got = step_acceptances([j for j, _ in flat], [ok for _, ok in flat])
+            assert got[:-1] == expected[:-1] and got[-1] in (expected[-1], expected[-1] - 1)  # the trace's end
+            compared += len(got)
+    assert compared > 10
+    with pytest.raises(ValueError, match="column 1"):
+        step_acceptances([2, 1], [True, False])
+
+
+def test_foresight_bound_on_constructed_replays():
+    """Known steps, known costs: verify_ms(q) = 50 + 5 (q - 1), draft 10, prefill 100 ms (64 prompt tokens)."""
+    rows = pd.DataFrame([
+        # steps at B=4 accept 3, 0, 2 drafts; 9 tokens, so the last block is clipped to 3 (the budget)
+        {"id": "a", "source_set": "code", "prompt_tokens": 64, "candidates": [4], "new_tokens": [9.0],
+         "conf_block": [4] * 7, "conf_column": [1, 2, 3, 1, 1, 2, 3], "conf_ok": [True, True, True, False, True, True, False]},
+        # at B=4: 1 then 0 accepted, then two plain steps (b = 1 records nothing); the B=2 samples are another replay
+        {"id": "b#turn2", "source_set": "chat", "prompt_tokens": 64, "candidates": [2, 4], "new_tokens": [5.0, 6.0],
+         "conf_block": [2, 2, 4, 4, 4], "conf_column": [1, 1, 1, 2, 1], "conf_ok": [True, True, True, False, False]},
+    ])
+    latency = linear_latency()
+    bound = foresight_bound(rows, latency, 4)
+    # ar: 100 + 8 x 50 = 500 and 100 + 5 x 50 = 350
+    # fixed: 100 + 75 + 75 + 70 = 320 and 100 + 75 + 70 + 2 x 50 = 345
+    # foresight: 100 + 75 + 50 + 70 = 295 and 100 + 65 + 50 + 100 = 315; drafting every step: 305 and 325
+    assert bound["block_size"] == 4
+    assert bound["per_set"]["code"] == pytest.approx({"requests": 1, "fixed": 500 / 320, "foresight": 500 / 295,
+                                                      "foresight_drafting": 500 / 305})
+    assert bound["per_set"]["chat"] == pytest.approx({"requests": 1, "fixed": 350 / 345, "foresight": 350 / 315,
+                                                      "foresight_drafting": 350 / 325})
+    assert bound["all"] == pytest.approx({"requests": 2, "fixed": 850 / 665, "foresight": 850 / 610,
+                                          "foresight_drafting": 850 / 630})
+    assert set(foresight_bound(rows, latency, 4, ids={"a"})["per_set"]) == {"code"}
+    with pytest.raises(ValueError, match="B=8"):
+        foresight_bound(rows, latency, 8)
 
 
 def test_calibration_fit_recovers_a_planted_relation():

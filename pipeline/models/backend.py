@@ -395,6 +395,13 @@ def pack_smallm(w: torch.Tensor, formats=EXACT_FORMATS, exact_rows: int | None =
     return SmallmWeight("f32", smallm_kernel().pack(w), empty, empty, n)
 
 
+def weight_version(weight: torch.Tensor) -> int:
+    """The in-place version counter of ``weight``, which packed copies compare to know when to repack; -2 for an
+    inference tensor (a model loaded under ``torch.inference_mode``), which has no counter: it is packed once, and an
+    in-place edit of it is not seen (``set_backend`` again after one)."""
+    return -2 if weight.is_inference() else weight._version
+
+
 class _Packed:
     """A weight [N, K] packed for ``kind`` (``onednn`` | ``smallm`` | ``smallm_f32``), repacked when the weight changes."""
 
@@ -408,14 +415,14 @@ class _Packed:
         self.packed = None
 
     def get(self):
-        if self.version != self.weight._version or self.packed is None:
+        if self.version != weight_version(self.weight) or self.packed is None:
             with torch.no_grad():
                 w = self.weight.detach().contiguous()
                 if self.kind == "onednn":
                     self.packed = torch.ops.mkldnn._reorder_linear_weight(w)
                 else:
                     self.packed = pack_smallm(w, EXACT_FORMATS if self.kind == "smallm" else ())
-            self.version = self.weight._version
+            self.version = weight_version(self.weight)
         return self.packed
 
 

@@ -29,7 +29,7 @@ from torch.nn import functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask
 
-from pipeline.models.backend import EXACT_FORMATS, PACKED, SMALLM, PackedLinear, pack_smallm
+from pipeline.models.backend import EXACT_FORMATS, PACKED, SMALLM, PackedLinear, pack_smallm, weight_version
 
 LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
@@ -56,7 +56,7 @@ class _Fused:
         self.bias = None
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        versions = [lin.weight._version for lin in self.linears]
+        versions = [weight_version(lin.weight) for lin in self.linears]
         if versions != self.versions:
             with torch.no_grad():
                 weight = torch.cat([lin.weight.detach() for lin in self.linears])

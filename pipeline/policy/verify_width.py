@@ -401,6 +401,99 @@ class VerifyWidthSchedule:
         return 1 if self._remaining > 0 else self._chosen
 
 
+# ---------------------------------------------------------------------------------------------------
+# how much any per-step verify width could gain: the foresight bound
+# ---------------------------------------------------------------------------------------------------
+def step_acceptances(columns: Sequence[int], accepted: Sequence[bool]) -> list[int]:
+    """Accepted drafts of each step of one replayed decode, from its ``conf_*`` samples at one B.
+
+    The replay records, for every step, the columns 1..first rejection (or 1..b-1 when all were accepted), so a
+    step starts at each column 1 and its acceptance is its count of accepted samples.
+
+    Args:
+        columns: [S] draft columns (1-based) in replay order; accepted: [S] whether each was accepted.
+    Returns:
+        one accepted-draft count (tokens, 0..b-1) per step.
+    Raises:
+        ValueError: when the samples do not start at column 1 or their lengths differ.
+    """
+    if len(columns) != len(accepted):
+        raise ValueError(f"{len(columns)} columns but {len(accepted)} outcomes")
+    steps: list[int] = []
+    for column, ok in zip(columns, accepted):
+        if int(column) == 1:
+            steps.append(0)
+        elif not steps:
+            raise ValueError("replay samples must start at column 1 (a step's first draft)")
+        steps[-1] += int(bool(ok))
+    return steps
+
+
+def foresight_bound(labels, latency, block_size: int, ids: set[str] | None = None) -> dict:
+    """Modelled speedups over ``ar`` of ``fixed`` and of a verify width chosen with foresight, per set and overall.
+
+    For every labelled request (``ids`` when given) and every step of its replay at ``block_size``, a policy that
+    knew the step's acceptance a in advance would verify exactly a drafts (cost ``draft_ms(B) + verify_ms(a+1)``)
+    and, when a = 0, not even draft (cost ``verify_ms(1)``): no verify-width policy can do better with this drafter
+    on this machine's cost curve. ``foresight_drafting`` is the same policy made to draft every step (the best a
+    policy without a skip rule can do). Times come from ``latency`` (a ``LatencyModel``; ms), with each request's
+    prefill (and, at T>0, its sampling noise), so the figures compare with measured end-to-end tokens/s.
+
+    Args:
+        labels: label rows with ``conf_block``/``conf_column``/``conf_ok``, ``candidates``, ``new_tokens``,
+            ``prompt_tokens``, ``source_set`` (``pipeline.dataset.read_label_table``).
+        block_size: B drafted (one of the label candidates).
+    Returns:
+        ``{"block_size", "all": {...}, "per_set": {set: {...}}}``, each ``{"requests", "fixed", "foresight",
+        "foresight_drafting"}`` (speedups over ``ar``, x).
+    Raises:
+        ValueError: when no request has replay samples at ``block_size``.
+    """
+    b = int(block_size)
+    totals: dict[str, np.ndarray] = {}
+    for _, row in labels.iterrows():
+        if ids is not None and str(row["id"]) not in ids:
+            continue
+        candidates = [int(c) for c in row["candidates"]]
+        if b not in candidates or row.get("conf_block") is None:
+            continue
+        keep = np.asarray(row["conf_block"]) == b
+        if not keep.any():
+            continue
+        steps = step_acceptances(np.asarray(row["conf_column"])[keep], np.asarray(row["conf_ok"])[keep])
+        n = int(row["new_tokens"][candidates.index(b)])
+        start = int(row["prompt_tokens"])
+        prefill = latency.prefill(start) + latency.noise_ms * n  # sampling noise per token (0 when timed at T=0)
+        ar = prefill + sum(latency.measured_ms("verify", 1, start + i) for i in range(n - 1))
+        fixed = foresight = drafting = prefill
+        position, emitted = start, 1  # the prefill's token
+        for a in steps:
+            if emitted >= n:
+                break
+            width = min(b, n - emitted)  # the replay clips the last block to the token budget
+            draft, verify = latency.measured_ms("draft", width, position), latency.measured_ms("verify", a + 1, position)
+            fixed += draft + latency.measured_ms("verify", width, position)
+            foresight += latency.measured_ms("verify", 1, position) if a == 0 else draft + verify
+            drafting += draft + verify
+            position, emitted = position + a + 1, emitted + a + 1
+        while emitted < n:  # steps of b = 1 (one token left in the budget) draft nothing and record no samples
+            plain = latency.measured_ms("verify", 1, position)
+            fixed, foresight, drafting = fixed + plain, foresight + plain, drafting + plain
+            position, emitted = position + 1, emitted + 1
+        for key in ("all", str(row["source_set"])):
+            totals[key] = totals.get(key, np.zeros(5)) + np.array([1, ar, fixed, foresight, drafting])
+    if "all" not in totals:
+        raise ValueError(f"no labelled request has verify-width samples at B={b}: label with B={b} among the candidates "
+                         "and label.record_confidence=true")
+
+    def speedups(t: np.ndarray) -> dict:
+        return {"requests": int(t[0]), "fixed": float(t[1] / t[2]), "foresight": float(t[1] / t[3]),
+                "foresight_drafting": float(t[1] / t[4])}
+
+    return {"block_size": b, "all": speedups(totals["all"]),
+            "per_set": {s: speedups(t) for s, t in sorted(totals.items()) if s != "all"}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Fit the verify-width calibration on a label run's replay samples.")
     parser.add_argument("labels_dir", type=Path)

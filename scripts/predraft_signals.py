@@ -1,0 +1,97 @@
+"""Which signals tell, before or at a draft, whether the drafter's first draft will be accepted? (prints figures; not a test)
+
+    python scripts/predraft_signals.py [--per-set 5] [--offset 100] [--max-new-tokens 64] [--block-size 8]
+
+Decodes prompts of the benchmark sets in ``../shared/data`` (``--offset`` .. ``--offset + --per-set`` of each, first
+turns) with the embedded default at T=0 and B, verifying every draft, and records per step:
+
+- the target's probability of the pending token (known before the drafter runs; from the previous verify, or the
+  prefill for the first step);
+- the previous step's accepted drafts (known before the drafter runs);
+- the drafter's probability of its first draft (known after the draft; what the verify-width calibration uses).
+
+Prints the AUC of each signal for "draft 1 accepted" (0.5 = no information) and P(accepted) by bins of the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import torch
+from hydra import compose, initialize_config_dir
+
+from pipeline import PROJECT_ROOT
+from pipeline.decoding.sampling import PositionKeyedSampler
+from pipeline.decoding.speculative import DecodeConfig, crop_to
+from pipeline.models.loading import build_decoder
+from pipeline.prompts import chat_input_ids, load_prompt_set
+
+SETS = ("gsm8k", "math500", "mbpp", "mt_bench")
+
+
+def auc(score: np.ndarray, positive: np.ndarray) -> float:
+    """Area under the ROC curve of ``score`` for the boolean ``positive`` (rank form; ties share ranks by order)."""
+    order = np.argsort(score, kind="stable")
+    ranks = np.empty(len(score))
+    ranks[order] = np.arange(1, len(score) + 1)
+    n_pos, n_neg = int(positive.sum()), int((~positive).sum())
+    return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--per-set", type=int, default=5)
+    parser.add_argument("--offset", type=int, default=100)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=8)
+    parser.add_argument("--data", type=Path, default=PROJECT_ROOT.parent / "shared" / "data")
+    args = parser.parse_args()
+    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="evaluate")
+    decoder = build_decoder(cfg.model)
+    config = DecodeConfig(args.max_new_tokens)
+    rows = []  # (target p of pending, previous accepted, drafter p of draft 1, accepted)
+    for name in SETS:
+        prompts = load_prompt_set(str(args.data / f"{name}.jsonl"), offset=args.offset, limit=args.per_set)
+        for prompt in prompts:
+            ids = chat_input_ids(decoder.target.tokenizer, prompt.turns[:1])
+            prefill = decoder.prefill(ids, config)
+            state = decoder.new_state(prefill, use_drafter=True)
+            sampler = PositionKeyedSampler(0.0, 0, decoder.lm_head.shape[0])
+            target_p = float(torch.softmax(prefill.last_logits.float(), -1).max())
+            previous, produced = -1, 1
+            while produced < args.max_new_tokens and state.pending not in decoder.stop_ids:
+                b = min(args.block_size, args.max_new_tokens - produced + 1)
+                if b < 2:
+                    break
+                block = torch.full((1, b), decoder.drafter.mask_token_id, dtype=torch.long, device=decoder.device)
+                block[0, 0] = state.pending
+                confidence = decoder.draft(state, block, sampler, want_confidence=True)
+                logits, features = decoder.target_forward(block, state.cache, state.start, want_features=True)
+                target = sampler.pick(logits, state.start + 1)
+                accepted = int((block[0, 1:] == target[:-1]).int().cumprod(0).sum())
+                rows.append((target_p, previous, float(confidence[0]), accepted))
+                target_p = float(torch.softmax(logits[accepted].float(), -1).max())
+                previous = accepted
+                crop_to(state.cache, state.start + accepted + 1)
+                state.features = torch.cat([state.features, features[:, : accepted + 1]], dim=1)
+                state.start += accepted + 1
+                state.pending = int(target[accepted])
+                produced += accepted + 1
+    target_p, previous, drafter_p, accepted = (np.array(c, dtype=float) for c in zip(*rows))
+    positive = accepted > 0
+    print(f"{len(rows)} steps of {len(SETS) * args.per_set} prompts at B={args.block_size}; "
+          f"P(draft 1 accepted) = {positive.mean():.3f}")
+    print(f"AUC for 'draft 1 accepted': target's p of the pending token {auc(target_p, positive):.3f}, "
+          f"previous step's accepted drafts {auc(previous, positive):.3f}, drafter's p of draft 1 {auc(drafter_p, positive):.3f}")
+    for lo, hi in ((0.0, 0.3), (0.3, 0.6), (0.6, 0.9), (0.9, 1.01)):
+        inside = (target_p >= lo) & (target_p < hi)
+        if inside.any():
+            print(f"target p in [{lo:.1f}, {min(hi, 1.0):.1f}]: {int(inside.sum())} steps, P(accepted) {positive[inside].mean():.2f}")
+
+
+if __name__ == "__main__":
+    main()
