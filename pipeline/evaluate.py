@@ -729,6 +729,10 @@ def log_to_wandb(run, results: dict, report: dict[str, Path]) -> None:
         for m, bases in per.items():
             for base, g in bases.items():
                 run.summary.update({f"{s}/{m}/gain_vs_{base}": g["gain"], f"{s}/{m}/gain_vs_{base}_ci_low": g["ci"][0]})
+    bound = (results.get("verify_width") or {}).get("bound")
+    if bound:  # the foresight bound of any verify-width policy (modelled speedups over ar)
+        for s, b in [("all", bound["all"]), *bound["per_set"].items()]:
+            run.summary.update({f"{s}/verify_width_bound/{k}": v for k, v in b.items()})
     frame = results_frame(results).astype(object).where(lambda f: f.notna(), None)
     payload = {"eval/results": wandb.Table(dataframe=frame)}
     payload.update({f"eval/{name}": wandb.Image(str(path)) for name, path in report.items() if path.suffix == ".png"})

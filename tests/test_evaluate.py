@@ -228,6 +228,7 @@ def test_cli_full_run_logs_to_wandb_offline(run, tmp_path, monkeypatch):
     media = list(runs[0].rglob("*.png"))
     assert len(media) >= 5, media  # the figures, logged as wandb.Image
     assert list(runs[0].rglob("*.table.json"))  # the results, logged as a wandb.Table
+    assert "bound" in res["verify_width"]  # logged as summary scalars (all/verify_width_bound/...)
 
 
 def test_shared_decodes_equal_separate_decodes(tiny):
