@@ -19,12 +19,13 @@ import argparse
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
 from hydra import compose, initialize_config_dir
 
 from pipeline import PROJECT_ROOT
 from pipeline.decoding.sampling import PositionKeyedSampler
-from pipeline.decoding.speculative import DecodeConfig, crop_to
+from pipeline.decoding.speculative import DecodeConfig
 from pipeline.models.loading import build_decoder
 from pipeline.prompts import chat_input_ids, load_prompt_set
 
@@ -32,10 +33,9 @@ SETS = ("gsm8k", "math500", "mbpp", "mt_bench")
 
 
 def auc(score: np.ndarray, positive: np.ndarray) -> float:
-    """Area under the ROC curve of ``score`` for the boolean ``positive`` (rank form; ties share ranks by order)."""
-    order = np.argsort(score, kind="stable")
-    ranks = np.empty(len(score))
-    ranks[order] = np.arange(1, len(score) + 1)
+    """Area under the ROC curve of ``score`` for the boolean ``positive`` (Mann-Whitney, tied scores share their
+    average rank, so a signal with few distinct values is not credited with an arbitrary order)."""
+    ranks = pd.Series(score).rank(method="average").to_numpy()
     n_pos, n_neg = int(positive.sum()), int((~positive).sum())
     return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 
@@ -52,6 +52,15 @@ def main() -> None:
     with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="evaluate")
     decoder = build_decoder(cfg.model)
+    verifies = []  # the logits [q, V] of every target forward, seen through the decoder's own step
+    target_forward = decoder.target_forward
+
+    def recording_forward(*args, **kwargs):
+        logits, features = target_forward(*args, **kwargs)
+        verifies.append(logits)
+        return logits, features
+
+    decoder.target_forward = recording_forward
     config = DecodeConfig(args.max_new_tokens)
     rows = []  # (target p of pending, previous accepted, drafter p of draft 1, accepted)
     for name in SETS:
@@ -67,20 +76,11 @@ def main() -> None:
                 b = min(args.block_size, args.max_new_tokens - produced + 1)
                 if b < 2:
                     break
-                block = torch.full((1, b), decoder.drafter.mask_token_id, dtype=torch.long, device=decoder.device)
-                block[0, 0] = state.pending
-                confidence = decoder.draft(state, block, sampler, want_confidence=True)
-                logits, features = decoder.target_forward(block, state.cache, state.start, want_features=True)
-                target = sampler.pick(logits, state.start + 1)
-                accepted = int((block[0, 1:] == target[:-1]).int().cumprod(0).sum())
-                rows.append((target_p, previous, float(confidence[0]), accepted))
-                target_p = float(torch.softmax(logits[accepted].float(), -1).max())
+                new, accepted = decoder.step(state, b, sampler, lambda confidence, start: len(confidence))  # verify all
+                rows.append((target_p, previous, float(state.last_confidence[0]), accepted))
+                target_p = float(torch.softmax(verifies[-1][accepted].float(), -1).max())  # p of the new pending token
                 previous = accepted
-                crop_to(state.cache, state.start + accepted + 1)
-                state.features = torch.cat([state.features, features[:, : accepted + 1]], dim=1)
-                state.start += accepted + 1
-                state.pending = int(target[accepted])
-                produced += accepted + 1
+                produced += len(new)
     target_p, previous, drafter_p, accepted = (np.array(c, dtype=float) for c in zip(*rows))
     positive = accepted > 0
     print(f"{len(rows)} steps of {len(SETS) * args.per_set} prompts at B={args.block_size}; "
