@@ -1,8 +1,15 @@
 """Weights & Biases tracking: offline by default (``WANDB_MODE=offline``), online when the user sets
-a key and ``WANDB_MODE=online``. One group per pipeline run so the dashboard shows stages side by side."""
+a key and ``WANDB_MODE=online``. One group per pipeline run so the dashboard shows stages side by side.
+
+An offline run keeps everything in its binary ``.wandb`` file, readable only after ``wandb sync``. So that a
+user without an account can read a run, its ``files/`` folder also gets ``blockpilot-config.yaml`` (the
+resolved config, at start) and ``blockpilot-summary.json`` (the run's summary, when it finishes).
+"""
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from pathlib import Path
 
@@ -23,7 +30,7 @@ def init_wandb(cfg: DictConfig, job_type: str):
     os.environ.setdefault("WANDB_MODE", str(logger.mode))
     os.environ.setdefault("WANDB_SILENT", "true")
     Path(logger.dir).mkdir(parents=True, exist_ok=True)
-    return wandb.init(
+    run = wandb.init(
         project=logger.project,
         group=str(logger.group),
         job_type=job_type,
@@ -33,3 +40,14 @@ def init_wandb(cfg: DictConfig, job_type: str):
         config=OmegaConf.to_container(cfg, resolve=True),
         reinit="finish_previous",
     )
+    config = OmegaConf.to_container(cfg, resolve=True)
+    (Path(run.dir) / "blockpilot-config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
+    run.finish = functools.partial(_finish_with_summary, run, run.finish)
+    return run
+
+
+def _finish_with_summary(run, finish, *args, **kwargs):
+    """Write the run's summary to ``files/blockpilot-summary.json`` (readable without W&B), then finish it."""
+    summary = {k: v for k, v in dict(run.summary).items() if not k.startswith("_")}
+    (Path(run.dir) / "blockpilot-summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True, default=str))
+    return finish(*args, **kwargs)

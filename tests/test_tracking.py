@@ -1,0 +1,29 @@
+"""W&B tracking: an offline run can be read without an account (config and summary as plain files)."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+from omegaconf import OmegaConf
+
+from pipeline.tracking import init_wandb
+
+
+def test_offline_run_writes_readable_config_and_summary(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = OmegaConf.create({"run_name": "t", "decode": {"max_new_tokens": 7},
+                            "logger": {"enabled": True, "mode": "offline", "project": "p", "group": "g",
+                                       "dir": str(tmp_path)}})
+    run = init_wandb(cfg, job_type="eval")
+    files = tmp_path / "wandb"
+    run.summary["ar/tokens_per_s"] = 31.5
+    run.finish()
+    (config_file,) = files.glob("offline-run-*/files/blockpilot-config.yaml")
+    (summary_file,) = files.glob("offline-run-*/files/blockpilot-summary.json")
+    assert yaml.safe_load(config_file.read_text())["decode"]["max_new_tokens"] == 7
+    assert json.loads(summary_file.read_text()) == {"ar/tokens_per_s": 31.5}
+
+
+def test_disabled_logger_starts_no_run():
+    assert init_wandb(OmegaConf.create({"logger": {"enabled": False}}), job_type="eval") is None
