@@ -127,9 +127,15 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
                         content={"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
+def body_too_large(limit: int) -> JSONResponse:
+    return error_response(413, f"the request body is larger than this server's limit of {limit} bytes "
+                          "(serve.max_body_bytes)", code="body_too_large")
+
+
 class GuardMiddleware:
-    """ASGI middleware: refuses a Host header outside ``options.hosts`` (400, DNS rebinding) and, with
-    ``options.api_key``, a ``/v1`` request without ``Authorization: Bearer <key>`` (401), in OpenAI's error body."""
+    """ASGI middleware: refuses a Host header outside ``options.hosts`` (400, DNS rebinding), with ``options.api_key``
+    a ``/v1`` request without ``Authorization: Bearer <key>`` (401), and a body over ``options.max_body_bytes`` (413:
+    at once from its Content-Length, else as soon as the bytes read pass the limit), in OpenAI's error body."""
 
     def __init__(self, app: ASGIApp, options: ServeOptions):
         self.app, self.options = app, options
@@ -150,6 +156,22 @@ class GuardMiddleware:
                                               "'Authorization: Bearer <serve.api_key>'", code="invalid_api_key",
                                               headers={"WWW-Authenticate": "Bearer"})
                     return await response(scope, receive, send)
+            limit = self.options.max_body_bytes
+            length = headers.get("content-length", "")
+            if length.isdigit() and int(length) > limit:
+                return await body_too_large(limit)(scope, receive, send)
+            received = 0
+
+            async def limited_receive():
+                nonlocal received
+                message = await receive()
+                if message["type"] == "http.request":
+                    received += len(message.get("body", b""))
+                    if received > limit:
+                        raise StarletteHTTPException(413)  # the app's handler answers in OpenAI's body
+                return message
+
+            return await self.app(scope, limited_receive, send)
         await self.app(scope, receive, send)
 
 
@@ -211,7 +233,7 @@ def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
             log.info("recorder: %s", engine.recorder.stats())
 
     app = FastAPI(title="BlockPilot", summary="DFlash speculative decoding with a per-request block size, OpenAI API",
-                  lifespan=lifespan, max_body_size=int(options.max_body_bytes))
+                  lifespan=lifespan)
     app.state.engine, app.state.options = engine, options
     app.add_middleware(GuardMiddleware, options=options)
 
@@ -240,8 +262,7 @@ def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
             message, code = f"method {request.method} is not allowed on {request.url.path} (allowed: {allowed})", \
                 "method_not_allowed"
         elif status == 413:
-            message, code = (f"the request body is larger than this server's limit of {options.max_body_bytes} bytes "
-                             "(serve.max_body_bytes)"), "body_too_large"
+            return body_too_large(options.max_body_bytes)
         elif status == 400 and exc.__cause__ is not None:
             cause = exc.__cause__
             if isinstance(cause, RecursionError):
