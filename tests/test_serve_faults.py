@@ -451,7 +451,7 @@ def rss_bytes(pid: int) -> int:
 
 
 @pytest.mark.slow
-def test_sigterm_during_a_recorded_decode_leaves_every_label_shard_readable(tiny, tmp_path):
+def test_sigterm_during_a_recorded_decode_leaves_every_label_shard_readable(tiny, tmp_path, capsys):
     from test_label import synthetic_latency
 
     latency = synthetic_latency(tmp_path / "latency.json")
@@ -486,6 +486,11 @@ def test_sigterm_during_a_recorded_decode_leaves_every_label_shard_readable(tiny
     rows = read_labels(record_dir)
     assert set(ids) <= set(rows["id"]) and len(rows) in (len(ids), len(ids) + 1)  # the long request: recorded or not
     assert all(list(c) == CANDIDATES for c in rows["candidates"])
+    finals = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    reasons = [c["choices"][0]["finish_reason"] for c in finals if c["choices"][0]["finish_reason"]]
+    with capsys.disabled():
+        print(f"\nSIGTERM mid-stream: the running request ended with {reasons or lines[-1:]}, {len(rows)} rows in "
+              f"{len(shards)} readable shards")
 
 
 @pytest.mark.slow
