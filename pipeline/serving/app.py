@@ -228,7 +228,11 @@ def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
         cancelled = engine.cancel_all()
         if cancelled:
             log.info("shutdown: cancelled %d unfinished request(s)", cancelled)
-        await asyncio.get_running_loop().run_in_executor(None, engine.drain)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 60
+        while engine.in_flight and loop.time() < deadline:  # each finishing request queues its recording first
+            await asyncio.sleep(0.02)
+        await loop.run_in_executor(None, engine.drain)
         if engine.recorder is not None:
             log.info("recorder: %s", engine.recorder.stats())
 
