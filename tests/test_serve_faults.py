@@ -274,6 +274,12 @@ def test_the_no_op_values_of_unsupported_fields_are_accepted(trained_decoder):
         assert client.post(CHAT, json=chat_body(**noop)).status_code == 200
 
 
+def test_stop_strings_are_bounded(trained_decoder):
+    with serving(trained_decoder) as (client, _):
+        assert openai_error(client.post(CHAT, json=chat_body(stop=["x" * 257])), 400)["param"] == "stop"
+        assert client.post(CHAT, json=chat_body(stop=["x" * 256])).status_code == 200
+
+
 # -- item 8(d): seeds ----------------------------------------------------------------------------------------------
 
 

@@ -19,6 +19,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+MAX_STOP_CHARS = 256
+"""The longest stop string accepted (characters)."""
+
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 """``seed`` may be any signed or unsigned 64-bit integer."""
 
@@ -82,7 +85,8 @@ class SamplingRequest(BaseModel):
         temperature: 0 (greedy) to 2; position-keyed sampling, so the text does not depend on B. Omitted: the
             server's ``decode.temperature`` (0 by default, where OpenAI's default is 1).
         seed: sampling seed (default: ``decode.seed``); ignored at temperature 0.
-        stop: up to 4 stop strings; the text ends before the first one (finish_reason ``stop``).
+        stop: up to 4 stop strings of at most ``MAX_STOP_CHARS`` characters; the text ends before the first one
+            (finish_reason ``stop``).
         block_size: extension: force this fixed B for the request.
         return_token_ids: extension: add the output token ids to ``blockpilot.token_ids``.
     """
@@ -124,6 +128,8 @@ class SamplingRequest(BaseModel):
             raise ValueError("at most 4 stop strings")
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):  # each streamed token checks every stop prefix: O(length^2)
+            raise ValueError(f"stop strings may have at most {MAX_STOP_CHARS} characters")
         return stops
 
     def check_supported(self) -> None:
