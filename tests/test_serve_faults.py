@@ -13,7 +13,6 @@ import asyncio
 import http.client
 import json
 import logging
-import os
 import signal
 import socket
 import subprocess
@@ -29,7 +28,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from conftest import composed
-from test_serve import CANDIDATES, MODEL, PROMPTS, ar_reference, engine_for, serve_overrides, sse_events
+from test_serve import CANDIDATES, MODEL, PROMPTS, ar_reference, engine_for, serve_overrides
 from pipeline import PROJECT_ROOT
 from pipeline.decoding import SpeculativeDecoder
 from pipeline.labeling.store import read_labels, read_shard
