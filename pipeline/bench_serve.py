@@ -166,7 +166,8 @@ def bench_serve(cfg: DictConfig) -> dict:
     if not url:
         proc, url = start_server(cfg)
     try:
-        client = OpenAI(base_url=f"{url}/v1", api_key="none", timeout=float(b.timeout_s), max_retries=0)
+        key = os.environ.get("BLOCKPILOT_API_KEY") or "none"  # the server reads the same variable (serve.api_key)
+        client = OpenAI(base_url=f"{url}/v1", api_key=key, timeout=float(b.timeout_s), max_retries=0)
         model = client.models.list().data[0].id
         out: dict = {"base_url": url, "model": model, "max_tokens": int(b.max_tokens), "prompts": [p.id for p in prompts]}
         if b.identity:

@@ -82,6 +82,26 @@ def build_engine(cfg: DictConfig, decoder=None):
                   int(cfg.decode.seed), build_recorder(cfg, decoder), float(cfg.decode.temperature))
 
 
+def serve_options(cfg: DictConfig):
+    """The app's ``ServeOptions`` of ``cfg.serve``: host, ``api_key`` (null: the ``BLOCKPILOT_API_KEY`` environment
+    variable), ``allowed_hosts``, ``max_body_bytes``, ``max_prompt_chars``, ``allow_request_chat_template``.
+
+    Raises:
+        ValueError: for limits below 1.
+    """
+    import os
+
+    from pipeline.serving.app import API_KEY_ENV, ServeOptions
+
+    s = cfg.serve
+    hosts = s.get("allowed_hosts")
+    return ServeOptions(host=str(s.host), api_key=s.get("api_key") or os.environ.get(API_KEY_ENV) or None,
+                        allowed_hosts=[str(h) for h in hosts] if hosts is not None else None,
+                        max_body_bytes=int(s.get("max_body_bytes", 4 << 20)),
+                        max_prompt_chars=int(s.get("max_prompt_chars", 1_000_000)),
+                        allow_request_chat_template=bool(s.get("allow_request_chat_template", False)))
+
+
 def verify_width_options(cfg: DictConfig, decoder) -> dict:
     """``serve.policy=verify_width``'s calibration (``serve.verify_width.calibration``, else the run's
     ``predictors/<run_name>/verify_width``, else the drafter folder's) and this machine's latency model (measured at
@@ -116,14 +136,18 @@ def main(cfg: DictConfig) -> None:
 
     if cfg.serve.get("num_threads"):
         torch.set_num_threads(int(cfg.serve.num_threads))
+    options = serve_options(cfg)  # checked before any model loads
     engine = build_engine(cfg)
     if cfg.serve.get("warmup", True):
         ids = messages_input_ids(engine.tokenizer, [{"role": "user", "content": "Hello"}])
         engine.decoder.generate(ids, engine.policy.make(), DecodeConfig(8, 0.0, 0))
-    log.info("serving %s with policy %s on http://%s:%d (queue %d%s)", engine.model_name, engine.policy.name, cfg.serve.host,
-             int(cfg.serve.port), engine.max_queue, f", recording to {cfg.serve.record_dir}" if engine.recorder else "")
+    log.info("serving %s with policy %s on http://%s:%d (queue %d%s%s)", engine.model_name, engine.policy.name,
+             cfg.serve.host, int(cfg.serve.port), engine.max_queue, ", API key required" if options.api_key else "",
+             f", recording to {cfg.serve.record_dir}" if engine.recorder else "")
+    shutdown = cfg.serve.get("shutdown_timeout_s")
     try:
-        uvicorn.run(create_app(engine), host=str(cfg.serve.host), port=int(cfg.serve.port), log_level="info")
+        uvicorn.run(create_app(engine, options), host=str(cfg.serve.host), port=int(cfg.serve.port), log_level="info",
+                    timeout_graceful_shutdown=float(shutdown) if shutdown is not None else None)
     finally:
         engine.close()
         if engine.recorder is not None:

@@ -57,7 +57,7 @@ def sse_events(body: str) -> list:
 @pytest.fixture
 def client(trained_decoder):
     engine = engine_for(trained_decoder, max_queue=4, default_max_tokens=24)
-    with TestClient(create_app(engine)) as c:
+    with TestClient(create_app(engine), base_url="http://localhost") as c:
         yield c
     engine.close()
 
@@ -191,7 +191,7 @@ def test_a_full_queue_answers_503_and_queued_requests_complete(trained_decoder):
     reference = ar_reference(trained_decoder, PROMPTS[0], 8)
 
     async def scenario():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60) as c:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost", timeout=60) as c:
             first = asyncio.create_task(c.post("/v1/chat/completions", json=body))
             while not gated.started.is_set():  # the first request holds the worker
                 await asyncio.sleep(0.01)
@@ -222,7 +222,7 @@ def test_twenty_concurrent_requests_complete_and_a_failed_decode_is_a_500(traine
     references = {t: ar_reference(trained_decoder, t, 8) for t in PROMPTS}
 
     async def scenario():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=120) as c:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost", timeout=120) as c:
             gated.fail_next = True
             failed = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
             bodies = [{"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[i % 3]}], "max_tokens": 8,
@@ -253,7 +253,7 @@ def test_blockpilot_policy_picks_the_predictors_block_size(tiny_run, trained_dec
     engine = engine_for(trained_decoder, "blockpilot", predictor_dir=str(predictor_dir), default_max_tokens=16)
     predictor = load_predictor(predictor_dir)
     tokenizer = trained_decoder.target.tokenizer
-    with TestClient(create_app(engine)) as c:
+    with TestClient(create_app(engine), base_url="http://localhost") as c:
         for text in PROMPTS:
             ids = chat_input_ids(tokenizer, [text])
             expected = predictor.predict(trained_decoder.prefill(ids, DecodeConfig(16)).last_logits)
@@ -276,7 +276,7 @@ def test_verify_width_policy_serves_the_ar_text_and_needs_its_inputs(tiny_run, t
     policy = build_policy("verify_width", trained_decoder, 8, verify_width={"calibration": calibration, "latency": latency,
                                                                              "max_skip": 2})
     engine = Engine(trained_decoder, policy, MODEL, default_max_tokens=20)
-    with TestClient(create_app(engine)) as c:
+    with TestClient(create_app(engine), base_url="http://localhost") as c:
         for text in PROMPTS:
             out = c.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": text}],
                                                        "max_tokens": 20, "return_token_ids": True}).json()
@@ -306,7 +306,7 @@ def test_recorded_requests_are_the_label_stages_rows_and_feed_the_dataset_stage(
                        "The quick brown fox jumps over the lazy dog."]
     with composed("serve", serve_overrides(tiny, record_dir, latency_path)) as cfg:
         engine = build_engine(cfg, decoder=trained_decoder)
-    with TestClient(create_app(engine)) as c:
+    with TestClient(create_app(engine), base_url="http://localhost") as c:
         ids = []
         for i, text in enumerate(texts):
             body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 24, "stream": i % 2 == 1}

@@ -31,7 +31,7 @@ class PositionKeyedSampler:
         if not math.isfinite(float(temperature)) or temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
         self.temperature = float(temperature)
-        self.seed = int(seed)
+        self.seed = int(seed) if abs(int(seed)) <= 1 << 43 else int(seed) % (1 << 43)  # seed * 1_000_003 + position fits int64
         self.vocab_size = vocab_size
         self._noise: dict[int, torch.Tensor] = {}
 

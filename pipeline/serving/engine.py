@@ -43,6 +43,10 @@ class QueueFull(RuntimeError):
     """Every slot (the running request + ``max_queue`` waiting) is taken; the caller answers 503."""
 
 
+class JobCancelled(RuntimeError):
+    """The job was cancelled (its client went away, or the server is shutting down) before its decode started."""
+
+
 class Policy:
     """Builds a fresh block-size schedule per request.
 
@@ -163,6 +167,8 @@ class Engine:
         self.in_flight = 0  # admitted and not finished; touched only on the event loop's thread
         self.served = 0
         self.failed = 0
+        self.aborted = 0  # cancelled before or during the decode (client gone, shutdown)
+        self._jobs: dict[int, Job] = {}  # admitted and not finished, by id(job)
         self._closed = False
 
     # -- request checks (event loop thread, before queueing) ----------------------------------------
@@ -201,28 +207,45 @@ class Engine:
     async def run(self, job: Job) -> Completion:
         """Admit ``job``, decode it in the worker, then (with a recorder) queue its label row.
 
+        A job whose ``cancelled`` is set while it waits is dropped when its turn comes (``JobCancelled``); one cancelled
+        during its decode ends after the current step with ``finish_reason`` ``abort``.
+
         Raises:
             QueueFull: when ``1 + max_queue`` requests are in flight.
+            JobCancelled: when ``job.cancelled`` was set before its decode started.
             Exception: whatever the decode raised (the server answers 500 and keeps serving).
         """
         if self.in_flight >= 1 + self.max_queue:
             raise QueueFull(f"the queue is full ({self.max_queue} waiting + 1 running); retry later")
         self.in_flight += 1
+        self._jobs[id(job)] = job
         loop = asyncio.get_running_loop()
         try:
             completion, served = await loop.run_in_executor(self.executor, self._generate, job)
+        except JobCancelled:
+            self.aborted += 1
+            raise
         except Exception:
             self.failed += 1
             raise
         finally:
             self.in_flight -= 1
+            self._jobs.pop(id(job), None)
+        if completion.finish_reason == "abort":
+            self.aborted += 1
         self.served += 1
         if served is not None:
             self.executor.submit(self.recorder.record, served)
         return completion
 
     def _generate(self, job: Job) -> tuple[Completion, Served | None]:
-        """Worker thread: prefill, choose B, decode; returns the completion and the recorder's input."""
+        """Worker thread: prefill, choose B, decode; returns the completion and the recorder's input.
+
+        Raises:
+            JobCancelled: when the job was cancelled while it waited.
+        """
+        if job.cancelled.is_set():
+            raise JobCancelled(f"request {job.request_id} was cancelled before its decode started")
         queue_ms = (time.perf_counter() - job.submitted) * 1e3
         decoder = self.decoder
         if job.block_size is not None:
@@ -265,6 +288,14 @@ class Engine:
             served = Served(job.request_id, kept, list(stats.output_ids), job.config, halted, list(stats.taus),
                             list(stats.block_sizes), stats.decode_ms)
         return completion, served
+
+    def cancel_all(self) -> int:
+        """Set ``cancelled`` on every admitted job (shutdown): waiting ones are dropped, the running one ends after its
+        current step. Returns how many jobs were cancelled."""
+        jobs = list(self._jobs.values())
+        for job in jobs:
+            job.cancelled.set()
+        return len(jobs)
 
     def drain(self, timeout_s: float = 600.0) -> None:
         """Wait (at most ``timeout_s``) for the worker's queued jobs, recordings included, then flush the recorder."""

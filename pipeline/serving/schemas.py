@@ -1,8 +1,10 @@
 """The OpenAI request/response schema the server speaks (the subset a batch-1 decoder can honour).
 
 Requests accept the usual fields of ``/v1/chat/completions`` and ``/v1/completions``; fields this server
-cannot honour (``n`` > 1, ``top_p`` < 1, ``top_k`` > 0, ``logprobs``, tools) are refused with a 400
-naming the field, instead of being silently ignored. Unknown fields are ignored. Two extension fields:
+cannot honour (``n`` > 1, ``top_p`` < 1, ``top_k`` > 0, ``logprobs``/``top_logprobs``, tools, ``response_format``,
+penalties, ``logit_bias``, ``best_of`` > 1, ...: ``UNSUPPORTED``) are refused with a 400 naming the field, instead of
+being silently ignored; their no-op values (``presence_penalty: 0``, ``response_format: {"type": "text"}``, ...) are
+accepted. Other unknown fields are ignored. ``seed`` is any 64-bit integer (signed or unsigned). Two extension fields:
 ``block_size`` (request: force a fixed B for this request, overriding the configured policy) and
 ``blockpilot`` (response: the B chosen, tau and steps, see ``DecodeInfo``); with ``return_meta_info``
 (SGLang's field, sent by ``dflash benchmark openai``) the response also carries ``meta_info`` with
@@ -13,9 +15,31 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_CHARS = 256
+"""The longest stop string accepted (characters)."""
+
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+"""``seed`` may be any signed or unsigned 64-bit integer."""
+
+UNSUPPORTED: dict[str, tuple[tuple, str]] = {
+    "response_format": (({"type": "text"},), 'omit it or send {"type": "text"}: output is never constrained'),
+    "presence_penalty": ((0, 0.0), "omit it or send 0: sampling draws from the model's own distribution"),
+    "frequency_penalty": ((0, 0.0), "omit it or send 0: sampling draws from the model's own distribution"),
+    "repetition_penalty": ((1, 1.0), "omit it or send 1: sampling draws from the model's own distribution"),
+    "logit_bias": (({},), "omit it: logits are not biased"),
+    "tool_choice": (("none",), 'omit it or send "none": tools are not supported'),
+    "functions": (([],), "omit it: function calling is not supported"),
+    "function_call": (("none",), 'omit it or send "none": function calling is not supported'),
+    "best_of": ((1,), "omit it or send 1: one sequence per request"),
+    "top_logprobs": ((0,), "omit it: logprobs are not supported"),
+    "min_p": ((0, 0.0), "omit it or send 0: sampling draws from the full distribution"),
+}
+"""Fields this server cannot honour: (the values that change nothing and are accepted, the fix named in the 400).
+``None`` (or the field's absence) is always accepted."""
 
 
 class RequestError(ValueError):
@@ -61,7 +85,8 @@ class SamplingRequest(BaseModel):
         temperature: 0 (greedy) to 2; position-keyed sampling, so the text does not depend on B. Omitted: the
             server's ``decode.temperature`` (0 by default, where OpenAI's default is 1).
         seed: sampling seed (default: ``decode.seed``); ignored at temperature 0.
-        stop: up to 4 stop strings; the text ends before the first one (finish_reason ``stop``).
+        stop: up to 4 stop strings of at most ``MAX_STOP_CHARS`` characters; the text ends before the first one
+            (finish_reason ``stop``).
         block_size: extension: force this fixed B for the request.
         return_token_ids: extension: add the output token ids to ``blockpilot.token_ids``.
     """
@@ -74,7 +99,7 @@ class SamplingRequest(BaseModel):
     top_p: float | None = None
     top_k: int | None = None
     n: int | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -83,6 +108,17 @@ class SamplingRequest(BaseModel):
     block_size: int | None = Field(default=None, ge=1)
     return_token_ids: bool = False
     return_meta_info: bool = False
+    response_format: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    best_of: Any = None
+    top_logprobs: Any = None
+    min_p: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -92,6 +128,8 @@ class SamplingRequest(BaseModel):
             raise ValueError("at most 4 stop strings")
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):  # each streamed token checks every stop prefix: O(length^2)
+            raise ValueError(f"stop strings may have at most {MAX_STOP_CHARS} characters")
         return stops
 
     def check_supported(self) -> None:
@@ -105,6 +143,10 @@ class SamplingRequest(BaseModel):
             raise RequestError(f"top_k={self.top_k} is not supported; omit top_k or send 0", param="top_k")
         if self.logprobs not in (None, False, 0):
             raise RequestError("logprobs are not supported; omit logprobs", param="logprobs")
+        for name, (accepted, fix) in UNSUPPORTED.items():
+            value = getattr(self, name)
+            if value is not None and not any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in accepted):
+                raise RequestError(f"{name}={value!r} is not supported by this server; {fix}", param=name)
 
     @property
     def token_limit(self) -> int | None:
@@ -112,10 +154,13 @@ class SamplingRequest(BaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    """``POST /v1/chat/completions``; ``chat_template_kwargs`` go to the tokenizer's chat template."""
+    """``POST /v1/chat/completions``; ``chat_template_kwargs`` go to the tokenizer's chat template as template variables
+    (e.g. ``enable_thinking``). A request's own template (``chat_template``, top level as in vLLM or inside
+    ``chat_template_kwargs``) is refused unless the server allows it (``serve.allow_request_chat_template``)."""
 
     messages: list[ChatMessage]
     chat_template_kwargs: dict | None = None
+    chat_template: str | None = None
     tools: list | None = None
 
     @field_validator("messages")
