@@ -188,3 +188,18 @@ def test_measure_on_a_tiny_model(trained_decoder):
         costs.measure(trained_decoder, [4], [10_000])
     with pytest.raises(ValueError, match="repeats"):
         costs.measure(trained_decoder, [4], [8], repeats=0)
+
+
+def test_the_report_draws_the_curve_the_policy_reads():
+    """eval's verify_width.png draws the fitted, monotone curve (issue 23: it drew the raw points, L=64 1 token 23.6 ms
+    above 2 tokens 16.5 ms), with the measured points beside it."""
+    from pipeline.reporting import verify_width_figure
+
+    model = bumpy_model()
+    results = {"verify_width": {"latency_model": model.to_dict(), "block_size": 4, "reliability": []},
+               "methods": {"verify_width": {"rows": [{"confidences": [0.5], "verify_widths": [1]}]}}}
+    curve_axis = verify_width_figure(results).axes[2]
+    fitted, measured = curve_axis.lines[0], curve_axis.lines[1]
+    assert list(fitted.get_ydata()) == pytest.approx([10, 11, 19, 19, 19])
+    assert list(measured.get_ydata()) == [10, 11, 30, 13, 14]
+    assert curve_axis.lines[2].get_ydata()[0] == pytest.approx(model.draft_ms(4, 100))
