@@ -325,8 +325,11 @@ def measure(decoder, block_sizes: Sequence[int], context_buckets: Sequence[int],
 # ------------------------------------------------------------------------------------------------
 # obtaining: one way, stored or cached per machine and forward path
 # ------------------------------------------------------------------------------------------------
-def load(path: str | Path) -> CostModel:
+def load(path: str | Path, setting: str = "label.latency.path") -> CostModel:
     """A cost model from a JSON file: a ``CostModel.to_dict``, a cache file, or a label run's ``meta.json``.
+
+    Args:
+        setting: the config key that named the file (for the error messages).
 
     Raises:
         FileNotFoundError: for a missing file; ValueError: for a file without a cost model.
@@ -335,12 +338,12 @@ def load(path: str | Path) -> CostModel:
 
     path = Path(resolve_path(str(path)))
     if not path.is_file():
-        raise FileNotFoundError(f"latency model {path} not found (label.latency.path)")
+        raise FileNotFoundError(f"latency model {path} not found ({setting})")
     data = json.loads(path.read_text())
     if "context_buckets" not in data:
         data = data.get("latency_model")
     if not data:
-        raise ValueError(f"{path} holds no latency model; point label.latency.path at a replay run's meta.json")
+        raise ValueError(f"{path} holds no latency model; point {setting} at a replay run's meta.json")
     return CostModel.from_dict(data)
 
 
@@ -393,13 +396,14 @@ def _select(cfg, dotted: str):
 
 
 def load_or_measure(decoder, cfg, widths: Sequence[int], section: str = "label.latency", stored: Mapping | None = None,
-                    path: str | Path | None = None) -> CostModel:
+                    path: str | Path | None = None, path_setting: str | None = None) -> CostModel:
     """This machine's cost model for ``cfg``'s target and drafter: the one way every stage and the server obtain it.
 
     In order:
       1. ``stored``: the model a run already holds (a label or record run's ``meta.json`` ``latency_model``), so a
          resumed or sharded run keeps its costs (a warning when it was stored with another curve fit);
-      2. ``path``, else ``<section>.path``: a stored model, cache file or label run's ``meta.json``;
+      2. ``path`` (named ``path_setting`` in errors), else ``<section>.path``: a stored model, cache file or label
+         run's ``meta.json``;
       3. ``<section>.cache``: the model measured earlier on this host for the same models (``cfg.model``), threads,
          forward path (``decoder.forward_path()``) and arguments (``cache_key``);
       4. measured now for every width 1..max(``widths``) (``measure``, with progress), then stored in the cache.
@@ -419,8 +423,10 @@ def load_or_measure(decoder, cfg, widths: Sequence[int], section: str = "label.l
                         "(start a fresh run directory for figures of one fit)", stored.get("fit"), FIT)
         return CostModel.from_dict(stored)
     settings = {**DEFAULTS, **{k: v for k, v in (_select(cfg, section) or {}).items() if v is not None}}
-    if path or settings["path"]:
-        return load(path or settings["path"])
+    if path:
+        return load(path, path_setting or "path")
+    if settings["path"]:
+        return load(settings["path"], f"{section}.path")
     if decoder is None:
         raise ValueError(f"measuring the latency model needs the models loaded; or set {section}.path to a stored one")
     buckets, repeats = [int(c) for c in settings["context_buckets"]], int(settings["repeats"])

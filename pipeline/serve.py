@@ -40,7 +40,7 @@ def build_recorder(cfg: DictConfig, decoder):
     temperature = float(cfg.decode.temperature)
     stored = LabelStore(cfg.serve.record_dir, create=False).read_meta() if cfg.serve.record_dir else None
     latency = costs.load_or_measure(decoder, cfg, candidates, "label.latency", (stored or {}).get("latency_model"),
-                                    cfg.serve.get("latency_path"))
+                                    cfg.serve.get("latency_path"), "serve.latency_path")
     drafter = decoder.drafter
     meta = {
         "target": str(cfg.model.target), "drafter": str(cfg.model.drafter), "training_block_size": int(drafter.block_size),

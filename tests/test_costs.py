@@ -203,3 +203,12 @@ def test_the_report_draws_the_curve_the_policy_reads():
     assert list(fitted.get_ydata()) == pytest.approx([10, 11, 19, 19, 19])
     assert list(measured.get_ydata()) == [10, 11, 30, 13, 14]
     assert curve_axis.lines[2].get_ydata()[0] == pytest.approx(model.draft_ms(4, 100))
+
+
+def test_a_missing_file_names_the_setting_that_named_it(tmp_path, tiny):
+    cfg = config(tmp_path, tiny)
+    cfg.eval.verify_width.latency.path = str(tmp_path / "none.json")
+    with pytest.raises(FileNotFoundError, match=r"eval\.verify_width\.latency\.path"):
+        load_or_measure(None, cfg, [4], "eval.verify_width.latency")
+    with pytest.raises(FileNotFoundError, match=r"serve\.latency_path"):
+        load_or_measure(None, cfg, [4], path=tmp_path / "none.json", path_setting="serve.latency_path")
