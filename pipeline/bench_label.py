@@ -27,12 +27,13 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
+from pipeline import costs
 from pipeline.config_checks import validate_config
 from pipeline.decoding.speculative import DecodeConfig, _now
 from pipeline.evaluate import write_json
 from pipeline.labeling.brute import brute_force, reseed
-from pipeline.labeling.latency import measure_latency, rank_agreement, steps_of
-from pipeline.labeling.oracle import LabelSettings, candidate_window, label_prompt, pick_label, predicted_tokens_per_s
+from pipeline.labeling.oracle import (LabelSettings, candidate_window, label_prompt, pick_label, predicted_tokens_per_s,
+                                     rank_agreement)
 from pipeline.labeling.replay import first_divergence, replay, target_trace
 from pipeline.models.loading import build_decoder
 from pipeline.prompts import chat_input_ids, load_prompt_sets
@@ -69,8 +70,8 @@ def bench_label(cfg: DictConfig, decoder=None) -> dict:
     check = bool(cfg.check)
 
     t0 = time.perf_counter()
-    latency = measure_latency(decoder, union, list(cfg.label.latency.context_buckets), int(cfg.label.latency.repeats),
-                              config.temperature, int(cfg.seed))
+    latency = costs.measure(decoder, union, list(cfg.label.latency.context_buckets), int(cfg.label.latency.repeats),
+                            config.temperature, int(cfg.seed))  # measured afresh: its time is one of the figures
     latency_s = time.perf_counter() - t0
     tokenizer = decoder.target.tokenizer
     warm = chat_input_ids(tokenizer, prompts[0].turns[:1])
@@ -130,7 +131,7 @@ def bench_label(cfg: DictConfig, decoder=None) -> dict:
             speed_rows.append({"id": prompt.id, "candidates": candidates[k], "predicted_tokens_per_s": predicted[-1],
                                "measured_tokens_per_s": measured[-1],
                                "measured_decode_ms": [brute.stats[b].decode_ms for b in candidates[k]],
-                               "predicted_decode_ms": [latency.decode_ms(*steps_of(brute.stats[b]), brute.stats[b].new_tokens,
+                               "predicted_decode_ms": [latency.decode_ms(*costs.steps_of(brute.stats[b]), brute.stats[b].new_tokens,
                                                                          config.temperature) for b in candidates[k]]})
 
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731

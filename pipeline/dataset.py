@@ -38,7 +38,8 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from pipeline.policy.features import Featurizer, FeatureSpec
+from pipeline.labeling.store import read_label_table
+from pipeline.policy.features import INFO, Featurizer, FeatureSpec, load_feature_dataset, split_prompt_ids
 from pipeline.prompts import prompt_id_of
 from pipeline.config_checks import validate_config
 from pipeline.tracking import init_wandb
@@ -46,48 +47,9 @@ from pipeline.tracking import init_wandb
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "validation", "test")
-INFO = "blockpilot.json"
-LABEL_COLUMNS = ("id", "source_set", "prompt_tokens", "candidates", "tau", "tokens_per_s", "label_tau", "label_speed",
-                 "topk_ids", "topk_logprobs", "entropy", "vocab_size")
 
 
 # -- labels -------------------------------------------------------------------------------------------
-def _read_label_shards(labels_dir: Path) -> pd.DataFrame:
-    """Fallback reader of ``shard-*.parquet`` (sorted by id, duplicates dropped, last shard wins)."""
-    shards = sorted(labels_dir.glob("shard-*.parquet"))
-    df = pd.concat([pd.read_parquet(s) for s in shards], ignore_index=True)
-    return df.drop_duplicates("id", keep="last").sort_values("id", kind="stable").reset_index(drop=True)
-
-
-def read_label_table(labels_dir: str | Path) -> tuple[pd.DataFrame, dict]:
-    """The label stage's rows and ``meta.json`` (see the label schema in the project docs).
-
-    Uses ``pipeline.labeling.store.read_labels`` when present, else reads the Parquet shards directly.
-
-    Returns:
-        (one row per request, i.e. per labelled turn of a prompt, sorted by id; the parsed ``meta.json``, ``{}`` when absent).
-    Raises:
-        FileNotFoundError: when ``labels_dir`` holds no shards (run the label stage).
-        ValueError: when required columns are missing.
-    """
-    labels_dir = Path(labels_dir)
-    if not labels_dir.is_dir() or not any(labels_dir.glob("shard-*.parquet")):
-        raise FileNotFoundError(f"no label shards (shard-*.parquet) in {labels_dir}; run the label stage first: "
-                                "make label (python -m pipeline.label run_name=<run>)")
-    try:
-        from pipeline.labeling.store import read_labels
-    except ImportError:
-        df = _read_label_shards(labels_dir)
-    else:
-        df = read_labels(labels_dir)
-    missing = [c for c in LABEL_COLUMNS if c not in df.columns]
-    if missing:
-        raise ValueError(f"labels in {labels_dir} lack columns {missing}; relabel with the current label stage")
-    meta_path = labels_dir / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    return df, meta
-
-
 def label_candidates(df: pd.DataFrame, meta: dict) -> list[int]:
     """The candidate block sizes shared by every label row.
 
@@ -282,27 +244,6 @@ def save_dataset(dd, info: dict, out: Path) -> None:
     os.replace(tmp, out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def load_feature_dataset(directory: str | Path):
-    """The dataset stage's output: ``(DatasetDict, info dict from blockpilot.json)``.
-
-    Raises:
-        FileNotFoundError: when ``directory`` holds no feature dataset (run the dataset stage).
-    """
-    from datasets import load_from_disk
-
-    directory = Path(directory)
-    if not (directory / INFO).exists():
-        raise FileNotFoundError(f"no feature dataset at {directory}; run the dataset stage first: "
-                                "make dataset (python -m pipeline.dataset run_name=<run> features=<name>)")
-    return load_from_disk(str(directory)), json.loads((directory / INFO).read_text())
-
-
-def split_prompt_ids(directory: str | Path) -> dict[str, list[str]]:
-    """``{split: request ids}`` of a feature dataset (the eval stage maps them to prompts with ``prompt_id_of``)."""
-    dd, _ = load_feature_dataset(directory)
-    return {s: list(dd[s]["id"]) for s in dd}
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="dataset")

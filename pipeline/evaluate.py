@@ -232,8 +232,8 @@ def load_verify_width_inputs(cfg: DictConfig, inputs: EvalInputs, decoder) -> No
     Raises:
         FileNotFoundError: without a calibration; ValueError: without a drafter.
     """
-    from pipeline.labeling.runner import latency_identity
-    from pipeline.policy.verify_width import load_calibration, load_cost_model
+    from pipeline import costs
+    from pipeline.policy.verify_width import load_calibration
 
     if decoder is not None and decoder.drafter is None:
         raise ValueError("eval methods verify_width/hybrid need a drafter (model.drafter=...)")
@@ -242,7 +242,7 @@ def load_verify_width_inputs(cfg: DictConfig, inputs: EvalInputs, decoder) -> No
     lat = (cfg.eval.get("verify_width") or {}).get("latency") or {}
     if lat.get("path") or decoder is not None:
         widths = [*cfg.model.candidates, verify_width_block_size(cfg, decoder)] if decoder is not None else []
-        inputs.latency = load_cost_model(decoder, lat, widths, cfg.decode.temperature, cfg.seed, latency_identity(cfg.model))
+        inputs.latency = costs.load_or_measure(decoder, cfg, widths, "eval.verify_width.latency")
 
 
 def verify_width_bound(inputs: "EvalInputs", block_size: int, prompt_ids: set[str]) -> dict | None:

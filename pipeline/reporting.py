@@ -327,8 +327,8 @@ def predicted_vs_label(results: dict, labels: pd.DataFrame, method: str, column:
 
 def verify_width_figure(results: dict) -> Figure | None:
     """The verify-width policy at a glance (None when it did not run): the calibration's reliability (predicted vs
-    observed acceptance), the chosen k against the drafter's first-draft probability, and the latency curve it used
-    (verify ms by tokens verified, per context bucket, with the draft's cost)."""
+    observed acceptance), the chosen k against the drafter's first-draft probability, and the cost curve it used
+    (``pipeline.costs``: verify ms by tokens verified, per context bucket, with the draft's cost; dots: the measured points)."""
     info = results.get("verify_width") or {}
     rows = method_rows(results, "verify_width") + method_rows(results, "hybrid")
     if not info or not rows:
@@ -352,15 +352,19 @@ def verify_width_figure(results: dict) -> Figure | None:
         ax2.plot(*zip(*means), color="black", marker="o", label="mean k")
         ax2.legend()
     ax2.set(xlabel="drafter's probability of draft 1", ylabel="drafts verified k", title="chosen verify width per step")
-    latency = info.get("latency_model") or {}
-    widths = sorted(int(w) for w in latency.get("verify_ms", {}))
-    for j, bucket in enumerate(latency.get("context_buckets", [])):
-        ax3.plot(widths, [latency["verify_ms"][str(w)][j] for w in widths], marker=".", label=f"verify, L={bucket}")
     b = info.get("block_size")
-    if b and str(b) in latency.get("draft_ms", {}):
-        for j, bucket in enumerate(latency["context_buckets"]):
-            ax3.axhline(latency["draft_ms"][str(b)][j], ls=":", lw=0.8, color=f"C{j}")
-    ax3.set(xlabel="tokens verified (k + 1)", ylabel="ms", title=f"latency curve (dotted: draft at B={b})")
+    if info.get("latency_model"):  # the one fitted (monotone) curve the policy read, over the measured points
+        from pipeline.costs import CostModel
+
+        costs = CostModel.from_dict(info["latency_model"])
+        widths = sorted(costs.verify_points)
+        for j, bucket in enumerate(costs.context_buckets):
+            ax3.plot(widths, [costs.verify_ms(w, bucket) for w in widths], color=f"C{j}", label=f"verify, L={bucket}")
+            ax3.plot(widths, [costs.verify_points[w][j] for w in widths], ls="none", marker=".", color=f"C{j}", alpha=0.5)
+            if b and int(b) in costs.draft_points:
+                ax3.axhline(costs.draft_ms(int(b), bucket), ls=":", lw=0.8, color=f"C{j}")
+    ax3.set(xlabel="tokens verified (k + 1)", ylabel="ms",
+            title=f"cost curve (dots: measured; dotted: draft at B={b})")
     ax3.legend(fontsize=7)
     fig.tight_layout()
     return fig

@@ -29,9 +29,8 @@ def build_recorder(cfg: DictConfig, decoder):
     """
     if not cfg.serve.record:
         return None
-    from pipeline.labeling.latency import LatencyModel, measure_latency_cached
+    from pipeline import costs
     from pipeline.labeling.oracle import check_candidates
-    from pipeline.labeling.runner import latency_identity, load_latency
     from pipeline.labeling.store import LabelStore
     from pipeline.serving.recorder import Recorder
 
@@ -40,15 +39,8 @@ def build_recorder(cfg: DictConfig, decoder):
     candidates = check_candidates(list(cfg.label.block_sizes), decoder)
     temperature = float(cfg.decode.temperature)
     stored = LabelStore(cfg.serve.record_dir, create=False).read_meta() if cfg.serve.record_dir else None
-    if stored and stored.get("latency_model"):
-        latency = LatencyModel.from_dict(stored["latency_model"])
-    elif cfg.serve.get("latency_path"):
-        latency = load_latency(cfg.serve.latency_path)
-    else:
-        log.info("serve.record: measuring the latency model once for %s (label.latency)", cfg.serve.record_dir)
-        latency = measure_latency_cached(decoder, candidates, list(cfg.label.latency.context_buckets),
-                                         int(cfg.label.latency.repeats), temperature, int(cfg.seed),
-                                         cfg.label.latency.get("cache"), latency_identity(cfg.model))
+    latency = costs.load_or_measure(decoder, cfg, candidates, "label.latency", (stored or {}).get("latency_model"),
+                                    cfg.serve.get("latency_path"), "serve.latency_path")
     drafter = decoder.drafter
     meta = {
         "target": str(cfg.model.target), "drafter": str(cfg.model.drafter), "training_block_size": int(drafter.block_size),
@@ -112,15 +104,14 @@ def verify_width_options(cfg: DictConfig, decoder) -> dict:
     """
     from pathlib import Path
 
-    from pipeline.labeling.runner import latency_identity
-    from pipeline.policy.verify_width import find_calibration, load_calibration, load_cost_model
+    from pipeline import costs
+    from pipeline.policy.verify_width import find_calibration, load_calibration
 
     vw = cfg.serve.get("verify_width") or {}
     run_dir = Path(cfg.paths.data) / "predictors" / str(cfg.run_name) / "verify_width"
     calibration = load_calibration(find_calibration(vw.get("calibration"), run_dir, cfg.model.get("drafter")))
     b = int(cfg.serve.get("block_size") or decoder.drafter.block_size)
-    latency = load_cost_model(decoder, vw.get("latency"), [*cfg.model.candidates, b], cfg.decode.temperature, cfg.seed,
-                              latency_identity(cfg.model))
+    latency = costs.load_or_measure(decoder, cfg, [*cfg.model.candidates, b], "serve.verify_width.latency")
     return {"calibration": calibration, "latency": latency, "skip_drafts": bool(vw.get("skip_drafts", True)),
             "max_skip": int(vw.get("max_skip", 8)), "objective": str(vw.get("objective", "rate"))}
 

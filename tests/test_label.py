@@ -19,7 +19,7 @@ import torch
 
 from conftest import composed
 from pipeline import PROJECT_ROOT
-from pipeline.labeling.latency import LatencyModel
+from pipeline.costs import CostModel
 from pipeline.labeling.oracle import (LabelSettings, candidate_window, decode_full_logits, distribution_features,
                                       label_prompt, pick_label)
 from pipeline.labeling.runner import effective_shard, run_label, shard_prompts
@@ -164,9 +164,9 @@ def write_prompts(path: Path, texts=TEXTS) -> Path:
 
 def synthetic_latency(path: Path) -> Path:
     """A fixed latency model (verify cost grows fast with b, so label_speed prefers smaller B than label_tau)."""
-    model = LatencyModel(context_buckets=[16, 128], block_sizes=[1, 2, 16],
-                         verify_ms={1: [1.0, 1.5], 2: [1.2, 1.8], 16: [12.0, 16.0]},
-                         draft_ms={2: [0.5, 0.6], 16: [1.0, 1.2]}, prefill_ms=[2.0, 6.0])
+    model = CostModel(context_buckets=[16, 128], block_sizes=[1, 2, 16],
+                      verify_points={1: [1.0, 1.5], 2: [1.2, 1.8], 16: [12.0, 16.0]},
+                      draft_points={2: [0.5, 0.6], 16: [1.0, 1.2]}, prefill_points=[2.0, 6.0])
     path.write_text(json.dumps(model.to_dict()))
     return path
 
@@ -217,7 +217,7 @@ def test_label_stage_replay_and_brute_agree(label_setup, trained_decoder, tmp_pa
     assert max(max(t) for t in replayed["tau"]) > 2  # accepted drafts, not only bonus tokens
     # replay's tokens/s come from the (fixed) latency model: recompute one by hand
     meta = LabelStore(replay_dir).read_meta()
-    model = LatencyModel.from_dict(meta["latency_model"])
+    model = CostModel.from_dict(meta["latency_model"])
     assert meta["mode"] == "replay" and meta["candidates"] == CANDIDATES and meta["training_block_size"] == 8
     assert LabelStore(brute_dir).read_meta()["latency_model"] is None
     ids = chat_input_ids(trained_decoder.target.tokenizer, [TEXTS[0]])
@@ -302,7 +302,7 @@ def test_every_turn_of_a_multi_turn_prompt_is_a_request_with_its_own_label(label
     row = clean.set_index("id").loc[request_id("chat-0", 1)]
     assert row["prompt_tokens"] == second.shape[1] > first.shape[1]
     again = label_prompt(trained_decoder, second, LabelSettings(CANDIDATES, max_new_tokens=24),
-                         LatencyModel.from_dict(LabelStore(partial).read_meta()["latency_model"]))
+                         CostModel.from_dict(LabelStore(partial).read_meta()["latency_model"]))
     assert again.row["tau"] == row["tau"].tolist() and again.row["label_tau"] == row["label_tau"]
     with pytest.raises(ValueError, match="label.turns"):
         run(overrides(tmp_path / "bad", "label.turns=second"), trained_decoder)

@@ -1,22 +1,21 @@
 """Replay labelling agrees exactly with brute force: the trace is the decoder's B=1 output, and replayed
 tau(B) equals what ``SpeculativeDecoder.decode`` records for every B, at T=0 and T>0, with the
-max_new_tokens cap and stop tokens; plus the packed drafter forward and the latency model."""
+max_new_tokens cap and stop tokens; plus the packed drafter forward and the rank agreement of modelled speed."""
 
 from __future__ import annotations
 
 import copy
-import json
 import math
 
-import numpy as np
 import pytest
 import torch
 from transformers import DynamicCache
 
+from pipeline.costs import steps_of
 from pipeline.decoding import DecodeConfig
 from pipeline.decoding.speculative import crop_to
 from pipeline.labeling.brute import brute_force, reseed
-from pipeline.labeling.latency import LatencyModel, kendall, measure_latency, rank_agreement, spearman, steps_of
+from pipeline.labeling.oracle import kendall, rank_agreement, spearman
 from pipeline.labeling.replay import DrafterContext, first_divergence, replay, target_trace
 from pipeline.models.drafter import lm_head_logits
 from pipeline.prompts import chat_input_ids
@@ -176,57 +175,8 @@ def test_first_divergence_points_at_the_step_and_gaps(trained_decoder):
 
 
 # ------------------------------------------------------------------------------------------------
-# latency model
+# the cost model's tokens/s against measured ones (the cost model itself: tests/test_costs.py)
 # ------------------------------------------------------------------------------------------------
-def synthetic_model(fit: str = "interp") -> LatencyModel:
-    return LatencyModel(context_buckets=[100, 300], block_sizes=[1, 2, 10],
-                        verify_ms={1: [10.0, 20.0], 2: [11.0, 21.0], 10: [20.0, 40.0]},
-                        draft_ms={2: [2.0, 4.0], 10: [4.0, 8.0]}, prefill_ms=[50.0, 150.0], noise_ms=0.5, fit=fit)
-
-
-def test_latency_model_interpolates_and_round_trips():
-    model = synthetic_model("interp")
-    assert model.step_ms(1, 100) == pytest.approx(10.0)
-    assert model.step_ms(2, 200) == pytest.approx(16.0 + 3.0)  # verify 16 + draft 3
-    assert model.step_ms(6, 100) == pytest.approx(15.5 + 3.0)  # halfway between b=2 and b=10
-    assert model.step_ms(1, 500) == pytest.approx(30.0)  # linear extrapolation past the last bucket
-    assert model.prefill(200) == pytest.approx(100.0)
-    assert model.decode_ms([2, 2], [100, 300], new_tokens=4, temperature=0.0) == pytest.approx(13.0 + 25.0)
-    assert model.decode_ms([2, 2], [100, 300], new_tokens=4, temperature=0.7) == pytest.approx(38.0 + 2.0)
-    assert model.tokens_per_s(100, [2, 2], [100, 300], 4, 0.0) == pytest.approx(4 / ((50 + 38) / 1e3))
-    again = LatencyModel.from_dict(json.loads(json.dumps(model.to_dict())))
-    assert again == model and again.step_ms(6, 150) == model.step_ms(6, 150)
-    with pytest.raises(ValueError, match="one value per context bucket"):
-        LatencyModel([1, 2], [1], {1: [1.0]}, {}, [1.0, 2.0])
-
-
-def test_latency_model_linear_fit_smooths_noise_over_b():
-    model = synthetic_model("linear")
-    # verify at ctx 100: the least-squares line through (1, 10), (2, 11), (10, 20)
-    widths, ys = [1, 2, 10], [10.0, 11.0, 20.0]
-    slope = np.polyfit(widths, ys, 1)[0]
-    intercept = np.polyfit(widths, ys, 1)[1]
-    draft = 2.0 + (4.0 - 2.0) * (6 - 2) / 8  # two points: the line through them
-    assert model.step_ms(6, 100) == pytest.approx(intercept + slope * 6 + draft)
-    # a noisy bump at one width does not make that width look cheaper than its neighbours
-    bumpy = LatencyModel([100], [1, 2, 3, 4, 5], {1: [10.0], 2: [11.0], 3: [30.0], 4: [13.0], 5: [14.0]}, {}, [1.0])
-    costs = [bumpy.step_ms(b, 100) for b in range(1, 6)]
-    assert costs == sorted(costs)
-
-
-def test_measure_latency_on_a_tiny_model(trained_decoder):
-    model = measure_latency(trained_decoder, [4, 8], [8, 32], repeats=1, temperature=0.5)
-    assert model.block_sizes == list(range(1, 9)) and model.context_buckets == [8, 32]  # every width up to the largest B
-    assert set(model.draft_ms) == set(range(2, 9)) and set(model.verify_ms) == set(range(1, 9))
-    # the measured curve: through the points, never decreasing in the width
-    curve = [model.measured_ms("verify", q, 20) for q in range(1, 9)]
-    assert curve == sorted(curve) and curve[0] > 0
-    assert all(len(v) == 2 and all(x > 0 for x in v) for v in [*model.verify_ms.values(), *model.draft_ms.values()])
-    assert model.noise_ms > 0 and model.info["device"] == "cpu"
-    with pytest.raises(ValueError, match="context_buckets"):
-        measure_latency(trained_decoder, [4], [10_000])
-
-
 def test_rank_agreement():
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)

@@ -268,11 +268,11 @@ def test_blockpilot_policy_picks_the_predictors_block_size(tiny_run, trained_dec
 
 def test_verify_width_policy_serves_the_ar_text_and_needs_its_inputs(tiny_run, trained_decoder, tmp_path):
     """serve.policy=verify_width through the engine: lossless, with the run's calibration and a measured latency model."""
-    from pipeline.labeling.latency import measure_latency
+    from pipeline.costs import measure
     from pipeline.policy.verify_width import load_calibration
 
     calibration = load_calibration(Path(tiny_run["data"]) / "predictors" / RUN / "verify_width")
-    latency = measure_latency(trained_decoder, [8], [16, 64], repeats=1)
+    latency = measure(trained_decoder, [8], [16, 64], repeats=1)
     policy = build_policy("verify_width", trained_decoder, 8, verify_width={"calibration": calibration, "latency": latency,
                                                                              "max_skip": 2})
     engine = Engine(trained_decoder, policy, MODEL, default_max_tokens=20)
@@ -298,7 +298,7 @@ def test_recorded_requests_are_the_label_stages_rows_and_feed_the_dataset_stage(
     from test_label import synthetic_latency
 
     from pipeline.dataset import build_dataset
-    from pipeline.labeling.runner import load_latency
+    from pipeline.costs import load
 
     latency_path = synthetic_latency(tmp_path / "latency.json")
     record_dir = tmp_path / "labels" / "served"
@@ -322,7 +322,7 @@ def test_recorded_requests_are_the_label_stages_rows_and_feed_the_dataset_stage(
     rows = read_labels(record_dir).set_index("id")
     assert sorted(rows.index) == sorted(ids) and set(rows["source_set"]) == {"served"}
     settings = LabelSettings(candidates=CANDIDATES, max_new_tokens=24, topk=16)
-    latency = load_latency(latency_path)
+    latency = load(latency_path)
     for rid, text in zip(ids, texts):  # the label stage's replay row of the same request
         expected = label_prompt(trained_decoder, chat_input_ids(trained_decoder.target.tokenizer, [text]), settings, latency).row
         got = rows.loc[rid]

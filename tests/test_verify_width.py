@@ -4,6 +4,7 @@ relation, the width choice on constructed costs, draft skipping, and lossless de
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import numpy as np
@@ -13,10 +14,10 @@ import torch
 
 from pipeline.decoding import DecodeConfig, SpeculativeDecoder
 from pipeline.decoding.sampling import PositionKeyedSampler
-from pipeline.labeling.latency import LatencyModel
 from pipeline.labeling.replay import replay, target_trace
 from pipeline.labeling.store import LabelStore, read_labels
 from pipeline import PROJECT_ROOT
+from pipeline.costs import CostModel
 from pipeline.policy.verify_width import (AcceptanceCalibration, VerifyWidthSchedule, best_width, calibration_samples,
                                           expected_tokens, export_calibration, find_calibration, fit_from_labels,
                                           foresight_bound, load_calibration, reliability, step_acceptances)
@@ -31,12 +32,12 @@ def constant_calibration(bias: float, columns: int = 16) -> AcceptanceCalibratio
     return AcceptanceCalibration([bias] * columns, [0.0] * columns)
 
 
-def linear_latency(verify_slope: float = 5.0, draft_ms: float = 10.0, base: float = 50.0, widths: int = 16) -> LatencyModel:
+def linear_latency(verify_slope: float = 5.0, draft_ms: float = 10.0, base: float = 50.0, widths: int = 16) -> CostModel:
     """verify_ms(q) = base + slope * (q - 1), draft_ms flat, the same at every context length."""
     buckets = [64, 512]
-    return LatencyModel(buckets, list(range(1, widths + 1)),
-                        {q: [base + verify_slope * (q - 1)] * 2 for q in range(1, widths + 1)},
-                        {q: [draft_ms] * 2 for q in range(2, widths + 1)}, [100.0, 400.0])
+    return CostModel(buckets, list(range(1, widths + 1)),
+                     {q: [base + verify_slope * (q - 1)] * 2 for q in range(1, widths + 1)},
+                     {q: [draft_ms] * 2 for q in range(2, widths + 1)}, [100.0, 400.0])
 
 
 def manual_decode(decoder: SpeculativeDecoder, ids: torch.Tensor, block_size: int, config: DecodeConfig):
@@ -272,3 +273,39 @@ def test_calibration_lookup_order_and_the_shipped_one(tmp_path):
     assert find_calibration(str(shipped / "calibration.json"), tmp_path / "run" / "verify_width", None) == shipped / "calibration.json"
     with pytest.raises(FileNotFoundError, match="make label/dataset/train"):
         find_calibration(None, tmp_path / "other", None)
+
+
+def test_fit_cli_reads_labels_and_feature_splits(tmp_path, monkeypatch, capsys):
+    """``python -m pipeline.policy.verify_width LABELS --out DIR --features-dir FEATURES``: fits on the train split's
+    samples and checks on the test split's (labels and splits read from their homes, not through the dataset stage)."""
+    from datasets import Dataset, DatasetDict
+
+    from pipeline.policy.features import INFO
+    from pipeline.policy.verify_width import main
+
+    rng = np.random.default_rng(0)
+    row = {"source_set": "s", "prompt_tokens": 3, "candidates": [4], "tau": [2.0], "new_tokens": [4.0],
+           "decode_ms": [1.0], "tokens_per_s": [1.0], "label_tau": 4, "label_speed": 4, "topk_ids": [1],
+           "topk_logprobs": [0.0], "full_logits": None, "vocab_size": 8, "entropy": 0.0, "prefill_ms": 1.0, "shard": 0,
+           "num_shards": 1}
+    rows, samples = [], {}
+    for i in range(8):
+        p = rng.uniform(0.05, 0.95, 30)
+        ok = (rng.random(30) < p).tolist()
+        samples[f"p{i}"] = len(p)
+        rows.append(dict(row, id=f"p{i}", conf_block=[4] * 30, conf_column=[1 + j % 3 for j in range(30)],
+                         conf_p=p.tolist(), conf_ok=ok))
+    LabelStore(tmp_path / "labels").write(rows)
+    (tmp_path / "labels" / "meta.json").write_text(json.dumps({"candidates": [4], "mode": "replay"}))
+    features = tmp_path / "features"
+    splits = {"train": [f"p{i}" for i in range(5)], "test": [f"p{i}" for i in range(5, 8)]}
+    DatasetDict({s: Dataset.from_dict({"id": ids}) for s, ids in splits.items()}).save_to_disk(str(features))
+    (features / INFO).write_text("{}")
+    monkeypatch.setattr("sys.argv", ["verify_width", str(tmp_path / "labels"), "--out", str(tmp_path / "vw"),
+                                     "--features-dir", str(features)])
+    main()
+    stored = json.loads((tmp_path / "vw" / "calibration.json").read_text())
+    assert stored["reliability_split"] == "test"
+    assert stored["info"]["samples"] == sum(samples[i] for i in splits["train"])
+    assert stored["info"]["test_samples"] == sum(samples[i] for i in splits["test"])
+    assert "test brier" in capsys.readouterr().out

@@ -3,8 +3,9 @@
 ``label_prompt`` prefills once, keeps the target's last-token distribution (top-k log-probs, entropy,
 optionally the full logits row) for the dataset stage, then measures every candidate B by brute force
 (``mode="brute"``: one decode per B) or by replay (``mode="replay"``: one autoregressive trace, then
-drafter-only replays of all Bs batched, tokens/s from a ``LatencyModel``). Labels: ``label_tau`` =
-argmax mean tau, ``label_speed`` = argmax tokens/s, ties -> the smaller B (``pick_label``).
+drafter-only replays of all Bs batched, tokens/s from the machine's ``pipeline.costs.CostModel``). Labels:
+``label_tau`` = argmax mean tau, ``label_speed`` = argmax tokens/s, ties -> the smaller B (``pick_label``).
+``rank_agreement`` checks how well the cost model's tokens/s rank (and pick) the candidates like measured ones.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
+import pandas as pd
 import torch
 
+from pipeline.costs import CostModel, steps_of
 from pipeline.decoding.speculative import DecodeConfig, SpeculativeDecoder
 from pipeline.labeling.brute import brute_force, reseed
-from pipeline.labeling.latency import LatencyModel, steps_of
 from pipeline.labeling.replay import LM_HEAD_MODES, replay, target_trace
 
 MODES = ("replay", "brute")
@@ -161,12 +163,12 @@ class PromptLabel:
 
 @torch.inference_mode()
 def label_prompt(decoder: SpeculativeDecoder, input_ids: torch.Tensor, settings: LabelSettings,
-                 latency: LatencyModel | None = None, keep_runs: bool = False, record_gaps: bool = False) -> PromptLabel:
+                 latency: CostModel | None = None, keep_runs: bool = False, record_gaps: bool = False) -> PromptLabel:
     """Label one prompt: prefill once, then tau(B), new tokens, decode ms and tokens/s per candidate.
 
     Args:
         input_ids: [1, n] chat-templated prompt.
-        latency: needed in replay mode (tokens/s and decode ms come from it); ignored in brute mode,
+        latency: the machine's cost model, needed in replay mode (tokens/s and decode ms come from it); ignored in brute mode,
             where they are measured (tokens/s = new tokens / (prefill + decode seconds)).
         keep_runs: keep the per-seed brute/replay results in ``PromptLabel.runs``.
         record_gaps: (replay) record top-2 score gaps, for divergence reports.
@@ -176,7 +178,7 @@ def label_prompt(decoder: SpeculativeDecoder, input_ids: torch.Tensor, settings:
         ValueError: replay mode without a latency model; bad prompts/block sizes (from the decoder).
     """
     if settings.mode == "replay" and latency is None:
-        raise ValueError("replay mode needs a LatencyModel (measure_latency) for tokens/s")
+        raise ValueError("replay mode needs a cost model (pipeline.costs.load_or_measure) for tokens/s")
     candidates = settings.candidates
     prefill = decoder.prefill(input_ids, settings.decode_config(settings.seed), want_features=True)
     n = prefill.input_ids.shape[1]
@@ -218,7 +220,7 @@ def label_prompt(decoder: SpeculativeDecoder, input_ids: torch.Tensor, settings:
             result = (trace, result)
         if keep_runs:
             runs.append(result)
-    prefill_ms = prefill.prefill_ms if settings.mode == "brute" else latency.prefill(n)
+    prefill_ms = prefill.prefill_ms if settings.mode == "brute" else latency.prefill_ms(n)
     row["tau"] = [float(np.mean(per_b[b]["tau"])) for b in candidates]
     row["new_tokens"] = [float(np.mean(per_b[b]["new_tokens"])) for b in candidates]
     row["decode_ms"] = [float(np.mean(per_b[b]["decode_ms"])) for b in candidates]
@@ -230,10 +232,71 @@ def label_prompt(decoder: SpeculativeDecoder, input_ids: torch.Tensor, settings:
     return PromptLabel(row, runs, reply_ids)
 
 
-def predicted_tokens_per_s(latency: LatencyModel, stats_by_b: dict, temperature: float) -> dict[int, float]:
-    """Latency-model tokens/s of decodes that really ran ({B: RequestStats} -> {B: tokens/s})."""
+def predicted_tokens_per_s(latency: CostModel, stats_by_b: dict, temperature: float) -> dict[int, float]:
+    """Cost-model tokens/s of decodes that really ran ({B: RequestStats} -> {B: tokens/s})."""
     out = {}
     for b, stats in stats_by_b.items():
         widths, starts = steps_of(stats)
         out[b] = latency.tokens_per_s(stats.prompt_tokens, widths, starts, stats.new_tokens, temperature)
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# checking the cost model's tokens/s against measured ones
+# ------------------------------------------------------------------------------------------------
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman rank correlation (average ranks for ties); NaN when either side is constant."""
+    ra, rb = pd.Series(list(a), dtype=float).rank(), pd.Series(list(b), dtype=float).rank()
+    if ra.std() == 0 or rb.std() == 0 or len(ra) < 2:
+        return math.nan
+    return float(ra.corr(rb))
+
+
+def kendall(a: Sequence[float], b: Sequence[float]) -> float:
+    """Kendall's tau-b; NaN when either side is constant."""
+    concordant = discordant = ties_a = ties_b = 0
+    for i in range(len(a)):
+        for j in range(i + 1, len(a)):
+            da, db = a[i] - a[j], b[i] - b[j]
+            if da == 0 and db == 0:
+                continue
+            if da == 0:
+                ties_a += 1
+            elif db == 0:
+                ties_b += 1
+            elif (da > 0) == (db > 0):
+                concordant += 1
+            else:
+                discordant += 1
+    denom = math.sqrt((concordant + discordant + ties_a) * (concordant + discordant + ties_b))
+    return (concordant - discordant) / denom if denom else math.nan
+
+
+def rank_agreement(predicted: Sequence[Sequence[float]], measured: Sequence[Sequence[float]],
+                   candidates: Sequence[Sequence[int]] | None = None) -> dict:
+    """How well predicted tokens/s rank the candidates of each prompt like the measured ones.
+
+    Args:
+        predicted, measured: per prompt, tokens/s per candidate (same order).
+        candidates: per prompt, the candidate Bs (for the best-B agreement; default 0..K-1).
+    Returns:
+        {"spearman": mean per-prompt Spearman, "kendall": mean per-prompt Kendall tau-b (prompts where
+        either side is constant are skipped), "best_agreement": fraction of prompts whose fastest B agrees
+        (ties -> smaller B, ``pick_label``), "n_prompts"}.
+    Raises:
+        ValueError: when the two sides differ in shape.
+    """
+    if len(predicted) != len(measured) or any(len(p) != len(m) for p, m in zip(predicted, measured)):
+        raise ValueError("predicted and measured tokens/s must have one equal-length list per prompt")
+    rhos = [r for p, m in zip(predicted, measured) if not math.isnan(r := spearman(p, m))]
+    taus = [t for p, m in zip(predicted, measured) if not math.isnan(t := kendall(p, m))]
+    best = []
+    for k, (p, m) in enumerate(zip(predicted, measured)):
+        cands = list(candidates[k]) if candidates is not None else list(range(len(p)))
+        best.append(pick_label(cands, p) == pick_label(cands, m))
+    return {
+        "spearman": sum(rhos) / len(rhos) if rhos else math.nan,
+        "kendall": sum(taus) / len(taus) if taus else math.nan,
+        "best_agreement": sum(best) / len(best) if best else math.nan,
+        "n_prompts": len(predicted),
+    }

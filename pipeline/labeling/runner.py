@@ -19,23 +19,21 @@ labelled as usual.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections import Counter
-from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from pipeline import costs
 from pipeline.config_checks import validate_config
 from pipeline.decoding.speculative import DecodeConfig, PromptTooLongError, SpeculativeDecoder
-from pipeline.labeling.latency import LatencyModel, measure_latency_cached
 from pipeline.labeling.oracle import LabelSettings, check_candidates, label_prompt
 from pipeline.labeling.store import LabelStore
-from pipeline.models.loading import build_decoder, resolve_path
+from pipeline.models.loading import build_decoder
 from pipeline.prompts import Prompt, chat_input_ids, load_prompt_sets, request_id
 from pipeline.tracking import init_wandb
 
@@ -89,28 +87,6 @@ def settings_from_cfg(cfg: DictConfig, decoder: SpeculativeDecoder) -> LabelSett
         lm_head=str(cfg.label.lm_head),
         record_confidence=bool(cfg.label.get("record_confidence", True)),
     )
-
-
-def load_latency(path: str | Path) -> LatencyModel:
-    """A latency model from a JSON file: a ``LatencyModel.to_dict`` or a label run's ``meta.json``.
-
-    Raises:
-        FileNotFoundError: for a missing file; ValueError: for a meta.json without a latency model.
-    """
-    path = Path(resolve_path(str(path)))
-    if not path.is_file():
-        raise FileNotFoundError(f"latency model {path} not found (label.latency.path)")
-    data = json.loads(path.read_text())
-    if "context_buckets" not in data:
-        data = data.get("latency_model")
-    if not data:
-        raise ValueError(f"{path} holds no latency model; point label.latency.path at a replay run's meta.json")
-    return LatencyModel.from_dict(data)
-
-
-def latency_identity(model_cfg) -> dict:
-    """What a stored latency model must match besides the machine: target, drafter, dtype, device."""
-    return {k: str(model_cfg.get(k)) for k in ("target", "drafter", "dtype", "device")}
 
 
 def run_meta(cfg: DictConfig, settings: LabelSettings, decoder: SpeculativeDecoder) -> dict:
@@ -167,21 +143,13 @@ def run_label(cfg: DictConfig, decoder: SpeculativeDecoder | None = None,
     store = LabelStore(cfg.label.out_dir)
     meta = run_meta(cfg, settings, decoder)
     latency = None
-    if settings.mode == "replay":
-        stored = store.read_meta()
-        if stored is not None and stored.get("latency_model"):
-            latency = LatencyModel.from_dict(stored["latency_model"])
-        elif cfg.label.latency.get("path"):
-            latency = load_latency(cfg.label.latency.path)
-        else:
-            log.info("measuring the latency model (label.latency.context_buckets=%s)", list(cfg.label.latency.context_buckets))
-            latency = measure_latency_cached(decoder, settings.candidates, list(cfg.label.latency.context_buckets),
-                                             int(cfg.label.latency.repeats), settings.temperature, int(cfg.seed),
-                                             cfg.label.latency.get("cache"), latency_identity(cfg.model))
+    if settings.mode == "replay":  # the run's stored model, else label.latency.path, else this machine's (cached)
+        stored = store.read_meta() or {}
+        latency = costs.load_or_measure(decoder, cfg, settings.candidates, "label.latency", stored.get("latency_model"))
         meta["latency_model"] = latency.to_dict()
     meta = store.ensure_meta(meta)
     if settings.mode == "replay":
-        latency = LatencyModel.from_dict(meta["latency_model"])  # the first worker's model, for all workers
+        latency = costs.CostModel.from_dict(meta["latency_model"])  # the first worker's model, for all workers
 
     done = store.done_ids(set_aside_bad=True)  # a truncated or garbled shard is moved aside and relabelled
     all_turns = turns_mode == "all"

@@ -271,6 +271,33 @@ def read_labels(directory: str | Path) -> pd.DataFrame:
     return frame.reset_index(drop=True)
 
 
+# the columns every consumer of the labels (dataset stage, train's calibration, eval, the verify-width fit) needs
+LABEL_COLUMNS = ("id", "source_set", "prompt_tokens", "candidates", "tau", "tokens_per_s", "label_tau", "label_speed",
+                 "topk_ids", "topk_logprobs", "entropy", "vocab_size")
+
+
+def read_label_table(labels_dir: str | Path) -> tuple[pd.DataFrame, dict]:
+    """The label stage's rows (``read_labels``) and ``meta.json``, checked for the columns the later stages read.
+
+    Returns:
+        (one row per request, i.e. per labelled turn of a prompt, sorted by id; the parsed ``meta.json``, ``{}`` when absent).
+    Raises:
+        FileNotFoundError: when ``labels_dir`` holds no shards (run the label stage).
+        ValueError: when required columns are missing.
+    """
+    labels_dir = Path(labels_dir)
+    if not labels_dir.is_dir() or not any(labels_dir.glob("shard-*.parquet")):
+        raise FileNotFoundError(f"no label shards (shard-*.parquet) in {labels_dir}; run the label stage first: "
+                                "make label (python -m pipeline.label run_name=<run>)")
+    df = read_labels(labels_dir)
+    missing = [c for c in LABEL_COLUMNS if c not in df.columns]
+    if missing:
+        raise ValueError(f"labels in {labels_dir} lack columns {missing}; relabel with the current label stage")
+    meta_path = labels_dir / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    return df, meta
+
+
 def merge_labels(sources: Iterable[str | Path], out: str | Path) -> Path:
     """Consolidate the labels of several directories into ``out`` (one shard file + ``meta.json``).
 

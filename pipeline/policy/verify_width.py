@@ -7,8 +7,8 @@ the first k drafts yields on average
 
     E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j  tokens  (the bonus token included)
 
-and costs ``draft_ms(B, L) + verify_ms(k+1, L)`` on this machine (``LatencyModel.measured_ms``: the
-label stage's measured step costs by width and context length L). ``VerifyWidthSchedule`` picks the k
+and costs ``draft_ms(B, L) + verify_ms(k+1, L)`` on this machine (``pipeline.costs.CostModel``: the measured
+step costs by width and context length L, one monotone curve shared with the label stage). ``VerifyWidthSchedule`` picks the k
 in 0..B-1 with the most expected tokens per ms (k = 0 is a plain target step). When even the best k
 was not worth the draft (fewer expected tokens per ms than a plain step without drafting), the next
 steps skip the drafter (1, 2, 4, ... up to ``max_skip`` steps, then it drafts again to look); the
@@ -34,6 +34,8 @@ from typing import Sequence
 
 import numpy as np
 import torch
+
+from pipeline.costs import CostModel
 
 CALIBRATION_NAME = "calibration.json"
 _LOGIT_CLIP = 9.0
@@ -248,24 +250,6 @@ def find_calibration(explicit: str | None, run_dir: str | Path, drafter: str | N
                             "<labels_dir> --out DIR and point eval.verify_width.calibration (serve.verify_width.calibration) at it")
 
 
-def load_cost_model(decoder, latency_cfg, block_sizes: Sequence[int], temperature: float, seed: int, identity: dict):
-    """This machine's ``LatencyModel`` for the policy: ``latency_cfg.path`` when set (a stored model or a label run's
-    meta.json), else measured for every width up to max(``block_sizes``), or reused from ``latency_cfg.cache`` (the
-    cache the label stage fills: the same key when ``block_sizes`` are the label stage's candidates).
-
-    Args:
-        latency_cfg: ``{path, cache, context_buckets, repeats}`` (``eval.verify_width.latency``, ``serve.verify_width.latency``).
-    """
-    from pipeline.labeling.latency import measure_latency_cached
-    from pipeline.labeling.runner import load_latency
-
-    lat = latency_cfg or {}
-    if lat.get("path"):
-        return load_latency(lat["path"])
-    return measure_latency_cached(decoder, sorted({int(b) for b in block_sizes}), list(lat.get("context_buckets", [64, 256, 512])),
-                                  int(lat.get("repeats", 3)), float(temperature), int(seed), lat.get("cache"), identity)
-
-
 def load_calibration(path: str | Path) -> AcceptanceCalibration:
     """A calibration from ``calibration.json`` or a folder holding one.
 
@@ -320,7 +304,7 @@ class VerifyWidthSchedule:
 
     Args:
         calibration: the drafts' acceptance calibration.
-        latency: the machine's ``LatencyModel`` (costs by width and context length).
+        costs: the machine's ``pipeline.costs.CostModel`` (step costs by width and context length, ms).
         block_size: B drafted each step (the drafter's training block size by default in the eval stage).
         predictor: a BlockPilot ``Predictor``; when given, B is its choice after prefill (method ``hybrid``).
         skip_drafts: skip the drafter for a while after a step whose draft did not pay.
@@ -333,7 +317,7 @@ class VerifyWidthSchedule:
         ValueError: for B < 2 or max_skip < 0.
     """
 
-    def __init__(self, calibration: AcceptanceCalibration, latency, block_size: int, predictor=None,
+    def __init__(self, calibration: AcceptanceCalibration, costs: CostModel, block_size: int, predictor=None,
                  skip_drafts: bool = True, max_skip: int = 8, objective: str = "rate"):
         if int(block_size) < 2 and predictor is None:
             raise ValueError(f"the verify-width policy drafts blocks of B >= 2, got B={block_size}")
@@ -342,7 +326,7 @@ class VerifyWidthSchedule:
         if objective not in ("rate", "marginal"):
             raise ValueError(f"objective must be 'rate' or 'marginal', got {objective!r}")
         self.objective = objective
-        self.calibration, self.latency, self.predictor = calibration, latency, predictor
+        self.calibration, self.cost_model, self.predictor = calibration, costs, predictor
         self.block_size = int(block_size)
         self.max_block_size = max(predictor.candidates) if predictor is not None else self.block_size
         self.skip_drafts, self.max_skip = bool(skip_drafts), int(max_skip)
@@ -361,8 +345,8 @@ class VerifyWidthSchedule:
         key = (int(b), int(context) // 16)
         if key not in self._costs:
             length = key[1] * 16 + 8
-            self._costs[key] = (self.latency.measured_ms("draft", b, length),
-                                [self.latency.measured_ms("verify", q, length) for q in range(1, b + 1)])
+            self._costs[key] = (self.cost_model.draft_ms(b, length),
+                                [self.cost_model.verify_ms(q, length) for q in range(1, b + 1)])
         return self._costs[key]
 
     def first(self, last_logits: torch.Tensor) -> int:
@@ -429,19 +413,19 @@ def step_acceptances(columns: Sequence[int], accepted: Sequence[bool]) -> list[i
     return steps
 
 
-def foresight_bound(labels, latency, block_size: int, ids: set[str] | None = None) -> dict:
+def foresight_bound(labels, costs: CostModel, block_size: int, ids: set[str] | None = None) -> dict:
     """Modelled speedups over ``ar`` of ``fixed`` and of a verify width chosen with foresight, per set and overall.
 
     For every labelled request (``ids`` when given) and every step of its replay at ``block_size``, a policy that
     knew the step's acceptance a in advance would verify exactly a drafts (cost ``draft_ms(B) + verify_ms(a+1)``)
     and, when a = 0, not even draft (cost ``verify_ms(1)``): no verify-width policy can do better with this drafter
     on this machine's cost curve. ``foresight_drafting`` is the same policy made to draft every step (the best a
-    policy without a skip rule can do). Times come from ``latency`` (a ``LatencyModel``; ms), with each request's
+    policy without a skip rule can do). Times come from ``costs`` (the machine's ``CostModel``; ms), with each request's
     prefill (and, at T>0, its sampling noise), so the figures compare with measured end-to-end tokens/s.
 
     Args:
         labels: label rows with ``conf_block``/``conf_column``/``conf_ok``, ``candidates``, ``new_tokens``,
-            ``prompt_tokens``, ``source_set`` (``pipeline.dataset.read_label_table``).
+            ``prompt_tokens``, ``source_set`` (``pipeline.labeling.store.read_label_table``).
         block_size: B drafted (one of the label candidates).
     Returns:
         ``{"block_size", "all": {...}, "per_set": {set: {...}}}``, each ``{"requests", "fixed", "foresight",
@@ -463,21 +447,21 @@ def foresight_bound(labels, latency, block_size: int, ids: set[str] | None = Non
         steps = step_acceptances(np.asarray(row["conf_column"])[keep], np.asarray(row["conf_ok"])[keep])
         n = int(row["new_tokens"][candidates.index(b)])
         start = int(row["prompt_tokens"])
-        prefill = latency.prefill(start) + latency.noise_ms * n  # sampling noise per token (0 when timed at T=0)
-        ar = prefill + sum(latency.measured_ms("verify", 1, start + i) for i in range(n - 1))
+        prefill = costs.prefill_ms(start) + costs.noise_ms * n  # sampling noise per token (0 when timed at T=0)
+        ar = prefill + sum(costs.verify_ms(1, start + i) for i in range(n - 1))
         fixed = foresight = drafting = prefill
         position, emitted = start, 1  # the prefill's token
         for a in steps:
             if emitted >= n:
                 break
             width = min(b, n - emitted)  # the replay clips the last block to the token budget
-            draft, verify = latency.measured_ms("draft", width, position), latency.measured_ms("verify", a + 1, position)
-            fixed += draft + latency.measured_ms("verify", width, position)
-            foresight += latency.measured_ms("verify", 1, position) if a == 0 else draft + verify
+            draft, verify = costs.draft_ms(width, position), costs.verify_ms(a + 1, position)
+            fixed += draft + costs.verify_ms(width, position)
+            foresight += costs.verify_ms(1, position) if a == 0 else draft + verify
             drafting += draft + verify
             position, emitted = position + a + 1, emitted + a + 1
         while emitted < n:  # steps of b = 1 (one token left in the budget) draft nothing and record no samples
-            plain = latency.measured_ms("verify", 1, position)
+            plain = costs.verify_ms(1, position)
             fixed, foresight, drafting = fixed + plain, foresight + plain, drafting + plain
             position, emitted = position + 1, emitted + 1
         for key in ("all", str(row["source_set"])):
@@ -502,7 +486,8 @@ def main() -> None:
                         help="a feature dataset of the run: fit on its train split, reliability on its test split")
     parser.add_argument("--exclude-sets", nargs="*", default=[], help="source sets left out of the fit")
     args = parser.parse_args()
-    from pipeline.dataset import read_label_table, split_prompt_ids
+    from pipeline.labeling.store import read_label_table
+    from pipeline.policy.features import split_prompt_ids
     from pipeline.prompts import prompt_id_of
 
     labels, _ = read_label_table(args.labels_dir)

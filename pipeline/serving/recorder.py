@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.costs import CostModel
 from pipeline.decoding.speculative import DecodeConfig, PrefillResult, SpeculativeDecoder
-from pipeline.labeling.latency import LatencyModel
 from pipeline.labeling.oracle import check_candidates, distribution_features, pick_label
 from pipeline.labeling.replay import LM_HEAD_MODES, replay, trace_from_output
 from pipeline.labeling.store import LabelStore
@@ -63,7 +63,7 @@ class Recorder:
         decoder: the serving decoder (needs a drafter).
         out_dir: the label run directory (``data/labels/<serve.record.run_name>``).
         candidates: the block sizes to label (checked against the decoder).
-        latency: the machine's latency model (tokens/s and ``label_speed``).
+        latency: the machine's cost model (``pipeline.costs``: tokens/s and ``label_speed``).
         meta: the run's ``meta.json`` (``pipeline.labeling.runner.run_meta`` keys); checked against a stored one.
         source_set: the rows' ``source_set``; topk, store_full_logits, lm_head: as in ``conf/label/``.
         flush_every: rows per shard file (``flush`` writes the rest).
@@ -74,7 +74,7 @@ class Recorder:
         ValueError: without a drafter, for bad candidates, or for a stored ``meta.json`` of other settings.
     """
 
-    def __init__(self, decoder: SpeculativeDecoder, out_dir, candidates, latency: LatencyModel, meta: dict,
+    def __init__(self, decoder: SpeculativeDecoder, out_dir, candidates, latency: CostModel, meta: dict,
                  source_set: str = "served", topk: int = 64, store_full_logits: bool = False, lm_head: str = "auto",
                  flush_every: int = 8):
         if decoder.drafter is None:
@@ -121,7 +121,7 @@ class Recorder:
             log.warning("request %s: replay at B=%d gives taus %s, the served decode %s (floating-point near-tie)",
                         served.request_id, served_b, results[served_b].taus, served.taus)
         n = prefill.input_ids.shape[1]
-        prefill_ms = self.latency.prefill(n)
+        prefill_ms = self.latency.prefill_ms(n)
         row = {"id": served.request_id, "source_set": self.source_set, "prompt_tokens": n,
                "candidates": list(self.candidates), "prefill_ms": prefill.prefill_ms, "shard": 0, "num_shards": 1,
                **distribution_features(prefill.last_logits, self.topk, self.store_full_logits)}

@@ -1,0 +1,214 @@
+"""The step cost model (``pipeline.costs``): constructed timings give known values on the one monotone curve, every
+consumer reads that curve, and the model is obtained one way: stored, else from a file, else from the per-machine
+cache keyed by the models and the forward path, else measured (and re-measured when the key changes)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from pipeline import costs
+from pipeline.costs import CostModel, load_or_measure, monotone
+from pipeline.policy.verify_width import VerifyWidthSchedule
+
+
+def synthetic_model() -> CostModel:
+    return CostModel(context_buckets=[100, 300], block_sizes=[1, 2, 10],
+                     verify_points={1: [10.0, 20.0], 2: [11.0, 21.0], 10: [20.0, 40.0]},
+                     draft_points={2: [2.0, 4.0], 10: [4.0, 8.0]}, prefill_points=[50.0, 150.0], noise_ms=0.5)
+
+
+def bumpy_model() -> CostModel:
+    """One bucket; a noisy bump at width 3 (30 ms between 11 and 13)."""
+    return CostModel([100], [1, 2, 3, 4, 5], {1: [10.0], 2: [11.0], 3: [30.0], 4: [13.0], 5: [14.0]},
+                     {b: [2.0] for b in range(2, 6)}, [1.0])
+
+
+def test_monotone_is_isotonic_regression():
+    assert monotone([10, 11, 30, 13, 14]) == pytest.approx([10, 11, 19, 19, 19])  # 19 = mean of 30, 13, 14
+    assert monotone([3, 1, 2]) == pytest.approx([2, 2, 2])
+    assert monotone([1, 2, 2, 5]) == [1, 2, 2, 5]  # already monotone: unchanged
+    assert monotone([]) == []
+
+
+def test_constructed_timings_give_known_values():
+    model = synthetic_model()
+    assert model.verify_ms(1, 100) == pytest.approx(10.0)
+    assert model.step_ms(1, 100) == pytest.approx(10.0)  # B = 1: no draft
+    assert model.step_ms(2, 200) == pytest.approx(16.0 + 3.0)  # verify 16 + draft 3, halfway between the buckets
+    assert model.step_ms(6, 100) == pytest.approx(15.5 + 3.0)  # halfway between widths 2 and 10
+    assert model.step_ms(10, 100, rows=2) == pytest.approx(11.0 + 4.0)  # draft B=10, verify k+1 = 2 rows
+    assert model.verify_ms(1, 500) == pytest.approx(30.0)  # linear extrapolation past the last bucket
+    assert model.prefill_ms(200) == pytest.approx(100.0)
+    assert model.decode_ms([2, 2], [100, 300], new_tokens=4, temperature=0.0) == pytest.approx(13.0 + 25.0)
+    assert model.decode_ms([2, 2], [100, 300], new_tokens=4, temperature=0.7) == pytest.approx(38.0 + 2.0)
+    assert model.tokens_per_s(100, [2, 2], [100, 300], 4, 0.0) == pytest.approx(4 / ((50 + 38) / 1e3))
+    # a noisy bump is pooled with its wider neighbours, never making a wider verify look cheaper
+    bumpy = bumpy_model()
+    assert [bumpy.verify_ms(q, 100) for q in range(1, 6)] == pytest.approx([10, 11, 19, 19, 19])
+    assert bumpy.step_ms(3, 100) == pytest.approx(19 + 2)
+    # the curve at a context: interpolated over the buckets first, then made monotone in the width
+    two = CostModel([100, 300], [1, 2, 3], {1: [10.0, 10.0], 2: [30.0, 12.0], 3: [13.0, 14.0]}, {}, [1.0, 1.0])
+    assert [two.verify_ms(q, 200) for q in (1, 2, 3)] == pytest.approx([10.0, 17.25, 17.25])  # [10, 21, 13.5] pooled
+    with pytest.raises(ValueError, match="one value per context bucket"):
+        CostModel([1, 2], [1], {1: [1.0]}, {}, [1.0, 2.0])
+    with pytest.raises(ValueError, match="cost part"):
+        model.curve("prefill", 100)
+
+
+def test_the_curve_is_monotone_everywhere():
+    rng = np.random.default_rng(0)
+    widths = list(range(1, 17))
+    model = CostModel([64, 256, 512], widths, {w: list(rng.uniform(5, 50, 3)) for w in widths},
+                      {w: list(rng.uniform(1, 10, 3)) for w in widths if w > 1}, [10.0, 40.0, 80.0])
+    for context in (1, 64, 100, 300, 512, 2048):  # inside and outside the measured buckets
+        verify = [model.verify_ms(q, context) for q in range(1, 21)]  # past the widest measured verify too
+        draft = [model.draft_ms(b, context) for b in range(2, 21)]
+        assert verify == sorted(verify) and draft == sorted(draft) and min(verify) >= 0
+        steps = [model.step_ms(b, context) for b in range(2, 17)]
+        assert steps == sorted(steps)
+
+
+def test_every_consumer_reads_the_same_curve():
+    """The verify-width policy's per-step costs and the label stage's decode costs are the one fitted curve."""
+    from pipeline.policy.verify_width import AcceptanceCalibration
+
+    model = bumpy_model()
+    schedule = VerifyWidthSchedule(AcceptanceCalibration([0.0] * 4, [0.0] * 4), model, 5)
+    draft, verify = schedule.costs(5, 100)
+    assert draft == pytest.approx(model.draft_ms(5, 104)) and verify == pytest.approx([10, 11, 19, 19, 19])
+    assert model.decode_ms([3, 1], [100, 100], 4, 0.0) == pytest.approx((19 + 2) + 10)
+
+
+def test_dicts_round_trip_and_older_fits_read_the_same_timings():
+    model = synthetic_model()
+    data = json.loads(json.dumps(model.to_dict()))
+    assert set(data) >= {"verify_ms", "draft_ms", "prefill_ms", "context_buckets", "block_sizes"}
+    assert data["fit"] == costs.FIT
+    again = CostModel.from_dict(data)
+    assert again == model and again.step_ms(6, 150) == model.step_ms(6, 150)
+    older = {**data, "fit": "linear"}  # a meta.json or cache file of the two-fit model: the same timings
+    assert CostModel.from_dict(older) == model
+
+
+def test_load_reads_models_cache_files_and_meta(tmp_path):
+    model = synthetic_model()
+    (tmp_path / "model.json").write_text(json.dumps(model.to_dict()))
+    (tmp_path / "meta.json").write_text(json.dumps({"mode": "replay", "latency_model": model.to_dict()}))
+    (tmp_path / "cache.json").write_text(json.dumps({"key": {}, "latency_model": model.to_dict()}))
+    for name in ("model.json", "meta.json", "cache.json"):
+        assert costs.load(tmp_path / name) == model
+    (tmp_path / "brute.json").write_text(json.dumps({"mode": "brute", "latency_model": None}))
+    with pytest.raises(ValueError, match="holds no latency model"):
+        costs.load(tmp_path / "brute.json")
+    with pytest.raises(FileNotFoundError, match="label.latency.path"):
+        costs.load(tmp_path / "none.json")
+
+
+def config(tmp_path, tiny, **latency) -> OmegaConf:
+    return OmegaConf.create({
+        "seed": 0, "decode": {"temperature": 0.0},
+        "model": {"target": str(tiny.target_dir("llama")), "drafter": str(tiny.drafter_dir("llama", "trained")),
+                  "dtype": "float32", "device": "cpu"},
+        "label": {"latency": {"path": None, "cache": str(tmp_path / "cache"), "context_buckets": [8, 32], "repeats": 1,
+                              **latency}},
+        "eval": {"verify_width": {"latency": {"cache": str(tmp_path / "cache"), "context_buckets": [8, 32], "repeats": 1}}},
+    })
+
+
+def test_load_or_measure_precedence(tmp_path, tiny, caplog):
+    model = synthetic_model()
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(model.to_dict()))
+    cfg = config(tmp_path, tiny, path=str(path))
+    stored = {**bumpy_model().to_dict(), "fit": "linear"}
+    with caplog.at_level(logging.WARNING, logger="pipeline.costs"):
+        assert load_or_measure(None, cfg, [4], stored=stored) == bumpy_model()  # the run's own model first
+    assert "'linear' fit" in caplog.text
+    assert load_or_measure(None, cfg, [4]) == model  # then <section>.path
+    assert load_or_measure(None, config(tmp_path, tiny), [4], path=path) == model  # or an explicit path
+    with pytest.raises(ValueError, match="eval.verify_width.latency.path"):
+        load_or_measure(None, cfg, [4], "eval.verify_width.latency")  # measuring needs the decoder
+    assert not (tmp_path / "cache").exists()
+
+
+def test_cached_per_machine_and_forward_path_and_remeasured_on_a_key_change(tmp_path, tiny, trained_decoder,
+                                                                             monkeypatch):
+    cache = tmp_path / "cache"
+    cfg = config(tmp_path, tiny)
+    first = load_or_measure(trained_decoder, cfg, [4, 8])
+    files = sorted(cache.glob("latency-*.json"))
+    assert len(files) == 1 and first.block_sizes == list(range(1, 9)) and first.context_buckets == [8, 32]
+    stored = json.loads(files[0].read_text())
+    assert stored["key"]["forward"] == trained_decoder.forward_path() and stored["key"]["block_sizes"] == [4, 8]
+    # reused (measured timings never repeat exactly), also by another stage's section with the same settings
+    assert load_or_measure(trained_decoder, cfg, [8, 4, 4]) == first
+    assert load_or_measure(trained_decoder, cfg, [4, 8], "eval.verify_width.latency") == first
+    assert len(list(cache.glob("latency-*.json"))) == 1
+    # another forward path (e.g. another backend or KV cache): another key, measured afresh, the first file kept
+    real = trained_decoder.forward_path()
+    monkeypatch.setattr(trained_decoder, "forward_path", lambda: {**real, "kv_cache": "static"})
+    other = load_or_measure(trained_decoder, cfg, [4, 8])
+    assert other != first and len(list(cache.glob("latency-*.json"))) == 2
+    assert load_or_measure(trained_decoder, cfg, [4, 8]) == other
+    monkeypatch.undo()
+    assert load_or_measure(trained_decoder, cfg, [4, 8]) == first
+    # other models: another key
+    moved = OmegaConf.merge(cfg, {"model": {"dtype": "bfloat16"}})
+    assert load_or_measure(trained_decoder, moved, [4, 8]) != first
+    assert len(list(cache.glob("latency-*.json"))) == 3
+    # a file under the right name whose key differs is measured afresh and replaced, not misread
+    stored["key"]["host"] = "elsewhere"
+    files[0].write_text(json.dumps(stored))
+    again = load_or_measure(trained_decoder, cfg, [4, 8])
+    assert again != first and json.loads(files[0].read_text())["latency_model"] == again.to_dict()
+    # an old-format file (the two-fit model's dict, fit "linear") under the right key is read: the same timings
+    old = {"key": json.loads(files[0].read_text())["key"], "latency_model": {**first.to_dict(), "fit": "linear"}}
+    files[0].write_text(json.dumps(old, indent=2))
+    assert load_or_measure(trained_decoder, cfg, [4, 8]) == first
+    # no cache: measured every time
+    fresh = load_or_measure(trained_decoder, config(tmp_path, tiny, cache=None), [4, 8])
+    assert fresh != first and len(list(cache.glob("latency-*.json"))) == 3
+
+
+def test_measure_on_a_tiny_model(trained_decoder):
+    model = costs.measure(trained_decoder, [4, 8], [8, 32], repeats=1, temperature=0.5)
+    assert model.block_sizes == list(range(1, 9)) and model.context_buckets == [8, 32]  # every width up to the largest B
+    assert set(model.draft_points) == set(range(2, 9)) and set(model.verify_points) == set(range(1, 9))
+    curve = [model.verify_ms(q, 20) for q in range(1, 9)]
+    assert curve == sorted(curve) and curve[0] > 0
+    points = [*model.verify_points.values(), *model.draft_points.values()]
+    assert all(len(v) == 2 and all(x > 0 for x in v) for v in points)
+    assert model.noise_ms > 0 and model.info["device"] == "cpu"
+    with pytest.raises(ValueError, match="context_buckets"):
+        costs.measure(trained_decoder, [4], [10_000])
+    with pytest.raises(ValueError, match="repeats"):
+        costs.measure(trained_decoder, [4], [8], repeats=0)
+
+
+def test_the_report_draws_the_curve_the_policy_reads():
+    """eval's verify_width.png draws the fitted, monotone curve (issue 23: it drew the raw points, L=64 1 token 23.6 ms
+    above 2 tokens 16.5 ms), with the measured points beside it."""
+    from pipeline.reporting import verify_width_figure
+
+    model = bumpy_model()
+    results = {"verify_width": {"latency_model": model.to_dict(), "block_size": 4, "reliability": []},
+               "methods": {"verify_width": {"rows": [{"confidences": [0.5], "verify_widths": [1]}]}}}
+    curve_axis = verify_width_figure(results).axes[2]
+    fitted, measured = curve_axis.lines[0], curve_axis.lines[1]
+    assert list(fitted.get_ydata()) == pytest.approx([10, 11, 19, 19, 19])
+    assert list(measured.get_ydata()) == [10, 11, 30, 13, 14]
+    assert curve_axis.lines[2].get_ydata()[0] == pytest.approx(model.draft_ms(4, 100))
+
+
+def test_a_missing_file_names_the_setting_that_named_it(tmp_path, tiny):
+    cfg = config(tmp_path, tiny)
+    cfg.eval.verify_width.latency.path = str(tmp_path / "none.json")
+    with pytest.raises(FileNotFoundError, match=r"eval\.verify_width\.latency\.path"):
+        load_or_measure(None, cfg, [4], "eval.verify_width.latency")
+    with pytest.raises(FileNotFoundError, match=r"serve\.latency_path"):
+        load_or_measure(None, cfg, [4], path=tmp_path / "none.json", path_setting="serve.latency_path")
