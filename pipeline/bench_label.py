@@ -34,7 +34,7 @@ from pipeline.labeling.brute import brute_force, reseed
 from pipeline.labeling.latency import measure_latency, rank_agreement, steps_of
 from pipeline.labeling.oracle import LabelSettings, candidate_window, label_prompt, pick_label, predicted_tokens_per_s
 from pipeline.labeling.replay import first_divergence, replay, target_trace
-from pipeline.models.loading import build_decoder
+from pipeline.decoding.build import build_decoder
 from pipeline.prompts import chat_input_ids, load_prompt_sets
 from pipeline.tracking import init_wandb
 

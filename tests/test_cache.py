@@ -68,7 +68,7 @@ def test_new_cache_kinds_and_the_decoder_switch(tiny, monkeypatch):
 
 
 def test_build_decoder_passes_model_kv_cache(tiny, compose_config):
-    from pipeline.models.loading import build_decoder
+    from pipeline.decoding.build import build_decoder
 
     cfg = compose_config("bench_step", [f"model.target={tiny.target_dir('llama')}", "model.drafter=null",
                                       "model.backend=eager"])

@@ -9,7 +9,8 @@ import torch
 
 from pipeline import PROJECT_ROOT
 from pipeline.decoding import SpeculativeDecoder
-from pipeline.models.loading import build_decoder, load_models, resolve_path
+from pipeline.decoding.build import build_decoder
+from pipeline.models.loading import load_models, resolve_path
 from pipeline.models.target import load_target, packaged_gguf_path, resolve_dtype, target_config
 
 

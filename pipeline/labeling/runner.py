@@ -35,7 +35,8 @@ from pipeline.decoding.speculative import DecodeConfig, PromptTooLongError, Spec
 from pipeline.labeling.latency import LatencyModel, measure_latency_cached
 from pipeline.labeling.oracle import LabelSettings, check_candidates, label_prompt
 from pipeline.labeling.store import LabelStore
-from pipeline.models.loading import build_decoder, resolve_path
+from pipeline.decoding.build import build_decoder
+from pipeline.models.loading import resolve_path
 from pipeline.prompts import Prompt, chat_input_ids, load_prompt_sets, request_id
 from pipeline.tracking import init_wandb
 

@@ -441,7 +441,7 @@ def foresight_bound(labels, latency, block_size: int, ids: set[str] | None = Non
 
     Args:
         labels: label rows with ``conf_block``/``conf_column``/``conf_ok``, ``candidates``, ``new_tokens``,
-            ``prompt_tokens``, ``source_set`` (``pipeline.dataset.read_label_table``).
+            ``prompt_tokens``, ``source_set`` (``pipeline.policy.data.read_label_table``).
         block_size: B drafted (one of the label candidates).
     Returns:
         ``{"block_size", "all": {...}, "per_set": {set: {...}}}``, each ``{"requests", "fixed", "foresight",
@@ -502,7 +502,7 @@ def main() -> None:
                         help="a feature dataset of the run: fit on its train split, reliability on its test split")
     parser.add_argument("--exclude-sets", nargs="*", default=[], help="source sets left out of the fit")
     args = parser.parse_args()
-    from pipeline.dataset import read_label_table, split_prompt_ids
+    from pipeline.policy.data import read_label_table, split_prompt_ids
     from pipeline.prompts import prompt_id_of
 
     labels, _ = read_label_table(args.labels_dir)
