@@ -301,7 +301,7 @@ def test_forward_logits_match_the_dynamic_cache(tiny, arch, headroom, monkeypatc
 def gemma2(tmp_path_factory):
     """A Gemma2-like tiny target (alternating sliding windows of 8) with a random drafter."""
     from pipeline.models.drafter import DFlashDrafter
-    from pipeline.testing import make_tiny_drafter, make_tiny_target
+    from tiny_models import make_tiny_drafter, make_tiny_target
 
     root = tmp_path_factory.mktemp("kv-gemma2")
     directory = make_tiny_target(root / "gemma2", arch="gemma2")
