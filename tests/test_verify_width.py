@@ -214,6 +214,7 @@ def test_schedule_skips_drafts_that_do_not_pay_and_looks_again():
         VerifyWidthSchedule(constant_calibration(0.0), latency, 1)
 
 
+@pytest.mark.slow  # ~35 s per case (24 decodes x 4 calibrations x 3 B), make test-fast skips it
 @pytest.mark.parametrize("temperature,seed", [(0.0, 0), (1.0, 5)])
 def test_verify_width_decoding_is_lossless(trained_decoder, temperature, seed):
     """Every width the policy picks, and every skipped draft, leaves the output equal to B=1's."""
