@@ -2,7 +2,8 @@
 # later runs only reinstall after pyproject.toml changes.
 #
 #   make all                      main job: label -> dataset -> train -> eval; prints results.json's path last
-#   make test                     the test suite (CPU, tiny models + one SmolLM2 smoke test)
+#   make test                     the whole test suite (CPU, tiny models + the SmolLM2 smoke tests)
+#   make test-fast                the same without the tests marked slow (SmolLM2 loads, > ~20 s), for development
 #   make draft                    train the drafter for the embedded target on this CPU (~45 min); the
 #                                 shipped one in data/drafters/ came from scripts/gpu_draft.sh (one GPU, 6 min)
 #   make label|dataset|train|eval one stage; Hydra overrides go in ARGS="key=value ..."
@@ -52,7 +53,7 @@ DATASET_CMD = $(call STAGE,dataset) $(DATASET_ARGS)
 TRAIN_CMD = $(call STAGE,train) $(TRAIN_ARGS)
 EVAL_CMD = $(call STAGE,evaluate) $(DECODE_ARGS) $(EVAL_ARGS)
 
-.PHONY: help install test draft label dataset train eval all bench-label serve demo notebook clean
+.PHONY: help install test test-fast draft label dataset train eval all bench-label serve demo notebook clean
 
 help:
 	@awk 'NR > 1 && /^$$/ { exit } { sub(/^# ?/, ""); print }' Makefile
@@ -72,6 +73,9 @@ install: $(STAMP)
 # --- tests -----------------------------------------------------------------------------------------
 test: $(STAMP)
 	$(PY) -m pytest tests/ --durations=10 $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest tests/ -m "not slow" --durations=10 $(PYTEST_ARGS)
 
 # --- stages ----------------------------------------------------------------------------------------
 draft: $(STAMP)

@@ -35,7 +35,7 @@ from pipeline.labeling.brute import brute_force, reseed
 from pipeline.labeling.oracle import (LabelSettings, candidate_window, label_prompt, pick_label, predicted_tokens_per_s,
                                      rank_agreement)
 from pipeline.labeling.replay import first_divergence, replay, target_trace
-from pipeline.models.loading import build_decoder
+from pipeline.decoding.build import build_decoder
 from pipeline.prompts import chat_input_ids, load_prompt_sets
 from pipeline.tracking import init_wandb
 

@@ -147,7 +147,7 @@ def bench_serve(cfg: DictConfig) -> dict:
 
     from pipeline.decoding import DecodeConfig, FixedSchedule
     from pipeline.decoding.conversation import decode_prompt
-    from pipeline.models.loading import build_decoder
+    from pipeline.decoding.build import build_decoder
     from pipeline.prompts import load_prompt_sets
 
     b = cfg.bench

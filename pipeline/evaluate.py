@@ -64,7 +64,7 @@ from pipeline.decoding import DecodeConfig, EMASchedule, FixedSchedule
 from pipeline.decoding.schedules import FirstChoice
 from pipeline.decoding.speculative import PromptTooLongError, RequestStats, _now
 from pipeline.decoding.conversation import decode_prompt
-from pipeline.models.loading import build_decoder
+from pipeline.decoding.build import build_decoder
 from pipeline.prompts import Prompt, load_prompt_sets, prompt_id_of, request_id
 from pipeline.tracking import init_wandb
 
@@ -135,7 +135,7 @@ class EvalInputs:
     """What the label-based and predictor methods need (each None/empty when not needed).
 
     Attributes:
-        labels: label rows (``pipeline.dataset.read_label_table``); label_meta: its ``meta.json``;
+        labels: label rows (``pipeline.policy.data.read_label_table``); label_meta: its ``meta.json``;
         splits: ``{split: prompt ids}`` from the feature DatasetDict; predictors: ``{method: Predictor}``;
         calibration / calibration_path / latency: the verify-width policy's acceptance calibration and this
         machine's ``LatencyModel`` (for ``verify_width`` and ``hybrid``).
@@ -177,7 +177,7 @@ def load_eval_inputs(cfg: DictConfig, methods: list[str], decoder=None) -> EvalI
         FileNotFoundError: when a needed artifact is missing; the message names the stage to run.
         ValueError: when a predictor does not fit the decoder (vocabulary, block-size limit).
     """
-    from pipeline.dataset import read_label_table, split_prompt_ids
+    from pipeline.policy.data import read_label_table, split_prompt_ids
 
     inputs = EvalInputs()
     labels_dir = Path(cfg.eval.labels_dir)

@@ -61,7 +61,8 @@ def build_engine(cfg: DictConfig, decoder=None):
     Raises:
         ValueError / FileNotFoundError: for a policy or recorder that cannot run (see ``build_policy``, ``build_recorder``).
     """
-    from pipeline.models.loading import build_decoder, resolve_path
+    from pipeline.decoding.build import build_decoder
+    from pipeline.models.loading import resolve_path
     from pipeline.serving.engine import Engine, build_policy
 
     s = cfg.serve

@@ -12,9 +12,9 @@ PY=${PYTHON:-python3}
 export WANDB_MODE=${WANDB_MODE:-offline} PYTHONUNBUFFERED=1
 
 # chat the target writes itself (greedy and T=1 replies to the same 512 prompts) + sampled math and code replies
-SETS='[{name: self_chat, source: self, limit: 512, prompt_max_tokens: 96}, {name: self_chat_t1, source: self, limit: 512, prompt_max_tokens: 96, temperature: 1.0}, {name: gsm8k_train_t1, source: "${shared_data}/train/gsm8k_train.jsonl", limit: 256, temperature: 1.0}, {name: code_alpaca_t1, source: "${shared_data}/train/code_alpaca.jsonl", limit: 128, temperature: 1.0}'
+SETS='[{name: self_chat, source: self, limit: 512, prompt_max_tokens: 96}, {name: self_chat_t1, source: self, limit: 512, prompt_max_tokens: 96, temperature: 1.0}, {name: gsm8k_train_t1, source: "${paths.shared_data}/train/gsm8k_train.jsonl", limit: 256, temperature: 1.0}, {name: code_alpaca_t1, source: "${paths.shared_data}/train/code_alpaca.jsonl", limit: 128, temperature: 1.0}'
 # ... plus greedy replies of the shipped drafter's own families (code, math, stdlib) against forgetting
-MIX="$SETS"', {name: stdlib, source: stdlib, limit: 128}, {name: code_alpaca, source: "${shared_data}/train/code_alpaca.jsonl", limit: 128}, {name: gsm8k_train, source: "${shared_data}/train/gsm8k_train.jsonl", limit: 128}, {name: stdlib_source, source: stdlib_source, window: 384, limit: 256}]'
+MIX="$SETS"', {name: stdlib, source: stdlib, limit: 128}, {name: code_alpaca, source: "${paths.shared_data}/train/code_alpaca.jsonl", limit: 128}, {name: gsm8k_train, source: "${paths.shared_data}/train/gsm8k_train.jsonl", limit: 128}, {name: stdlib_source, source: stdlib_source, window: 384, limit: 256}]'
 SETS="$SETS]"
 COMMON=(logger.enabled=false draft.init_from=data/drafters/smollm2-135m-instruct-dflash-b8
         draft.cache_dir=data/cache/drafter-data/cpu-ablation draft.val_fraction=0.06 draft.trainer.max_time=null

@@ -26,7 +26,7 @@ from hydra import compose, initialize_config_dir
 from pipeline import PROJECT_ROOT
 from pipeline.decoding.sampling import PositionKeyedSampler
 from pipeline.decoding.speculative import DecodeConfig
-from pipeline.models.loading import build_decoder
+from pipeline.decoding.build import build_decoder
 from pipeline.prompts import chat_input_ids, load_prompt_set
 
 SETS = ("gsm8k", "math500", "mbpp", "mt_bench")

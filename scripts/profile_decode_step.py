@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from pipeline import PROJECT_ROOT
 from pipeline.decoding import DecodeConfig
-from pipeline.models.loading import build_decoder
+from pipeline.decoding.build import build_decoder
 from pipeline.prompts import chat_input_ids, load_prompt_sets
 
 

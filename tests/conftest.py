@@ -2,7 +2,7 @@
 
 Everything here is local and small: no hub, no download. The models are built once per test session
 under a temporary directory. ``trained_drafter_dir`` trains a drafter on the tiny Llama target's own
-greedy outputs (``pipeline.testing.train_tiny_drafter``, a few seconds) so that decoding tests see
+greedy outputs (``tiny_models.train_tiny_drafter``, a few seconds) so that decoding tests see
 accepted drafts, not only bonus tokens.
 """
 
@@ -28,7 +28,7 @@ from pipeline import PROJECT_ROOT
 from pipeline.decoding import SpeculativeDecoder
 from pipeline.models.drafter import DFlashDrafter
 from pipeline.models.target import Target, load_target
-from pipeline.testing import make_tiny_drafter, make_tiny_target, train_tiny_drafter
+from tiny_models import make_tiny_drafter, make_tiny_target, train_tiny_drafter
 
 # Tiny models gain nothing from intra-op threads, and on a shared 2-core machine a second thread makes
 # every small matmul wait for a busy core (measured: 36 ms vs 3.6 ms per decode step under load).

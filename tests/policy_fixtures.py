@@ -165,11 +165,11 @@ def build_tiny_run(base: Path, target_dir: str | Path, drafter_dir: str | Path) 
     from hydra import compose, initialize_config_dir
 
     from pipeline import PROJECT_ROOT
-    from pipeline.dataset import build_dataset
+    from pipeline.policy.data import build_dataset
     from pipeline.evaluate import evaluate, load_eval_inputs, write_json
-    from pipeline.models.loading import build_decoder
+    from pipeline.decoding.build import build_decoder
     from pipeline.reporting import write_report
-    from pipeline.train import train_predictor
+    from pipeline.policy.training import train_predictor
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: one thread is fastest on a shared CPU

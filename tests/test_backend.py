@@ -121,7 +121,7 @@ def test_smallm_decodes_a_gguf_rounded_target_losslessly_on_its_compressed_weigh
     """The embedded default's case on a tiny model: every linear of the target Q4_1-rounded (the LM head Q8_0),
     streamed as 4 / 8 bits; B=1 equals transformers' greedy ``generate``, and every B equals B=1."""
     from pipeline.models.backend import _Packed
-    from pipeline.testing import make_tiny_target
+    from tiny_models import make_tiny_target
     from pipeline.models.target import load_target
 
     target = load_target(str(make_tiny_target(tiny.root / "gguf-rounded", "llama")), dtype="float32")

@@ -68,7 +68,7 @@ def test_new_cache_kinds_and_the_decoder_switch(tiny, monkeypatch):
 
 
 def test_build_decoder_passes_model_kv_cache(tiny, compose_config):
-    from pipeline.models.loading import build_decoder
+    from pipeline.decoding.build import build_decoder
 
     cfg = compose_config("bench_step", [f"model.target={tiny.target_dir('llama')}", "model.drafter=null",
                                       "model.backend=eager"])
@@ -301,7 +301,7 @@ def test_forward_logits_match_the_dynamic_cache(tiny, arch, headroom, monkeypatc
 def gemma2(tmp_path_factory):
     """A Gemma2-like tiny target (alternating sliding windows of 8) with a random drafter."""
     from pipeline.models.drafter import DFlashDrafter
-    from pipeline.testing import make_tiny_drafter, make_tiny_target
+    from tiny_models import make_tiny_drafter, make_tiny_target
 
     root = tmp_path_factory.mktemp("kv-gemma2")
     directory = make_tiny_target(root / "gemma2", arch="gemma2")

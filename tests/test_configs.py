@@ -17,8 +17,59 @@ TOP_LEVEL = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
 GROUPS = {d.name: sorted(p.stem for p in d.glob("*.yaml")) for d in CONF_DIR.iterdir() if d.is_dir() and d.name != "hydra"}
 
 
-def test_the_stage_configs_are_there():
-    assert {"draft", "evaluate"} <= set(TOP_LEVEL)
+DATA = PROJECT_ROOT / "data"
+MIX = ["humaneval", "mbpp", "gsm8k", "math500", "mt_bench"]
+# Every top-level config, composed on its own defaults: keys its stage reads, with the values they must have.
+EXPECTED = {
+    "label": {"run_name": "label", "label.mode": "replay", "label.out_dir": f"{DATA}/labels/label", "label.num_shards": 1,
+              "data.set_names": MIX, "model.name": "smollm2-135m-instruct"},
+    "dataset": {"run_name": "blockpilot", "dataset.labels_dir": f"{DATA}/labels/blockpilot",
+                "dataset.out": f"{DATA}/features/blockpilot/topk", "features.name": "topk",
+                "dataset.fractions": {"train": 0.7, "validation": 0.15, "test": 0.15}},
+    "train": {"run_name": "blockpilot", "train.features_dir": f"{DATA}/features/blockpilot/topk",
+              "train.out": f"{DATA}/predictors/blockpilot/mlp", "predictor.name": "mlp",
+              "train.calibration.out": f"{DATA}/predictors/blockpilot/verify_width"},
+    "draft": {"run_name": "draft", "model.drafter": None, "draft.block_size": 8,
+              "draft.out": "data/drafters/smollm2-135m-instruct-dflash-b8",
+              "draft.decontaminate": ["humaneval", "{shared}/gsm8k.jsonl", "{shared}/math500.jsonl", "{shared}/mbpp.jsonl",
+                                      "{shared}/mt_bench.jsonl"]},
+    "draft_gpu": {"run_name": "draft", "model.device": "cuda", "draft.features": "online",
+                  "draft.cache_dir": f"{DATA}/cache/drafter-tokens/smollm2-135m-instruct"},
+    "evaluate": {"run_name": "eval", "eval.out": f"{DATA}/eval/eval/results.json", "data.set_names": ["humaneval"]},
+    "bench_label": {"run_name": "bench-label", "ks": [5, 9], "num_prompts": 5, "data.limit": 1, "data.set_names": MIX,
+                    "logger.enabled": False},
+    "bench_serve": {"run_name": "bench-serve", "bench.out": f"{DATA}/bench/serve.json", "data.limit": 5,
+                    "data.set_names": ["humaneval"]},
+    "bench_step": {"run_name": "bench-step", "backends": ["auto", "smallm_f32", "eager"], "model.name": "smollm2-135m-instruct"},
+    "retest": {"run_name": "main", "retest.labels_dir": f"{DATA}/labels/main", "dataset.labels_dir": f"{DATA}/labels/main",
+               "retest.out": f"{DATA}/retest/main/topk", "retest.targets": ["tau", "speed"]},
+    "serve": {"run_name": "main", "serve.host": "127.0.0.1", "serve.port": 8000, "serve.model_name": "smollm2-135m-instruct"},
+}
+
+
+def _get(resolved: dict, dotted: str):
+    if dotted == "data.set_names":
+        return [s["name"] for s in resolved["data"]["sets"]]
+    node = resolved
+    for key in dotted.split("."):
+        node = node[key]
+    return node
+
+
+def test_every_top_level_config_has_its_stage_keys(compose_config):
+    """Each config composes on its own defaults to the paths and settings its stage reads (a new top-level config
+    must be added to EXPECTED); every one reads the prompt sets from ``paths.shared_data``."""
+    assert sorted(EXPECTED) == TOP_LEVEL
+    shared = str(shared_data_dir())
+    for name, expected in EXPECTED.items():
+        resolved = OmegaConf.to_container(compose_config(name), resolve=True)
+        assert Path(resolved["paths"]["shared_data"]).resolve() == Path(shared).resolve(), name
+        assert "shared_data" not in resolved, f"{name}: shared_data belongs in conf/paths/ (paths.shared_data)"
+        for key, value in expected.items():
+            want = [v.format(shared=resolved["paths"]["shared_data"]) for v in value] if key == "draft.decontaminate" else value
+            assert _get(resolved, key) == want, (name, key)
+        for s in resolved.get("data", {}).get("sets", []):  # every JSONL prompt set lives under paths.shared_data
+            assert s["source"] == "humaneval" or s["source"].startswith(resolved["paths"]["shared_data"] + "/"), (name, s)
 
 
 def _tiny_overrides(cfg, tiny) -> list[str]:
@@ -36,8 +87,7 @@ def test_top_level_config_composes_and_resolves(name, compose_config, tiny):
     resolved = OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
     assert resolved["paths"]["root"] == str(PROJECT_ROOT) and resolved["paths"]["data"] == str(PROJECT_ROOT / "data")
     assert isinstance(resolved.get("run_name"), str) and resolved["run_name"]
-    if "shared_data" in resolved:
-        assert Path(resolved["shared_data"]).resolve() == shared_data_dir().resolve()
+    assert Path(resolved["paths"]["shared_data"]).resolve() == shared_data_dir().resolve()
     if "logger" in resolved:
         assert resolved["logger"]["mode"] == os.environ.get("WANDB_MODE", "offline")
     # with tiny models and the logger off, as the tests run stages
@@ -94,6 +144,9 @@ def test_shared_data_env_override(compose_config, monkeypatch, tmp_path):
     monkeypatch.setenv("BLOCKPILOT_SHARED_DATA", str(tmp_path))
     cfg = compose_config("evaluate", ["data=gsm8k"])
     assert OmegaConf.to_container(cfg.data.sets, resolve=True)[0]["source"] == f"{tmp_path}/gsm8k.jsonl"
+    assert cfg.paths.shared_data == str(tmp_path)
+    draft = compose_config("draft_gpu")  # the draft stage's training sets read it too
+    assert OmegaConf.to_container(draft.draft.sets, resolve=True)[1]["source"] == f"{tmp_path}/train/code_alpaca.jsonl"
 
 
 def test_eval_config_runs_on_a_tiny_target(compose_config, tiny, tmp_path):

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from policy_fixtures import TOPK, label_row, planted_labels, write_labels  # noqa: E402
 
 from pipeline import PROJECT_ROOT  # noqa: E402
-from pipeline.dataset import build_dataset, load_feature_dataset, read_label_table, split_ids  # noqa: E402
+from pipeline.policy.data import build_dataset, load_feature_dataset, read_label_table, split_ids  # noqa: E402
 from pipeline.policy.features import Featurizer, FeatureSpec  # noqa: E402
 
 CONF = str(PROJECT_ROOT / "conf")

@@ -19,7 +19,7 @@ from pipeline.models.drafter import (
     loss_weights,
     make_drafter_config,
 )
-from pipeline.testing import make_tiny_drafter, make_tiny_target
+from tiny_models import make_tiny_drafter, make_tiny_target
 
 
 def _inputs(drafter: DFlashDrafter, context: int = 5, block: int = 4, seed: int = 0):

@@ -206,7 +206,7 @@ def test_in_place_re_export_keeps_the_weights(tiny, tmp_path):
 def test_model_card_has_the_loading_section(tmp_path):
     from omegaconf import OmegaConf
 
-    from pipeline.draft import write_model_card
+    from pipeline.drafting.model_card import write_model_card
 
     cfg = OmegaConf.create({"model": {"target": "tiny"}, "draft": {"features": "cached", "block_size": 4}, "seed": 0})
     write_model_card(tmp_path, "tiny-dflash", cfg, {"draft vocabulary": 64, "val_tau": {"4": 1.5}})

@@ -193,7 +193,7 @@ def test_drafter_module_learns_and_reports_tau(llama):
 # ------------------------------------------------------------------------------------------------
 def test_draft_stage_end_to_end(tiny, compose_config, tmp_path):
     from pipeline.decoding import DecodeConfig, SpeculativeDecoder
-    from pipeline.draft import train_drafter
+    from pipeline.drafting.trainer import train_drafter
 
     target_dir = tiny.target_dir("llama")
     prompt_file = tmp_path / "train.jsonl"
@@ -276,7 +276,7 @@ def test_online_features_equal_cached_features(llama, prompt_ids):
 
 
 def test_learning_rate_decay_follows_the_time_budget(llama):
-    from pipeline.draft import schedule_seconds
+    from pipeline.drafting.trainer import schedule_seconds
 
     assert schedule_seconds("00:00:05:00") == 300.0 and schedule_seconds("01:02:03:04") == 93784.0
     assert schedule_seconds(None) is None
@@ -293,7 +293,7 @@ def test_learning_rate_decay_follows_the_time_budget(llama):
 
 
 def test_draft_stage_online_features(tiny, compose_config, tmp_path):
-    from pipeline.draft import train_drafter
+    from pipeline.drafting.trainer import train_drafter
 
     prompt_file = tmp_path / "train.jsonl"
     prompt_file.write_text("".join(json.dumps({"id": f"t{i}", "turns": [t]}) + "\n" for i, t in enumerate(TEXTS * 2)))
@@ -319,7 +319,7 @@ def test_draft_stage_online_features(tiny, compose_config, tmp_path):
 
 
 def test_draft_features_mode_is_checked(tiny, compose_config, tmp_path):
-    from pipeline.draft import train_drafter
+    from pipeline.drafting.trainer import train_drafter
 
     cfg = compose_config("draft", [f"model.target={tiny.target_dir('llama')}", "logger.enabled=false",
                                    f"paths.data={tmp_path}", "draft.features=stored"])

@@ -252,7 +252,7 @@ def _stage_config(compose_config, tiny, tmp_path, *extra):
 
 
 def test_draft_stage_with_self_prompts_resumes_from_its_checkpoint(tiny, compose_config, tmp_path, monkeypatch):
-    from pipeline.draft import train_drafter
+    from pipeline.drafting.trainer import train_drafter
 
     # a random tiny target writes noise that never ends its turn: the stage gets written prompts instead
     subjects = ["lists", "dicts", "sets", "loops", "files", "tests", "types", "docs", "maps", "trees", "heaps", "graphs"]
@@ -292,7 +292,7 @@ def test_draft_config_checks_run_before_the_target_loads(compose_config, tmp_pat
 
 
 def test_decontamination_texts_read_every_turn_and_skip_missing_sets(tmp_path, caplog):
-    from pipeline.draft import decontamination_texts
+    from pipeline.drafting.sources import decontamination_texts
 
     path = tmp_path / "bench.jsonl"
     path.write_text(json.dumps({"id": "a", "turns": ["first turn", "second turn"]}) + "\n"

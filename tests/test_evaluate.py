@@ -18,9 +18,9 @@ from policy_fixtures import ALL_METHODS, CANDIDATES, RUN, build_tiny_run, tiny_o
 
 from pipeline import PROJECT_ROOT  # noqa: E402
 from pipeline.decoding import DecodeConfig  # noqa: E402
-from pipeline.dataset import read_label_table, split_prompt_ids  # noqa: E402
+from pipeline.policy.data import read_label_table, split_prompt_ids  # noqa: E402
 from pipeline.evaluate import evaluate, load_eval_inputs, oracle_gain_share  # noqa: E402
-from pipeline.models.loading import build_decoder  # noqa: E402
+from pipeline.decoding.build import build_decoder  # noqa: E402
 from pipeline.policy import load_predictor  # noqa: E402
 from pipeline.prompts import chat_input_ids, load_prompt_sets  # noqa: E402
 from pipeline.reporting import confusion_counts, markdown_table, request_count  # noqa: E402

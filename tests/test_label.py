@@ -440,7 +440,7 @@ def _drop_column(file: Path) -> None:
 def test_a_bad_shard_is_named_and_resume_relabels_its_requests(damage, problem, label_setup, trained_decoder, tmp_path):
     """Item 3: a truncated, empty or garbled shard made resume, read_labels and the dataset stage raise ArrowInvalid;
     one missing a column raised a bare KeyError."""
-    from pipeline.dataset import read_label_table
+    from pipeline.policy.data import read_label_table
     from pipeline.labeling.store import BadShardError
 
     out = tmp_path / "damaged"

@@ -9,7 +9,8 @@ import torch
 
 from pipeline import PROJECT_ROOT
 from pipeline.decoding import SpeculativeDecoder
-from pipeline.models.loading import build_decoder, load_models, resolve_path
+from pipeline.decoding.build import build_decoder
+from pipeline.models.loading import load_models, resolve_path
 from pipeline.models.target import load_target, packaged_gguf_path, resolve_dtype, target_config
 
 
@@ -82,7 +83,7 @@ def test_load_models_from_the_model_config(tiny, compose_config):
 
 
 def test_load_models_rejects_a_drafter_for_another_target(tiny, compose_config, tmp_path):
-    from pipeline.testing import make_tiny_target
+    from tiny_models import make_tiny_target
 
     other = make_tiny_target(tmp_path / "wide", hidden_size=96)
     cfg = compose_config("evaluate", [f"model.target={other}", f"model.drafter={tiny.drafter_dir('llama')}"])
@@ -109,7 +110,7 @@ def edge_targets(tmp_path_factory):
     """A Phi-like target (LM-head bias) and a Gemma2-like one (sliding windows of 8, final logit softcapping 2.0),
     each with a random drafter."""
     from pipeline.models.drafter import DFlashDrafter
-    from pipeline.testing import make_tiny_drafter, make_tiny_target
+    from tiny_models import make_tiny_drafter, make_tiny_target
 
     root = tmp_path_factory.mktemp("edge-targets")
     out = {}

@@ -15,13 +15,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from policy_fixtures import planted_labels  # noqa: E402
 
 from pipeline import PROJECT_ROOT  # noqa: E402
-from pipeline.dataset import build_dataset, load_feature_dataset  # noqa: E402
+from pipeline.policy.data import build_dataset, load_feature_dataset  # noqa: E402
 from pipeline.policy import (Featurizer, FeatureSpec, FullVocabPredictor, MLPPredictor, Predictor,  # noqa: E402
                              PredictorSchedule, build_predictor, load_predictor, num_parameters)
 from pipeline.policy.fallback import ALWAYS_FALLBACK, apply_fallback, departure_gain, tune_margin  # noqa: E402
 from pipeline.policy.module import policy_loss, policy_metrics  # noqa: E402
 from pipeline.policy.schedule import measure_overhead_ms  # noqa: E402
-from pipeline.train import split_tensors, train_predictor  # noqa: E402
+from pipeline.policy.training import split_tensors, train_predictor  # noqa: E402
 
 CONF = str(PROJECT_ROOT / "conf")
 

@@ -9,7 +9,7 @@ import pytest
 from conftest import require, shared_data_dir
 from pipeline.prompts import (HUMANEVAL_INSTRUCTION, Prompt, chat_input_ids, load_prompt_set, load_prompt_sets, prompt_id_of,
                               request_id)
-from pipeline.testing import make_tiny_tokenizer
+from tiny_models import make_tiny_tokenizer
 
 
 def write_jsonl(path, rows) -> str:

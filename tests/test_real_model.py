@@ -14,7 +14,7 @@ from conftest import require
 from pipeline import PROJECT_ROOT
 from pipeline.decoding import DecodeConfig
 from pipeline.models.backend import module_backend, set_backend
-from pipeline.models.loading import build_decoder
+from pipeline.decoding.build import build_decoder
 from pipeline.models.target import load_target
 from pipeline.prompts import chat_input_ids, load_prompt_set
 

@@ -297,7 +297,7 @@ def serve_overrides(tiny, record_dir: Path, latency: Path, *extra: str) -> list[
 def test_recorded_requests_are_the_label_stages_rows_and_feed_the_dataset_stage(tiny, trained_decoder, tmp_path):
     from test_label import synthetic_latency
 
-    from pipeline.dataset import build_dataset
+    from pipeline.policy.data import build_dataset
     from pipeline.costs import load
 
     latency_path = synthetic_latency(tmp_path / "latency.json")
@@ -337,7 +337,7 @@ def test_recorded_requests_are_the_label_stages_rows_and_feed_the_dataset_stage(
     info = json.loads((out / "blockpilot.json").read_text())
     assert sum(sum(c.values()) for c in info["counts"].values()) == len(texts) and info["candidates"] == CANDIDATES
     assert all(sum(info["counts"][s].values()) >= 1 for s in ("train", "validation", "test"))
-    from pipeline.train import train_predictor
+    from pipeline.policy.training import train_predictor
 
     with composed("train", [f"train.features_dir={out}", f"train.out={tmp_path}/predictor", "trainer=smoke",
                             "train.batch_size=2", "logger.enabled=false", "features.k=16"]) as tcfg:

@@ -215,6 +215,7 @@ def test_schedule_skips_drafts_that_do_not_pay_and_looks_again():
         VerifyWidthSchedule(constant_calibration(0.0), latency, 1)
 
 
+@pytest.mark.slow  # ~35 s per case (24 decodes x 4 calibrations x 3 B), make test-fast skips it
 @pytest.mark.parametrize("temperature,seed", [(0.0, 0), (1.0, 5)])
 def test_verify_width_decoding_is_lossless(trained_decoder, temperature, seed):
     """Every width the policy picks, and every skipped draft, leaves the output equal to B=1's."""
@@ -280,7 +281,7 @@ def test_fit_cli_reads_labels_and_feature_splits(tmp_path, monkeypatch, capsys):
     samples and checks on the test split's (labels and splits read from their homes, not through the dataset stage)."""
     from datasets import Dataset, DatasetDict
 
-    from pipeline.policy.features import INFO
+    from pipeline.policy.data import INFO
     from pipeline.policy.verify_width import main
 
     rng = np.random.default_rng(0)

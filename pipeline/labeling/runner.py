@@ -33,7 +33,8 @@ from pipeline.config_checks import validate_config
 from pipeline.decoding.speculative import DecodeConfig, PromptTooLongError, SpeculativeDecoder
 from pipeline.labeling.oracle import LabelSettings, check_candidates, label_prompt
 from pipeline.labeling.store import LabelStore
-from pipeline.models.loading import build_decoder
+from pipeline.decoding.build import build_decoder
+from pipeline.models.loading import resolve_path
 from pipeline.prompts import Prompt, chat_input_ids, load_prompt_sets, request_id
 from pipeline.tracking import init_wandb
 

@@ -1,11 +1,10 @@
-"""Build the target, drafter and decoder from the ``model`` config group."""
+"""Load the target and drafter of the ``model`` config group (the decoder over them: ``pipeline.decoding.build_decoder``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from pipeline import PROJECT_ROOT
-from pipeline.decoding.speculative import SpeculativeDecoder
 from pipeline.models.drafter import DFlashDrafter
 from pipeline.models.target import Target, load_target, resolve_dtype
 
@@ -33,15 +32,3 @@ def load_models(model_cfg) -> tuple[Target, DFlashDrafter | None]:
                                                 device=model_cfg.device)
     return target, drafter
 
-
-def build_decoder(model_cfg) -> SpeculativeDecoder:
-    """A ``SpeculativeDecoder`` over the configured target and drafter, on ``model_cfg.backend``, with the target KV
-    cache ``model_cfg.kv_cache`` (``auto`` | ``dynamic`` | ``preallocated``; ``pipeline.models.target.new_cache``).
-
-    Raises:
-        ValueError: when the drafter does not fit the target, the backend cannot run here, or for an unknown kv_cache.
-    """
-    target, drafter = load_models(model_cfg)
-    return SpeculativeDecoder(target, drafter, backend=model_cfg.get("backend", "auto"),
-                              kv_cache=model_cfg.get("kv_cache", "auto"),
-                              fast_forward=model_cfg.get("fast_forward", "auto"))

@@ -27,7 +27,6 @@ import torch
 
 TOPK_PARTS = ("probs", "logprobs", "entropy", "tail", "ids")
 KINDS = ("topk", "full_vocab")
-INFO = "blockpilot.json"  # the feature dataset's info file, beside its splits
 TRANSFORMS = ("probs", "logprobs")
 
 
@@ -192,25 +191,3 @@ class Featurizer:
         ids = torch.tensor(np.array([np.asarray(v[:k], dtype=np.int64) for v in df["topk_ids"]]).reshape(-1, k)) if self.uses_ids else None
         entropy = torch.tensor(df["entropy"].to_numpy(np.float32))
         return {name: value.numpy() for name, value in self._topk_features(top, ids, entropy).items()}
-
-
-# -- the feature dataset on disk (written by the dataset stage, read by train, eval and the verify-width fit) --
-def load_feature_dataset(directory: str | Path):
-    """The dataset stage's output: ``(DatasetDict, info dict from blockpilot.json)``.
-
-    Raises:
-        FileNotFoundError: when ``directory`` holds no feature dataset (run the dataset stage).
-    """
-    from datasets import load_from_disk
-
-    directory = Path(directory)
-    if not (directory / INFO).exists():
-        raise FileNotFoundError(f"no feature dataset at {directory}; run the dataset stage first: "
-                                "make dataset (python -m pipeline.dataset run_name=<run> features=<name>)")
-    return load_from_disk(str(directory)), json.loads((directory / INFO).read_text())
-
-
-def split_prompt_ids(directory: str | Path) -> dict[str, list[str]]:
-    """``{split: request ids}`` of a feature dataset (the eval stage maps them to prompts with ``prompt_id_of``)."""
-    dd, _ = load_feature_dataset(directory)
-    return {s: list(dd[s]["id"]) for s in dd}

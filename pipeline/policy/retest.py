@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 def fold_scores(predictor, dd, target: str) -> dict[str, np.ndarray]:
     """The held-out split's per-request values (``tau`` or ``tokens_per_s``) [n, C], the train split's, and the
     predictor's picks [n] (class indices, its deploy rule included)."""
-    from pipeline.train import split_tensors
+    from pipeline.policy.training import split_tensors
 
     test = split_tensors(dd["test"], "tau")
     with torch.no_grad():
@@ -79,10 +79,10 @@ def run_retest(cfg: DictConfig) -> dict:
     Raises:
         FileNotFoundError: without labels; ValueError: for an unknown target or held-out set.
     """
-    from pipeline.dataset import build_dataset, load_feature_dataset, read_label_table
+    from pipeline.policy.data import build_dataset, load_feature_dataset, read_label_table
     from pipeline.policy.export import load_predictor
     from pipeline.policy.fallback import ALWAYS_FALLBACK
-    from pipeline.train import TARGETS, train_predictor
+    from pipeline.policy.training import TARGETS, train_predictor
 
     r = cfg.retest
     labels, meta = read_label_table(r.labels_dir)

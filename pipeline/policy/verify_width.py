@@ -487,7 +487,7 @@ def main() -> None:
     parser.add_argument("--exclude-sets", nargs="*", default=[], help="source sets left out of the fit")
     args = parser.parse_args()
     from pipeline.labeling.store import read_label_table
-    from pipeline.policy.features import split_prompt_ids
+    from pipeline.policy.data import split_prompt_ids
     from pipeline.prompts import prompt_id_of
 
     labels, _ = read_label_table(args.labels_dir)

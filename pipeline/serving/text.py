@@ -68,11 +68,3 @@ class TextStream:
             return ""
         delta, self.text = full[len(self.text):], full
         return delta
-
-
-def final_text(tokenizer, ids: Sequence[int], stops: Sequence[str] = ()) -> tuple[str, bool]:
-    """(text of ``ids`` cut before the first stop string, whether a stop string was found)."""
-    stream = TextStream(tokenizer, stops)
-    stream.ids = list(ids)
-    text = stream._cut(stream._full())
-    return text, stream.stopped

@@ -1,4 +1,4 @@
-"""Tiny random targets and drafters for tests and examples (no downloads).
+"""Tiny random targets and drafters for the tests (no downloads; imported by tests/conftest.py and test modules).
 
 ``make_tiny_target`` writes a randomly initialised Llama or Qwen3 causal LM (or, for the head and cache edge cases,
 a Phi-like one with an LM-head bias or a Gemma2-like one with sliding-window layers and final logit softcapping) with a small byte-level
