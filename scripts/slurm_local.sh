@@ -35,19 +35,19 @@ HOST="$(hostname -s)"
 die() { echo "slurm_local: $*" >&2; exit 2; }
 say() { echo "slurm_local: $*" >&2; }
 
-# pid in pid file $1 if that process is alive, else nothing
+# the pid in pid file $RUN/$1.pid if that process is alive and is $1 (a stale file's pid may name another process)
 live_pid() {
-  local pid
-  [ -f "$1" ] || return 1
-  pid="$(tr -dc 0-9 <"$1")"
-  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && echo "$pid"
+  local pid file="$RUN/$1.pid"
+  [ -f "$file" ] || return 1
+  pid="$(tr -dc 0-9 <"$file")"
+  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$1" ] && echo "$pid"
 }
 
 node_state() { SLURM_CONF="$CONF" sinfo -h -N -n "$HOST" -o %T 2>/dev/null | head -n 1; }
 
 is_up() {
-  live_pid "$RUN/munged.pid" >/dev/null && live_pid "$RUN/slurmctld.pid" >/dev/null \
-    && live_pid "$RUN/slurmd.pid" >/dev/null || return 1
+  live_pid munged >/dev/null && live_pid slurmctld >/dev/null \
+    && live_pid slurmd >/dev/null || return 1
   case "$(node_state)" in idle|mixed|allocated|completing) return 0 ;; esac
   return 1
 }
@@ -104,8 +104,8 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 MpiDefault=none
 ReturnToService=2
-# a cancelled job is killed 2 s after its SIGTERM (submitit ignores SIGTERM, waiting for a requeue)
-KillWait=2
+# a cancelled job is killed right after its SIGTERM (submitit ignores SIGTERM, expecting a requeue; default 30 s)
+KillWait=0
 SlurmdTimeout=60
 InactiveLimit=0
 MinJobAge=300
@@ -115,7 +115,7 @@ EOF
 }
 
 start_munged() {
-  live_pid "$RUN/munged.pid" >/dev/null && return 0
+  live_pid munged >/dev/null && return 0
   getent passwd munge >/dev/null || die "no munge user (the munge package creates it)"
   install -d -m 0755 -o munge -g munge "$MUNGE"  # the socket needs x for all; the key itself is 0400
   if [ ! -s "$MUNGE/munge.key" ]; then
@@ -134,10 +134,10 @@ start_munged() {
 
 start_daemon() {  # $1: slurmctld | slurmd
   local name="$1"
-  live_pid "$RUN/$name.pid" >/dev/null && return 0
+  live_pid "$name" >/dev/null && return 0
   rm -f "$RUN/$name.pid"
   "$name" -f "$CONF" >>"$LOG/$name.out" 2>&1 || die "$name did not start; see $LOG/$name.log and $LOG/$name.out"
-  for _ in $(seq 100); do live_pid "$RUN/$name.pid" >/dev/null && return 0; sleep 0.1; done
+  for _ in $(seq 100); do live_pid "$name" >/dev/null && return 0; sleep 0.1; done
   die "$name wrote no pid file; see $LOG/$name.log"
 }
 
@@ -166,7 +166,7 @@ cmd_start() {
 
 stop_pidfile() {  # $1: name; kill the process of $RUN/$1.pid and wait for it
   local pid
-  if pid="$(live_pid "$RUN/$1.pid")"; then
+  if pid="$(live_pid "$1")"; then
     kill "$pid" 2>/dev/null || true
     for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     kill -0 "$pid" 2>/dev/null && kill -9 "$pid" 2>/dev/null || true
@@ -189,7 +189,7 @@ cmd_status() {
   fi
   local daemons=""
   for d in munged slurmctld slurmd; do
-    live_pid "$RUN/$d.pid" >/dev/null && daemons+=" $d"
+    live_pid "$d" >/dev/null && daemons+=" $d"
   done
   echo "down (running:${daemons:- none}; config $CONF)"
   return 1
