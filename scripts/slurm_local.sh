@@ -138,7 +138,9 @@ start_daemon() {  # $1: slurmctld | slurmd
   rm -f "$RUN/$name.pid"
   "$name" -f "$CONF" >>"$LOG/$name.out" 2>&1 || die "$name did not start; see $LOG/$name.log and $LOG/$name.out"
   for _ in $(seq 100); do live_pid "$name" >/dev/null && return 0; sleep 0.1; done
-  die "$name wrote no pid file; see $LOG/$name.log"
+  local why=""
+  live_pid slurmctld >/dev/null || why=" (slurmctld exited: port $PORT in use? set SLURM_LOCAL_PORT; see $LOG/slurmctld.log)"
+  die "$name did not come up; see $LOG/$name.log$why"
 }
 
 cmd_start() {
@@ -148,15 +150,22 @@ cmd_start() {
   fi
   [ "$(id -u)" -eq 0 ] || die "needs root (to install the packages, run munged as the munge user and slurmd)"
   install_packages
+  # a failed start leaves nothing running: stop the daemons of this folder (started by this script) on any error
+  trap 'rc=$?; if [ "$rc" -ne 0 ]; then cmd_stop; fi; exit "$rc"' EXIT
   write_config
   start_munged
   start_daemon slurmctld
+  sleep 0.5
+  live_pid slurmctld >/dev/null || die "slurmctld exited after starting (port $PORT in use? SLURM_LOCAL_PORT); see $LOG/slurmctld.log"
   start_daemon slurmd
   local state=""
   for i in $(seq 120); do
+    for d in slurmctld slurmd; do
+      live_pid "$d" >/dev/null || die "$d exited while the node came up; see $LOG/$d.log"
+    done
     state="$(node_state || true)"
     case "$state" in
-      idle|mixed|allocated) say "up: node $HOST $state, partition $PARTITION, SLURM_CONF=$CONF"; return 0 ;;
+      idle|mixed|allocated) say "up: node $HOST $state, partition $PARTITION, SLURM_CONF=$CONF"; trap - EXIT; return 0 ;;
       down*|drain*|fail*) [ "$i" -gt 10 ] && SLURM_CONF="$CONF" scontrol update nodename="$HOST" state=resume 2>/dev/null || true ;;
     esac
     sleep 0.5
