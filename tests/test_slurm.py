@@ -116,7 +116,7 @@ def test_slurm_array_shards_equal_one_worker(slurm_cluster, label_setup, trained
     assert sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir()) == ["shard0-of-2", "shard1-of-2"]
     logs = sorted((tmp_path / "submitit").glob("*/*_log.out"))
     assert len(logs) == 2, job_logs(tmp_path)  # one log per array task: <array id>_<task>_0_log.out
-    assert all("shard" in p.read_text() for p in logs)
+    assert [f"shard {i}/2: labelled" in p.read_text() for i, p in enumerate(logs)] == [True, True], job_logs(tmp_path)
     run(label_setup(tmp_path / "one"), trained_decoder)
     sharded, one = read_labels(out), read_labels(tmp_path / "one")
     assert sorted(set(sharded["shard"])) == [0, 1] and set(sharded["num_shards"]) == {2}
