@@ -56,3 +56,23 @@ def test_speedup_figure_is_readable_and_confusion_says_when_the_check_fell_back(
     note = fallback_note(results, "blockpilot")
     assert note == "deploy check fell back: always B_train=8" and fallback_note(results, "fixed") is None
     assert note in confusion([8, 8], [6, 8], [6, 8], "blockpilot vs label", note).axes[0].get_title()
+
+
+def test_verify_width_figure_draws_the_monotone_curve_the_policy_reads():
+    """Issue 23 item 7: the figure drew the raw costs (L=64: 1 token 23.6 ms, 2 tokens 16.5 ms) while the policy reads
+    the monotone curve; it now draws ``LatencyModel.measured_ms`` and the raw points only faintly."""
+    from pipeline.evaluation.report import verify_width_figure
+    from pipeline.labeling.latency import LatencyModel
+
+    latency = {"context_buckets": [64, 256], "block_sizes": [1, 2, 3, 8], "prefill_ms": [5.0, 9.0],
+               "verify_ms": {"1": [23.6, 25.0], "2": [16.5, 26.0], "3": [24.0, 27.0], "8": [30.0, 33.0]},
+               "draft_ms": {"8": [12.0, 13.0]}, "noise_ms": 0.0, "info": {}, "fit": "interp"}
+    rows = [dict(row("a", "s", 10, 100.0, [8]), confidences=[0.9, None], verify_widths=[3, 0])]
+    results = {"methods": {"ar": {"rows": rows}, "verify_width": {"rows": rows}},
+               "verify_width": {"block_size": 8, "latency_model": latency, "reliability": [], "reliability_split": "test"}}
+    ax = verify_width_figure(results).axes[2]
+    model = LatencyModel.from_dict(latency)
+    curve = [line for line in ax.get_lines() if line.get_label() == "verify, L=64"][0]
+    assert list(curve.get_ydata()) == [model.measured_ms("verify", w, 64) for w in (1, 2, 3, 8)]
+    assert all(a <= b + 1e-12 for a, b in zip(curve.get_ydata(), curve.get_ydata()[1:]))  # monotone
+    assert curve.get_ydata()[1] != 16.5 and "monotone" in ax.get_title()

@@ -272,3 +272,16 @@ def test_calibration_lookup_order_and_the_shipped_one(tmp_path):
     assert find_calibration(str(shipped / "calibration.json"), tmp_path / "run" / "verify_width", None) == shipped / "calibration.json"
     with pytest.raises(FileNotFoundError, match="make label/dataset/train"):
         find_calibration(None, tmp_path / "other", None)
+
+
+def test_the_loaded_calibration_is_logged(tmp_path, caplog):
+    """Issue 23 item 7: which calibration verify_width loaded was not logged (eval and serve load it through here)."""
+    from pipeline.policy.registry import PolicyInputs, load_verify_width
+
+    fitted = {"calibration": constant_calibration(1.0), "reliability": [], "reliability_split": "train"}
+    path = export_calibration(tmp_path / "mine", fitted)
+    inputs = PolicyInputs()
+    with caplog.at_level("INFO", logger="pipeline.policy.registry"):
+        load_verify_width(inputs, None, {"verify_width": {"calibration": str(path)}}, tmp_path / "run", None, [], 0.0, 0, {})
+    assert inputs.calibration_path == str(path) and inputs.latency is None
+    assert any(str(path) in r.getMessage() and "calibration" in r.getMessage() for r in caplog.records)
