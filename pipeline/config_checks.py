@@ -149,7 +149,7 @@ def validate_config(cfg, stage: str) -> None:
     Checks, where the groups exist: ``model.candidates`` (distinct integers >= 1), ``decode.max_new_tokens``
     (>= 1), ``decode.temperature`` (finite, >= 0), ``decode.block_size`` (null or >= 1; 0 is not "default"),
     ``data.limit`` (null or >= 0); for ``eval``: every ``eval.methods`` entry is known and each predictor
-    method has an ``eval.predictors`` entry, ``eval.split``; for ``label``: ``label.block_sizes``, ``mode``,
+    method has a ``policy.<method>.predictor`` sub-folder, ``policy.verify_width``, ``eval.split``; for ``label``: ``label.block_sizes``, ``mode``,
     ``turns``, ``lm_head``; for ``draft``: ``draft.loss``, each set's ``temperature`` and a ``source: self``
     set's ``limit``, ``draft.checkpoint_every``.
 

@@ -245,7 +245,7 @@ def find_calibration(explicit: str | None, run_dir: str | Path, drafter: str | N
             return path
     raise FileNotFoundError(f"the verify-width policy needs an acceptance calibration; none at {[str(p) for p in tried]}. "
                             "Fit one: make label/dataset/train for this run, or python -m pipeline.policy.verify_width "
-                            "<labels_dir> --out DIR and point eval.verify_width.calibration (serve.verify_width.calibration) at it")
+                            "<labels_dir> --out DIR and point policy.verify_width.calibration at it (eval and serve)")
 
 
 def load_cost_model(decoder, latency_cfg, block_sizes: Sequence[int], temperature: float, seed: int, identity: dict):
@@ -254,7 +254,7 @@ def load_cost_model(decoder, latency_cfg, block_sizes: Sequence[int], temperatur
     cache the label stage fills: the same key when ``block_sizes`` are the label stage's candidates).
 
     Args:
-        latency_cfg: ``{path, cache, context_buckets, repeats}`` (``eval.verify_width.latency``, ``serve.verify_width.latency``).
+        latency_cfg: ``{path, cache, context_buckets, repeats}`` (``policy.verify_width.latency``, read by eval and serve).
     """
     from pipeline.labeling.latency import measure_latency_cached
     from pipeline.labeling.runner import load_latency
@@ -277,7 +277,7 @@ def load_calibration(path: str | Path) -> AcceptanceCalibration:
     if not file.is_file():
         raise FileNotFoundError(f"no verify-width calibration at {file}; fit one in the train stage (make train, after "
                                 "make label/dataset) or with python -m pipeline.policy.verify_width <labels_dir> --out DIR, "
-                                "or point eval.verify_width.calibration at one")
+                                "or point policy.verify_width.calibration at one")
     return AcceptanceCalibration.from_dict(json.loads(file.read_text()))
 
 
