@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 def main(cfg: DictConfig) -> None:
     """Validate the config, read the prompts, build the run, write results.json (+ results.md, figures, W&B)."""
     validate_config(cfg, "eval")  # before W&B and before any model loads
-    log.info("%d prompts in the configured sets", check_prompts(cfg))
+    log.info("prompt files checked: %d prompts in the configured sets (data.limit applies next)", check_prompts(cfg))
     run = init_wandb(cfg, job_type="eval")
     decoder = build_decoder(cfg.model)
     inputs = load_eval_inputs(cfg, list(cfg.eval.methods), decoder)

@@ -135,8 +135,7 @@ def policy_inputs(cfg: DictConfig, decoder):
         inputs.splits = split_prompt_ids(cfg.serve.features_dir)
     if registry.CALIBRATION in method.needs:
         options = policy_options(cfg)
-        vw = options.get("verify_width") or {}
-        b = int(vw.get("block_size") or registry.default_block_size(decoder, cfg.serve.get("block_size")))
+        b = registry.verify_width_block_size(options, decoder, cfg.serve.get("block_size"))
         registry.load_verify_width(inputs, decoder, options, Path(cfg.paths.data) / "predictors" / str(cfg.run_name) / "verify_width",
                                    cfg.model.get("drafter"), [*cfg.model.candidates, b], cfg.decode.temperature, cfg.seed,
                                    latency_identity(cfg.model))

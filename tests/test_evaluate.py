@@ -407,3 +407,14 @@ def test_results_say_where_they_came_from_and_one_prompt_has_no_interval(tiny, t
     assert f"Run `origin`, {origin['date_utc']} UTC, commit `" in table
     fixed_line = next(line for line in table.splitlines() if line.startswith("| fixed"))
     assert "[" not in fixed_line  # no zero-width [x, x] interval for one prompt
+
+
+def test_demo_reports_and_logs_like_the_eval_stage():
+    """Issue 23 item 7: ``make demo`` wrote no results.md and logged nothing to W&B although every stage logs."""
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("evaluate", overrides=["experiment=demo"])
+    assert cfg.eval.report is True and cfg.logger.enabled is True and cfg.run_name == "demo"
+    assert cfg.eval.out.endswith("/eval/demo/results.json")
+    makefile = (PROJECT_ROOT / "Makefile").read_text()
+    demo = makefile[makefile.index("\ndemo:"):makefile.index("\nserve:")]
+    assert "pipeline.evaluate experiment=demo" in demo and "results.md" in makefile[makefile.index("# A short look"):]

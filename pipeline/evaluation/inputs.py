@@ -111,8 +111,7 @@ def load_method_predictor(cfg: DictConfig, method: str, decoder=None):
 
 def verify_width_block_size(cfg: DictConfig, decoder) -> int:
     """B drafted by ``verify_width``: ``policy.verify_width.block_size``, else ``decode.block_size``, else the training B."""
-    vw = (cfg.get("policy") or {}).get("verify_width") or {}
-    return int(vw.get("block_size") or registry.default_block_size(decoder, cfg.decode.get("block_size")))
+    return registry.verify_width_block_size(policy_options(cfg), decoder, cfg.decode.get("block_size"))
 
 
 def load_verify_width_inputs(cfg: DictConfig, inputs: EvalInputs, decoder) -> None:

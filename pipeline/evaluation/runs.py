@@ -149,7 +149,8 @@ def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, input
     """
     if schedules is None:
         validate_config(cfg, "eval")
-        check_prompts(cfg)
+    if decoder is None:
+        check_prompts(cfg)  # before the model loads (main checks them itself before W&B)
     torch.manual_seed(cfg.seed)
     decoder = decoder or build_decoder(cfg.model)
     methods = list(cfg.eval.methods)

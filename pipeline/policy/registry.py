@@ -117,6 +117,12 @@ def default_block_size(decoder, block_size: int | None = None) -> int:
     return int(decoder.drafter.block_size) if decoder.drafter is not None else 1
 
 
+def verify_width_block_size(options: Mapping, decoder, block_size: int | None = None) -> int:
+    """B drafted by ``verify_width``: ``policy.verify_width.block_size``, else the fixed B (``block_size``, else the
+    drafter's training block size: ``default_block_size``)."""
+    return int((options.get("verify_width") or {}).get("block_size") or default_block_size(decoder, block_size))
+
+
 def check_predictor(predictor, decoder, directory) -> None:
     """Raise ``ValueError`` when a predictor does not fit the decoder: its vocabulary, or the drafter's block-size limit."""
     vocab = decoder.lm_head.shape[0]
@@ -213,7 +219,8 @@ def _verify_width(hybrid: bool):
     def build(ctx: Context):
         from pipeline.policy.verify_width import VerifyWidthSchedule
 
-        b = int(ctx.option("verify_width", "block_size") or ctx.fixed_block_size)
+        ctx.fixed_block_size  # a configured fixed B the drafter cannot draft fails here, named
+        b = verify_width_block_size(ctx.options, ctx.decoder, ctx.block_size)
         ctx.decoder.check_block_size(b)
         options = {"skip_drafts": bool(ctx.option("verify_width", "skip_drafts", True)),
                    "max_skip": int(ctx.option("verify_width", "max_skip", 8)),
