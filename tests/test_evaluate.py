@@ -381,6 +381,9 @@ def test_transformers_generate_baselines_equal_ar_through_the_eval_stage(tiny, t
         assert r["tokens_per_s"] > 0 and r["oracle_gain_share"] is None and r["oracle_gain_share_ci"] == [None, None]
         assert all(row["prefill_ms"] > 0 and row["decode_ms"] > 0 for row in r["rows"])
     assert results["methods"]["hf_generate"]["tau"] == 1.0  # one token per forward
+    qwen = _small_eval_cfg(tiny, tmp_path, "eval.methods=[ar,hf_generate]", "eval.warmup=false",
+                           f"model.target={tiny.target_dir('qwen3')}", "model.drafter=null")
+    assert evaluate(qwen)["methods"]["hf_generate"]["lossless"] == 1.0  # the other tiny target, through the stage's own load
     sampled = evaluate(_small_eval_cfg(tiny, tmp_path, "eval.methods=[ar,hf_generate]", "eval.warmup=false",
                                        "decode.temperature=1.0"), tiny.decoder("llama", "trained"))
     assert 0.0 <= sampled["methods"]["hf_generate"]["lossless"] <= 1.0 and sampled["methods"]["hf_generate"]["n_prompts"] == 2

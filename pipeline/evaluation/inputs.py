@@ -136,14 +136,18 @@ def policy_context(cfg: DictConfig, decoder, inputs: EvalInputs | None) -> regis
                             str(cfg.eval.get("target", "tau")), "eval")
 
 
-def method_schedules(cfg: DictConfig, decoder, inputs: EvalInputs | None = None) -> dict:
-    """Schedule factories of every method available with ``inputs`` (``registry.available``): ``ar``, ``fixed``, ``ema``
-    and the transformers baselines always; the others when their labels, splits, predictor or calibration are loaded.
+def method_schedules(cfg: DictConfig, decoder, inputs: EvalInputs | None = None, methods: list[str] | None = None) -> dict:
+    """Schedule factories of ``methods`` (``registry.build``), or of every method available with ``inputs``
+    (``registry.available``: ``ar``, ``fixed``, ``ema`` and the transformers baselines always; the others when their
+    labels, splits, predictor or calibration are loaded).
 
     Raises:
-        ValueError: for a ``decode.block_size`` the drafter cannot draft (named).
+        ValueError: for an unknown method, one whose inputs are missing, or a B the drafter cannot draft (named).
     """
-    return registry.available(policy_context(cfg, decoder, inputs))
+    ctx = policy_context(cfg, decoder, inputs)
+    if methods is None:
+        return registry.available(ctx)
+    return {m: registry.build(m, ctx) for m in dict.fromkeys(methods)}
 
 
 def select_prompts(cfg: DictConfig, split: str | None, inputs: EvalInputs) -> list[Prompt]:

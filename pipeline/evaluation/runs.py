@@ -155,12 +155,18 @@ def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, input
     decoder = decoder or build_decoder(cfg.model)
     methods = list(cfg.eval.methods)
     inputs = inputs if inputs is not None else load_eval_inputs(cfg, methods, decoder)
-    available = schedules or method_schedules(cfg, decoder, inputs)
-    unknown = [m for m in methods if m not in available]
-    if unknown:
-        raise ValueError(f"unknown eval.methods {unknown}; available: {sorted(available)}")
     if "ar" not in methods:
         methods = ["ar"] + methods  # speedup and losslessness are measured against ar in the same run
+    if schedules is None:
+        unknown = [m for m in methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown eval.methods {unknown}; available: {list(METHODS)}")
+        available = method_schedules(cfg, decoder, inputs, methods)
+    else:
+        available = schedules
+        unknown = [m for m in methods if m not in available]
+        if unknown:
+            raise ValueError(f"unknown eval.methods {unknown}; available: {sorted(available)}")
     split = resolve_split(cfg, methods)
     prompts = select_prompts(cfg, split, inputs)
     decode_cfg = DecodeConfig(cfg.decode.max_new_tokens, cfg.decode.temperature, cfg.decode.seed)
