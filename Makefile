@@ -8,7 +8,8 @@
 #                                 shipped one in data/drafters/ came from scripts/gpu_draft.sh (one GPU, 6 min)
 #   make label|dataset|train|eval one stage; Hydra overrides go in ARGS="key=value ..."
 #   make bench-label              labelling speed benchmark
-#   make demo                     ~2 min: one prompt per benchmark set with ar, fixed B and ema; prints tokens/s, speedups
+#   make demo                     ~1 min: one prompt per benchmark set with ar, fixed B and ema; prints tokens/s, speedups,
+#                                 writes data/eval/demo/results.md and logs to W&B like make eval
 #   make serve                    OpenAI-compatible server on 127.0.0.1:8000 (ARGS="serve.policy=blockpilot serve.record=true ...")
 #   make notebook                 execute copies of notebooks/*.ipynb into data/notebooks/<run>/ (on the run's results)
 #
@@ -119,9 +120,12 @@ all: $(STAMP)
 bench-label: $(STAMP)
 	$(PY) -m pipeline.bench_label $(ARGS)
 
-# A short look at the decoder (conf/experiment/demo.yaml): needs no labels or predictors.
+# A short look at the decoder (conf/experiment/demo.yaml): needs no labels or predictors. Like the eval stage it
+# writes results.json, results.md and the figures (data/eval/demo/) and logs to W&B; the last line is results.md's path.
 demo: $(STAMP)
 	$(PY) -m pipeline.evaluate experiment=demo $(PROFILE) $(ARGS)
+	@out="$$($(PY) -m pipeline.evaluate experiment=demo $(PROFILE) $(ARGS) --cfg job --resolve -p eval.out | tail -n 1)"; \
+	  echo "results: $${out%.json}.md"
 
 serve: $(STAMP)
 	$(PY) -m pipeline.serve run_name=$(RUN_NAME) $(PROFILE) $(ARGS)

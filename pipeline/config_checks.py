@@ -13,8 +13,6 @@ import math
 from typing import Any
 
 STAGES = ("label", "dataset", "train", "eval", "bench_label", "draft")
-EVAL_METHODS = ("ar", "fixed", "ema", "best_fixed", "oracle", "blockpilot", "full_vocab", "verify_width", "hybrid")
-PREDICTOR_METHODS = ("blockpilot", "full_vocab")
 
 
 def _is_int(value: Any) -> bool:
@@ -82,25 +80,31 @@ def _check_eval(cfg) -> None:
     methods = cfg.eval.get("methods")
     if not methods or isinstance(methods, str):
         raise ValueError(f"eval.methods={methods!r}: give a list, e.g. 'eval.methods=[ar,fixed]'")
-    unknown = [m for m in methods if m not in EVAL_METHODS]
+    from pipeline.policy.registry import METHODS
+
+    unknown = [m for m in methods if m not in METHODS]
     if unknown:
-        raise ValueError(f"unknown eval.methods {unknown}; choose from {list(EVAL_METHODS)}")
-    for m in methods:
-        if m == "hybrid" and "blockpilot" not in (cfg.eval.get("predictors") or {}):
-            raise ValueError("eval method 'hybrid' runs the blockpilot predictor: set eval.predictors.blockpilot, e.g. =mlp")
-        if m in PREDICTOR_METHODS and m not in (cfg.eval.get("predictors") or {}):
-            raise ValueError(f"eval method {m!r} needs eval.predictors.{m} (the predictor's sub-folder), e.g. eval.predictors.{m}=mlp")
-    vw = cfg.eval.get("verify_width") or {}
-    if vw.get("block_size") is not None and int(vw.block_size) < 2:
-        raise ValueError(f"eval.verify_width.block_size={vw.block_size}: the verify-width policy drafts blocks of B >= 2 "
-                         "(null: decode.block_size or the drafter's training B)")
-    if vw.get("objective") is not None and str(vw.objective) not in ("rate", "marginal"):
-        raise ValueError(f"eval.verify_width.objective={vw.objective!r}: choose rate or marginal")
-    if vw.get("max_skip") is not None and int(vw.max_skip) < 0:
-        raise ValueError(f"eval.verify_width.max_skip={vw.max_skip}: give 0 (never skip drafts) or more steps")
+        raise ValueError(f"unknown eval.methods {unknown}; choose from {list(METHODS)}")
+    _check_policy(cfg)
     split = str(cfg.eval.get("split", "auto") or "all")
     if split not in ("auto", "all", "train", "validation", "test"):
         raise ValueError(f"eval.split must be auto, all, train, validation or test; got {split!r}")
+
+
+def _check_policy(cfg) -> None:
+    """The methods' options (``policy.<method>.*``, conf/policy/default.yaml), shared by eval and serve."""
+    policy = cfg.get("policy") or {}
+    for m in ("blockpilot", "full_vocab"):
+        if m in policy and not (policy.get(m) or {}).get("predictor"):
+            raise ValueError(f"policy.{m}.predictor is empty: give the predictor's sub-folder, e.g. policy.{m}.predictor=mlp")
+    vw = policy.get("verify_width") or {}
+    if vw.get("block_size") is not None and int(vw.block_size) < 2:
+        raise ValueError(f"policy.verify_width.block_size={vw.block_size}: the verify-width policy drafts blocks of B >= 2 "
+                         "(null: decode.block_size or the drafter's training B)")
+    if vw.get("objective") is not None and str(vw.objective) not in ("rate", "marginal"):
+        raise ValueError(f"policy.verify_width.objective={vw.objective!r}: choose rate or marginal")
+    if vw.get("max_skip") is not None and int(vw.max_skip) < 0:
+        raise ValueError(f"policy.verify_width.max_skip={vw.max_skip}: give 0 (never skip drafts) or more steps")
 
 
 def _check_label(cfg) -> None:
@@ -145,7 +149,7 @@ def validate_config(cfg, stage: str) -> None:
     Checks, where the groups exist: ``model.candidates`` (distinct integers >= 1), ``decode.max_new_tokens``
     (>= 1), ``decode.temperature`` (finite, >= 0), ``decode.block_size`` (null or >= 1; 0 is not "default"),
     ``data.limit`` (null or >= 0); for ``eval``: every ``eval.methods`` entry is known and each predictor
-    method has an ``eval.predictors`` entry, ``eval.split``; for ``label``: ``label.block_sizes``, ``mode``,
+    method has a ``policy.<method>.predictor`` sub-folder, ``policy.verify_width``, ``eval.split``; for ``label``: ``label.block_sizes``, ``mode``,
     ``turns``, ``lm_head``; for ``draft``: ``draft.loss``, each set's ``temperature`` and a ``source: self``
     set's ``limit``, ``draft.checkpoint_every``.
 

@@ -2,12 +2,14 @@
 
     make serve                                                  # python -m pipeline.serve: the embedded default
     python -m pipeline.serve serve.policy=blockpilot run_name=main   # B per request from `make train`'s predictor
+    make serve RUN=quick ARGS="serve.policy=verify_width"            # the run of `make all EXPERIMENT=quick`
     python -m pipeline.serve serve.record=true                  # also label served requests -> data/labels/served
 
     curl -s 127.0.0.1:8000/v1/chat/completions -H 'content-type: application/json' \\
         -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
 
-See ``pipeline.serving`` for the routes, the policies and the recorder, and ``conf/serve.yaml``.
+See ``pipeline.serving`` for the routes and the recorder, ``pipeline.policy.registry`` for the policies (the same
+builders as the eval stage), ``conf/serve.yaml`` and ``conf/policy/default.yaml`` (``policy.<name>.*``).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def build_recorder(cfg: DictConfig, decoder):
 
 def build_engine(cfg: DictConfig, decoder=None):
     """The serving ``Engine`` of ``cfg`` (``conf/serve.yaml``): decoder (default ``build_decoder(cfg.model)``),
-    policy, recorder.
+    policy (``policy_inputs`` + ``build_policy``, the registry the eval stage builds from), recorder.
 
     Raises:
         ValueError / FileNotFoundError: for a policy or recorder that cannot run (see ``build_policy``, ``build_recorder``).
@@ -68,9 +70,9 @@ def build_engine(cfg: DictConfig, decoder=None):
     s = cfg.serve
     decoder = decoder or build_decoder(cfg.model)
     predictor_dir = resolve_path(str(s.predictor_dir)) if s.get("predictor_dir") else None
-    width = verify_width_options(cfg, decoder) if str(s.policy) == "verify_width" else None
-    policy = build_policy(str(s.policy), decoder, s.get("block_size"), predictor_dir, list(cfg.model.candidates), s.get("ema"),
-                          width)
+    options = policy_options(cfg)
+    policy = build_policy(str(s.policy), decoder, s.get("block_size"), predictor_dir, list(cfg.model.candidates), options,
+                          policy_inputs(cfg, decoder), run_hint(cfg))
     return Engine(decoder, policy, str(s.model_name), int(s.max_queue), int(s.default_max_tokens), int(s.max_tokens),
                   int(cfg.decode.seed), build_recorder(cfg, decoder), float(cfg.decode.temperature))
 
@@ -95,26 +97,61 @@ def serve_options(cfg: DictConfig):
                         allow_request_chat_template=bool(s.get("allow_request_chat_template", False)))
 
 
-def verify_width_options(cfg: DictConfig, decoder) -> dict:
-    """``serve.policy=verify_width``'s calibration (``serve.verify_width.calibration``, else the run's
-    ``predictors/<run_name>/verify_width``, else the drafter folder's) and this machine's latency model (measured at
-    startup for widths up to B and the candidates, or reused from the cache the label and eval stages share).
+def policy_options(cfg: DictConfig) -> dict:
+    """The ``policy`` config group as a dict, plus ``target`` (``serve.target``: which label best_fixed reads)."""
+    from omegaconf import OmegaConf
+
+    options = OmegaConf.to_container(cfg.policy, resolve=True) if cfg.get("policy") is not None else {}
+    options["target"] = str(cfg.serve.get("target", "tau"))
+    return options
+
+
+def run_hint(cfg: DictConfig) -> str:
+    """What to say when the run has no predictor: the run_name it looked in, the runs that have one, and the make
+    command with ``RUN=`` (``make serve`` reads RUN, not the EXPERIMENT that ``make all`` ran)."""
+    from pathlib import Path
+
+    root = Path(cfg.paths.data) / "predictors"
+    sub = str((cfg.get("policy") or {}).get("blockpilot", {}).get("predictor") or "mlp")
+    others = sorted(p.parent.parent.name for p in root.glob(f"*/{sub}/predictor.json") if p.parent.parent.name != str(cfg.run_name))
+    hint = f"; this server looked for run_name={cfg.run_name}"
+    if others:
+        return hint + (f"; runs with a trained predictor here: {', '.join(others)}: serve one with "
+                       f"make serve RUN={others[0]} ARGS='serve.policy={cfg.serve.policy}' (python -m pipeline.serve "
+                       f"run_name={others[0]} serve.policy={cfg.serve.policy})")
+    return hint + f" (after make all EXPERIMENT=quick, serve with make serve RUN=quick ARGS='serve.policy={cfg.serve.policy}')"
+
+
+def policy_inputs(cfg: DictConfig, decoder):
+    """What ``serve.policy`` needs beyond a predictor, loaded as the eval stage loads it (``pipeline.policy.registry``):
+    best_fixed: the run's labels and splits (``serve.labels_dir``, ``serve.features_dir``); verify_width / hybrid: the
+    calibration (``policy.verify_width.calibration``, else ``predictors/<run_name>/verify_width``, else the drafter
+    folder's) and this machine's latency model (measured at startup for widths up to B and the candidates, or reused
+    from the cache the label and eval stages share).
 
     Raises:
-        FileNotFoundError: without a calibration (names the train stage).
+        FileNotFoundError: without labels, splits or a calibration (names the stage to run).
     """
     from pathlib import Path
 
-    from pipeline import costs
-    from pipeline.policy.verify_width import find_calibration, load_calibration
+    from pipeline.policy import registry
 
-    vw = cfg.serve.get("verify_width") or {}
-    run_dir = Path(cfg.paths.data) / "predictors" / str(cfg.run_name) / "verify_width"
-    calibration = load_calibration(find_calibration(vw.get("calibration"), run_dir, cfg.model.get("drafter")))
-    b = int(cfg.serve.get("block_size") or decoder.drafter.block_size)
-    latency = costs.load_or_measure(decoder, cfg, [*cfg.model.candidates, b], "serve.verify_width.latency")
-    return {"calibration": calibration, "latency": latency, "skip_drafts": bool(vw.get("skip_drafts", True)),
-            "max_skip": int(vw.get("max_skip", 8)), "objective": str(vw.get("objective", "rate"))}
+    inputs = registry.PolicyInputs()
+    method = registry.METHODS.get(str(cfg.serve.policy))
+    if method is None:
+        return inputs
+    if registry.LABELS in method.needs and method.servable is None:
+        from pipeline.labeling.store import read_label_table
+        from pipeline.policy.data import split_prompt_ids
+
+        inputs.labels, inputs.label_meta = read_label_table(cfg.serve.labels_dir)
+        inputs.splits = split_prompt_ids(cfg.serve.features_dir)
+    if registry.CALIBRATION in method.needs:
+        options = policy_options(cfg)
+        b = registry.verify_width_block_size(options, decoder, cfg.serve.get("block_size"))
+        registry.load_verify_width(inputs, decoder, options, Path(cfg.paths.data) / "predictors" / str(cfg.run_name) / "verify_width",
+                                   cfg.model.get("drafter"), [*cfg.model.candidates, b], cfg)
+    return inputs
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="serve")

@@ -137,7 +137,8 @@ def measured_labels(directory: Path, decoder, prompt_sets: list[dict], candidate
 CANDIDATES = [2, 4, 8, 12, 16]  # the trained tiny drafter's training block size (8) included
 MAX_NEW_TOKENS = 24
 RUN = "tiny"
-ALL_METHODS = ["ar", "fixed", "best_fixed", "blockpilot", "full_vocab", "ema", "oracle", "verify_width", "hybrid"]
+ALL_METHODS = ["ar", "fixed", "best_fixed", "blockpilot", "full_vocab", "ema", "oracle", "verify_width", "hybrid", "hf_generate",
+               "hf_prompt_lookup"]
 
 
 def tiny_overrides(run: dict) -> list[str]:
@@ -168,7 +169,7 @@ def build_tiny_run(base: Path, target_dir: str | Path, drafter_dir: str | Path) 
     from pipeline.policy.data import build_dataset
     from pipeline.evaluate import evaluate, load_eval_inputs, write_json
     from pipeline.decoding.build import build_decoder
-    from pipeline.reporting import write_report
+    from pipeline.evaluation.report import write_report
     from pipeline.policy.training import train_predictor
 
     threads = torch.get_num_threads()

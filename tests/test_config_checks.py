@@ -20,10 +20,10 @@ def no_model_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the config was checked")
 
-    import pipeline.evaluate
+    import pipeline.evaluation.runs
     import pipeline.labeling.runner
 
-    monkeypatch.setattr(pipeline.evaluate, "build_decoder", refuse)
+    monkeypatch.setattr(pipeline.evaluation.runs, "build_decoder", refuse)
     monkeypatch.setattr(pipeline.labeling.runner, "build_decoder", refuse)
 
 

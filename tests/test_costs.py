@@ -193,7 +193,7 @@ def test_measure_on_a_tiny_model(trained_decoder):
 def test_the_report_draws_the_curve_the_policy_reads():
     """eval's verify_width.png draws the fitted, monotone curve (issue 23: it drew the raw points, L=64 1 token 23.6 ms
     above 2 tokens 16.5 ms), with the measured points beside it."""
-    from pipeline.reporting import verify_width_figure
+    from pipeline.evaluation.report import verify_width_figure
 
     model = bumpy_model()
     results = {"verify_width": {"latency_model": model.to_dict(), "block_size": 4, "reliability": []},

@@ -23,7 +23,7 @@ from pipeline.evaluate import evaluate, load_eval_inputs, oracle_gain_share  # n
 from pipeline.decoding.build import build_decoder  # noqa: E402
 from pipeline.policy import load_predictor  # noqa: E402
 from pipeline.prompts import chat_input_ids, load_prompt_sets  # noqa: E402
-from pipeline.reporting import confusion_counts, markdown_table, request_count  # noqa: E402
+from pipeline.evaluation.report import confusion_counts, markdown_table, request_count  # noqa: E402
 
 CONF = str(PROJECT_ROOT / "conf")
 
@@ -54,7 +54,8 @@ def test_evaluate_config_composes():
         cfg = compose("evaluate", overrides=["run_name=r3"])
     assert list(cfg.eval.methods) == ["ar", "fixed"] and cfg.eval.split == "auto"
     assert cfg.eval.labels_dir.endswith("/labels/r3") and cfg.eval.features_dir.endswith("/features/r3/topk")
-    assert cfg.eval.predictor_dir.endswith("/predictors/r3") and dict(cfg.eval.predictors) == {"blockpilot": "mlp", "full_vocab": "full_vocab"}
+    assert cfg.eval.predictor_dir.endswith("/predictors/r3")
+    assert cfg.policy.blockpilot.predictor == "mlp" and cfg.policy.full_vocab.predictor == "full_vocab"  # conf/policy/
     assert cfg.eval.out.endswith("/eval/r3/results.json") and cfg.logger.group == "r3"
 
 
@@ -117,13 +118,13 @@ def test_oracle_gain_share_and_per_set_blocks(results):
     assert gain > 0.05  # the fixture's prompts gain from B != 8, so the share is defined
     for m in methods:
         share, ci = methods[m]["oracle_gain_share"], methods[m]["oracle_gain_share_ci"]
-        if m in ("verify_width", "hybrid"):  # per-step verify widths trade tau for speed: no tau-based share
+        if m in ("ar", "verify_width", "hybrid", "hf_generate", "hf_prompt_lookup"):  # no per-request B: no tau-based share
             assert share is None and ci == [None, None]
             continue
         assert share == pytest.approx((tau[m] - tau["fixed"]) / gain)
         assert ci[0] <= share + 1e-9 and share - 1e-9 <= ci[1], (m, share, ci)
     assert methods["fixed"]["oracle_gain_share"] == 0.0 and methods["oracle"]["oracle_gain_share"] == pytest.approx(1.0)
-    assert methods["ar"]["oracle_gain_share"] < 0  # B=1 is worse than the fixed block
+    assert methods["ar"]["tau"] < methods["fixed"]["tau"]  # B=1 is worse than the fixed block (ar itself has no share)
     assert sorted(results["per_set"]) == ["code", "math"]
     for name, block in results["per_set"].items():
         assert list(block) == ALL_METHODS
@@ -235,7 +236,7 @@ def test_shared_decodes_equal_separate_decodes(tiny):
     """A (request, B) decode shared between methods gives exactly what decoding it again gives; adaptive
     schedules and other B are decoded on their own; prefill and schedule times stay per request."""
     from pipeline.decoding import EMASchedule, FixedSchedule
-    from pipeline.evaluate import SharedDecodes
+    from pipeline.evaluation.runs import SharedDecodes
     from pipeline.models.drafter import DFlashDrafter
     from pipeline.models.target import load_target
     from pipeline.decoding.speculative import SpeculativeDecoder
@@ -310,11 +311,11 @@ def test_eval_skips_a_prompt_beyond_the_context_and_resumes_from_its_rows(tiny, 
     """Item 2: one prompt longer than the context used to fail the whole eval (after decoding the others), unnamed,
     and nothing was written until the end; now it is skipped and named, rows are appended per prompt, and a
     killed run resumes where it stopped (a line cut by the kill is dropped)."""
-    import pipeline.evaluate as ev
+    import pipeline.evaluation.runs as ev
 
     decoder = tiny.decoder("llama", "trained")
     cfg = _small_eval_cfg(tiny, tmp_path)
-    with caplog.at_level("WARNING", logger="pipeline.evaluate"):
+    with caplog.at_level("WARNING", logger="pipeline.evaluation.runs"):
         clean = evaluate(cfg, decoder)
     assert [s["id"] for s in clean["skipped"]] == ["long"] and "exceeds the target's context" in clean["skipped"][0]["reason"]
     assert any("'long'" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
@@ -325,7 +326,7 @@ def test_eval_skips_a_prompt_beyond_the_context_and_resumes_from_its_rows(tiny, 
 
     def killed_at_the_last_prompt(runner, prompt, *args):
         calls.append(prompt.id)
-        if prompt.id == "c" and isinstance(runner, ev.SharedDecodes):
+        if prompt.id == "c" and runner.share:  # the run, not its warmup
             raise KeyboardInterrupt("simulated kill")
         return real(runner, prompt, *args)
 
@@ -366,3 +367,57 @@ def test_lossless_is_the_exact_match_rate_against_ar():
     summary = summarize([row(0, [1, 2, 3]), row(1, [1, 2, 4]), row(2, [1, 2, 3]), row(3, [1, 2, 3])], reference)
     assert summary["lossless"] == 0.75 and summary["exact_matches"] == 3
     assert summarize([row(0, [1, 2, 3])], reference)["lossless"] == 1.0
+
+
+def test_transformers_generate_baselines_equal_ar_through_the_eval_stage(tiny, tmp_path):
+    """Issue 23 item 1: transformers' own ``model.generate`` (greedy) and its prompt-lookup decoding are eval methods;
+    at T=0 their text is token-identical to ``ar``'s on the tiny target, they are timed like every method, and they get
+    no oracle gain share. At T=1 they sample with transformers' sampler: the run reports their exact-match rate."""
+    cfg = _small_eval_cfg(tiny, tmp_path, "eval.methods=[ar,hf_generate,hf_prompt_lookup]", "eval.warmup=false")
+    results = evaluate(cfg, tiny.decoder("llama", "trained"))
+    for m in ("hf_generate", "hf_prompt_lookup"):
+        r = results["methods"][m]
+        assert r["lossless"] == 1.0 and r["exact_matches"] == 2 and r["new_tokens"] == results["methods"]["ar"]["new_tokens"], m
+        assert r["tokens_per_s"] > 0 and r["oracle_gain_share"] is None and r["oracle_gain_share_ci"] == [None, None]
+        assert all(row["prefill_ms"] > 0 and row["decode_ms"] > 0 for row in r["rows"])
+    assert results["methods"]["hf_generate"]["tau"] == 1.0  # one token per forward
+    qwen = _small_eval_cfg(tiny, tmp_path, "eval.methods=[ar,hf_generate]", "eval.warmup=false",
+                           f"model.target={tiny.target_dir('qwen3')}", "model.drafter=null")
+    assert evaluate(qwen)["methods"]["hf_generate"]["lossless"] == 1.0  # the other tiny target, through the stage's own load
+    sampled = evaluate(_small_eval_cfg(tiny, tmp_path, "eval.methods=[ar,hf_generate]", "eval.warmup=false",
+                                       "decode.temperature=1.0"), tiny.decoder("llama", "trained"))
+    assert 0.0 <= sampled["methods"]["hf_generate"]["lossless"] <= 1.0 and sampled["methods"]["hf_generate"]["n_prompts"] == 2
+
+
+def test_a_broken_prompt_file_fails_before_any_model_loads(tiny, tmp_path, monkeypatch):
+    """Issue 23 item 4: a broken JSONL line used to be reported only after the target loaded."""
+    import pipeline.evaluation.runs as runs
+
+    monkeypatch.setattr(runs, "build_decoder", lambda *a, **k: (_ for _ in ()).throw(AssertionError("model loaded first")))
+    cfg = _small_eval_cfg(tiny, tmp_path)
+    Path(cfg.data.sets[0].source).write_text('{"id": "a", "turns": ["hi"]}\n{"id": "b", "turns": \n')
+    with pytest.raises(ValueError):
+        evaluate(cfg)
+
+
+def test_results_say_where_they_came_from_and_one_prompt_has_no_interval(tiny, tmp_path):
+    """Issue 23 item 7: results.md names the run, date (UTC) and commit; a single prompt gets no bootstrap interval."""
+    cfg = _small_eval_cfg(tiny, tmp_path, "data.limit=1", "eval.warmup=false", "run_name=origin")
+    results = evaluate(cfg, tiny.decoder("llama", "trained"))
+    origin = results["provenance"]
+    assert origin["run_name"] == "origin" and len(origin["date_utc"]) == len("2026-12-02 06:40")
+    table = markdown_table(results)
+    assert f"Run `origin`, {origin['date_utc']} UTC, commit `" in table
+    fixed_line = next(line for line in table.splitlines() if line.startswith("| fixed"))
+    assert "[" not in fixed_line  # no zero-width [x, x] interval for one prompt
+
+
+def test_demo_reports_and_logs_like_the_eval_stage():
+    """Issue 23 item 7: ``make demo`` wrote no results.md and logged nothing to W&B although every stage logs."""
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        cfg = compose("evaluate", overrides=["experiment=demo"])
+    assert cfg.eval.report is True and cfg.logger.enabled is True and cfg.run_name == "demo"
+    assert cfg.eval.out.endswith("/eval/demo/results.json")
+    makefile = (PROJECT_ROOT / "Makefile").read_text()
+    demo = makefile[makefile.index("\ndemo:"):makefile.index("\nserve:")]
+    assert "pipeline.evaluate experiment=demo" in demo and "results.md" in makefile[makefile.index("# A short look"):]

@@ -284,7 +284,7 @@ def test_predictor_json_must_match_its_net_and_fallback(tmp_path):
 
 def test_predictor_candidates_must_match_model_candidates(tmp_path):
     """Candidates [2..6] against model.candidates=[6..10] used to load silently."""
-    from pipeline.evaluate import load_method_predictor
+    from pipeline.evaluation.inputs import load_method_predictor
 
     _exported(tmp_path / "predictors" / "mlp")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-from pipeline.reporting import (MIN_REQUESTS, block_sizes_used, confusion, fallback_note, markdown_table, request_count,
+from pipeline.evaluation.report import (MIN_REQUESTS, block_sizes_used, confusion, fallback_note, markdown_table, request_count,
                                 speed_intervals, speedup_bars)
 
 

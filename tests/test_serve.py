@@ -269,12 +269,13 @@ def test_blockpilot_policy_picks_the_predictors_block_size(tiny_run, trained_dec
 def test_verify_width_policy_serves_the_ar_text_and_needs_its_inputs(tiny_run, trained_decoder, tmp_path):
     """serve.policy=verify_width through the engine: lossless, with the run's calibration and a measured latency model."""
     from pipeline.costs import measure
+    from pipeline.policy.registry import PolicyInputs
     from pipeline.policy.verify_width import load_calibration
 
     calibration = load_calibration(Path(tiny_run["data"]) / "predictors" / RUN / "verify_width")
     latency = measure(trained_decoder, [8], [16, 64], repeats=1)
-    policy = build_policy("verify_width", trained_decoder, 8, verify_width={"calibration": calibration, "latency": latency,
-                                                                             "max_skip": 2})
+    policy = build_policy("verify_width", trained_decoder, 8, options={"verify_width": {"max_skip": 2}},
+                          inputs=PolicyInputs(calibration=calibration, latency=latency))
     engine = Engine(trained_decoder, policy, MODEL, default_max_tokens=20)
     with TestClient(create_app(engine), base_url="http://localhost") as c:
         for text in PROMPTS:
@@ -283,7 +284,7 @@ def test_verify_width_policy_serves_the_ar_text_and_needs_its_inputs(tiny_run, t
             assert out["blockpilot"]["policy"] == "verify_width" and out["blockpilot"]["block_size"] == 8
             assert out["blockpilot"]["token_ids"] == ar_reference(trained_decoder, text, 20)
     engine.close()
-    with pytest.raises(ValueError, match="calibration and a latency model"):
+    with pytest.raises(ValueError, match="needs calibration, costs"):
         build_policy("verify_width", trained_decoder, 8)
 
 

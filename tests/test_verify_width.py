@@ -310,3 +310,16 @@ def test_fit_cli_reads_labels_and_feature_splits(tmp_path, monkeypatch, capsys):
     assert stored["info"]["samples"] == sum(samples[i] for i in splits["train"])
     assert stored["info"]["test_samples"] == sum(samples[i] for i in splits["test"])
     assert "test brier" in capsys.readouterr().out
+
+
+def test_the_loaded_calibration_is_logged(tmp_path, caplog):
+    """Issue 23 item 7: which calibration verify_width loaded was not logged (eval and serve load it through here)."""
+    from pipeline.policy.registry import PolicyInputs, load_verify_width
+
+    fitted = {"calibration": constant_calibration(1.0), "reliability": [], "reliability_split": "train"}
+    path = export_calibration(tmp_path / "mine", fitted)
+    inputs = PolicyInputs()
+    with caplog.at_level("INFO", logger="pipeline.policy.registry"):
+        load_verify_width(inputs, None, {"verify_width": {"calibration": str(path)}}, tmp_path / "run", None, [])
+    assert inputs.calibration_path == str(path) and inputs.latency is None
+    assert any(str(path) in r.getMessage() and "calibration" in r.getMessage() for r in caplog.records)

@@ -63,13 +63,13 @@ def gain_share(values: np.ndarray, pick_index: np.ndarray, fixed_index: int, sam
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.where(gain > 1e-12, (pick[idx].mean(-1) - fixed[idx].mean(-1)) / gain, np.nan)
 
+    from pipeline.evaluation.stats import bootstrap_interval
+
     point = float(share(np.arange(n)))
-    boot = share(np.random.default_rng(seed).integers(0, n, size=(samples, n)))
-    boot = boot[np.isfinite(boot)]
     finite = np.isfinite(point)
     return {"pick": float(pick.mean()), "fixed": float(fixed.mean()), "oracle": float(oracle.mean()),
             "gain_share": point if finite else None,
-            "gain_share_ci": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))] if len(boot) and finite else [None, None],
+            "gain_share_ci": bootstrap_interval(share, n, samples, seed) if finite else [None, None],
             "departures": int((pick_index != fixed_index).sum()), "n": int(n)}
 
 
@@ -140,7 +140,7 @@ def markdown(results: dict) -> str:
                   "|---|---|---|---|---|---|---|---|---|"]
         for holdout, e in folds.items():
             ci = e["gain_share_ci"]
-            share = "–" if e["gain_share"] is None else f"{e['gain_share']:.2f} [{ci[0]:.2f}, {ci[1]:.2f}]"
+            share = "–" if e["gain_share"] is None else f"{e['gain_share']:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci[0] is not None else "")
             picks = ", ".join(f"B={b}: {c}" for b, c in e["picked_block_sizes"].items())
             lines.append(f"| {holdout} | {e['n']} | {e['fixed']:.3f} (B={e['fixed_block_size']}) | {e['best_fixed']:.3f} "
                          f"(B={e['best_fixed_block_size']}) | {e['pick']:.3f} | {e['oracle']:.3f} | {share} | {e['departures']} | {picks} |")

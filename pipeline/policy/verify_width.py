@@ -247,7 +247,7 @@ def find_calibration(explicit: str | None, run_dir: str | Path, drafter: str | N
             return path
     raise FileNotFoundError(f"the verify-width policy needs an acceptance calibration; none at {[str(p) for p in tried]}. "
                             "Fit one: make label/dataset/train for this run, or python -m pipeline.policy.verify_width "
-                            "<labels_dir> --out DIR and point eval.verify_width.calibration (serve.verify_width.calibration) at it")
+                            "<labels_dir> --out DIR and point policy.verify_width.calibration at it (eval and serve)")
 
 
 def load_calibration(path: str | Path) -> AcceptanceCalibration:
@@ -261,7 +261,7 @@ def load_calibration(path: str | Path) -> AcceptanceCalibration:
     if not file.is_file():
         raise FileNotFoundError(f"no verify-width calibration at {file}; fit one in the train stage (make train, after "
                                 "make label/dataset) or with python -m pipeline.policy.verify_width <labels_dir> --out DIR, "
-                                "or point eval.verify_width.calibration at one")
+                                "or point policy.verify_width.calibration at one")
     return AcceptanceCalibration.from_dict(json.loads(file.read_text()))
 
 

@@ -7,10 +7,11 @@ Streaming passes ``on_text``, called from the worker with each text delta (``pip
 With a ``Recorder``, the request's label row is computed in the same worker after the response is
 returned, ahead of requests admitted later (``pipeline.serving.recorder``).
 
-Policies (``serve.policy``): ``fixed`` (``serve.block_size``, default the drafter's training B), ``ar``
-(B=1), ``blockpilot`` (a trained predictor, ``serve.predictor_dir``, picks B once from the prefill
-logits), ``ema`` (per-step adaptive B over ``model.candidates``) and ``verify_width`` (drafts at B, verifies
-the k drafts that pay each step against this machine's measured costs; ``pipeline.policy.verify_width``).
+Policies (``serve.policy``): every method of ``pipeline.policy.registry`` the server can run, built by the same
+code as the eval stage's (``build_policy``): ``fixed`` (``serve.block_size``, default the drafter's training B),
+``ar`` (B=1), ``best_fixed`` (the run's labels), ``blockpilot`` / ``full_vocab`` (a trained predictor picks B once
+from the prefill logits), ``ema`` (per-step adaptive B over ``model.candidates``), ``verify_width`` and ``hybrid``
+(verify the k drafts that pay each step against this machine's measured costs; ``pipeline.policy.verify_width``).
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ import torch
 from pipeline.decoding import DecodeConfig, EMASchedule, FixedSchedule
 from pipeline.decoding.schedules import FirstChoice
 from pipeline.decoding.speculative import RequestStats, SpeculativeDecoder, _now
+from pipeline.policy.registry import SERVABLE
 from pipeline.serving.recorder import Recorder, Served
 from pipeline.serving.schemas import DecodeInfo, RequestError
 from pipeline.serving.text import TextStream
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("fixed", "ar", "blockpilot", "ema", "verify_width")
+POLICIES = SERVABLE  # every method of pipeline.policy.registry the server can run
 
 
 class QueueFull(RuntimeError):
@@ -59,54 +61,39 @@ class Policy:
 
 
 def build_policy(name: str, decoder: SpeculativeDecoder, block_size: int | None = None, predictor_dir: str | None = None,
-                 candidates=(), ema: dict | None = None, verify_width: dict | None = None) -> Policy:
-    """The ``serve.policy`` schedule factory, checked against the decoder.
+                 candidates=(), options: dict | None = None, inputs=None, run_hint: str = "") -> Policy:
+    """The ``serve.policy`` schedule factory from ``pipeline.policy.registry`` (the same builder as the eval stage),
+    checked against the decoder.
 
-    ``verify_width`` needs ``verify_width={"calibration": AcceptanceCalibration, "latency": LatencyModel}`` (plus
-    optional ``skip_drafts``, ``max_skip``); it drafts at ``block_size`` (default the drafter's training B).
-
+    Args:
+        block_size: the fixed policy's B (None: the drafter's training B); verify_width drafts at it unless
+            ``options["verify_width"]["block_size"]`` says otherwise.
+        predictor_dir: the run's predictors folder (the method's ``options[m]["predictor"]`` sub-folder is read), or a
+            predictor folder itself (blockpilot / full_vocab / hybrid, when ``inputs`` has none loaded).
+        candidates: ``model.candidates`` (ema); options: ``{method: {option: value}}`` (the ``policy`` config group).
+        inputs: ``PolicyInputs`` already loaded (labels + splits for best_fixed; calibration + latency for
+            verify_width / hybrid).
+        run_hint: appended to a missing predictor's message (``pipeline.serve`` names run_name and ``make ... RUN=``).
     Raises:
-        ValueError: for an unknown policy, a B the drafter cannot draft, or a predictor that does not fit.
-        FileNotFoundError: for ``blockpilot`` without a trained predictor at ``predictor_dir`` (names ``make train``).
+        ValueError: for an unknown or unservable policy, missing inputs, a B the drafter cannot draft, or a predictor
+            that does not fit.
+        FileNotFoundError: for a predictor policy without a trained predictor at ``predictor_dir`` (names ``make train``).
     """
-    if name == "ar":
-        return Policy(name, lambda: FixedSchedule(1))
-    if name == "fixed":
-        b = int(block_size or (decoder.drafter.block_size if decoder.drafter is not None else 1))
-        decoder.check_block_size(b)
-        return Policy(name, lambda: FixedSchedule(b))
-    if name == "ema":
-        cands = [int(c) for c in candidates]
-        EMASchedule(cands)  # raises for an empty list
-        decoder.check_block_size(max(cands))
-        ema = dict(ema or {})
-        return Policy(name, lambda: EMASchedule(cands, ema.get("alpha", 0.5), ema.get("margin", 1.0), ema.get("start")))
-    if name == "blockpilot":
-        from pipeline.policy.export import load_predictor
-        from pipeline.policy.schedule import PredictorSchedule
+    from pipeline.policy import registry
 
-        if not predictor_dir or not (Path(predictor_dir) / "predictor.json").is_file():
-            raise FileNotFoundError(f"serve.policy=blockpilot needs a trained predictor at {predictor_dir}: run "
-                                    "make label, make dataset and make train first (or serve.predictor_dir=...)")
-        predictor = load_predictor(predictor_dir, device=str(decoder.device))
-        vocab = predictor.featurizer.spec.vocab_size
-        if vocab and vocab != decoder.lm_head.shape[0]:
-            raise ValueError(f"predictor {predictor_dir} was trained on a vocabulary of {vocab}, the target has "
-                             f"{decoder.lm_head.shape[0]}: train it on labels of this target")
-        decoder.check_block_size(max(predictor.candidates))
-        return Policy(name, lambda: PredictorSchedule(predictor))
-    if name == "verify_width":
-        from pipeline.policy.verify_width import VerifyWidthSchedule
-
-        options = dict(verify_width or {})
-        if options.get("calibration") is None or options.get("latency") is None:
-            raise ValueError("serve.policy=verify_width needs a calibration and a latency model (see pipeline/serve.py)")
-        b = int(block_size or (decoder.drafter.block_size if decoder.drafter is not None else 1))
-        decoder.check_block_size(b)
-        calibration, latency = options.pop("calibration"), options.pop("latency")
-        VerifyWidthSchedule(calibration, latency, b, **options)  # raises for B < 2 or a bad max_skip
-        return Policy(name, lambda: VerifyWidthSchedule(calibration, latency, b, **options))
-    raise ValueError(f"serve.policy must be one of {POLICIES}, got {name!r}")
+    options = dict(options or {})
+    inputs = inputs if inputs is not None else registry.PolicyInputs()
+    method = registry.METHODS.get(name)
+    wanted = method.predictor if method is not None and method.servable is None else None
+    if wanted and wanted not in inputs.predictors:
+        directory = registry.predictor_folder(predictor_dir, wanted, options) if predictor_dir else None
+        if directory is None or not (directory / "predictor.json").is_file():
+            raise FileNotFoundError(f"serve.policy={name} needs a trained predictor at {directory}: run make label, make dataset "
+                                    f"and make train first (or serve.predictor_dir=...){run_hint}")
+        inputs.predictors[wanted] = registry.load_method_predictor(wanted, directory, decoder, device=str(decoder.device))
+    ctx = registry.Context(decoder, options, inputs, [int(c) for c in candidates], block_size, "serve.block_size",
+                           str(options.get("target", "tau")), "serve")
+    return Policy(name, registry.build(name, ctx))
 
 
 @dataclass

@@ -1,21 +1,34 @@
-"""Tables and figures of the eval stage (also drawn by ``notebooks/analysis.ipynb``).
+"""Outputs of the eval stage: results.json, results.md, the figures and W&B (the figures are also drawn by
+``notebooks/analysis.ipynb``).
 
 Figures are ``matplotlib.figure.Figure`` objects built without pyplot (no global state, any backend):
   * ``tau_curves``: mean tau per candidate block size, one line per source set, from the labels;
   * ``optimal_b_hist``: how often each block size is a prompt's label, per source set;
   * ``confusion``: predicted block size vs label block size (counts);
   * ``speedup_bars``: speedup vs ``ar`` per method, overall and per source set.
-``markdown_table`` renders ``results.json`` as Markdown; ``write_report`` writes all of them beside it.
+``markdown_table`` renders ``results.json`` as Markdown (headed by the run, date and commit it came from,
+``provenance``); ``write_report`` writes all of them beside it; ``write_json``, ``log_summary`` and ``log_to_wandb``
+write the rest of an eval run's outputs.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
+import logging
 import math
+import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+
+from pipeline.evaluation.stats import GAIN_BASES, GAIN_METHODS, method_rows, speed_gains, speed_intervals  # noqa: F401
+from pipeline.policy.registry import METHODS
+
+log = logging.getLogger(__name__)
 
 METRIC_COLUMNS = ("tau", "tokens_per_s", "speedup", "oracle_gain_share", "overhead_ms", "overhead_pct", "lossless", "n_prompts")
 
@@ -55,19 +68,19 @@ MIN_REQUESTS = 10
 """Rows with fewer requests than this are marked in ``markdown_table``: their tokens/s and speedups are anecdotes."""
 
 
-def method_rows(results: dict, method: str, source_set: str | None = None) -> list[dict]:
-    """The per-prompt rows of ``method`` (of one source set when given)."""
-    rows = results["methods"].get(method, {}).get("rows", [])
-    return [r for r in rows if source_set is None or r.get("source_set") == source_set]
-
-
 def request_count(rows: list[dict]) -> int:
     """Requests (turns) behind per-prompt rows: an MT-Bench prompt is two requests."""
     return sum(len(r.get("chosen_bs") or [r.get("chosen_b")]) for r in rows)
 
 
-PER_STEP_METHODS = ("ema",)
+PER_STEP_METHODS = tuple(m for m, d in METHODS.items() if d.per_step)
 """Eval methods whose schedule changes B after every step (the B column says so)."""
+
+
+def has_gain_share(method: str) -> bool:
+    """Whether the oracle gain share means anything for ``method`` (a per-request choice of B; not ``ar``, the per-step
+    verify widths or transformers' own decoding)."""
+    return METHODS[method].gain_share if method in METHODS else method != "ar"
 
 
 def block_sizes_used(rows: list[dict], per_step: bool = False) -> str:
@@ -85,60 +98,6 @@ def block_sizes_used(rows: list[dict], per_step: bool = False) -> str:
     return text + (f", per step up to {max(larger)}" if larger else (", per step" if per_step else ""))
 
 
-def speed_intervals(results: dict, method: str, source_set: str | None = None, samples: int = 1000,
-                    seed: int = 0, base: str = "ar") -> dict[str, list[float | None]]:
-    """Percentile bootstrap 95% intervals over prompts of ``tokens_per_s`` and of ``speedup`` (paired with ``base``).
-
-    tokens/s of a resample = its new tokens / its prefill + schedule + decode seconds; the speedup divides by
-    ``base``'s (default ``ar``) tokens/s over the same prompts. Returns ``{"tokens_per_s": [lo, hi], "speedup": [lo, hi]}``
-    (``[None, None]`` without rows).
-    """
-    rows = {r["id"]: r for r in method_rows(results, method, source_set)}
-    ar = {r["id"]: r for r in method_rows(results, base, source_set)}
-    ids = [i for i in rows if i in ar]
-    if not ids:
-        return {"tokens_per_s": [None, None], "speedup": [None, None]}
-
-    def arrays(table):
-        tokens = np.array([table[i]["new_tokens"] for i in ids], dtype=float)
-        seconds = np.array([(table[i]["prefill_ms"] + table[i]["schedule_ms"] + table[i]["decode_ms"]) / 1e3 for i in ids])
-        return tokens, seconds
-
-    tokens, seconds = arrays(rows)
-    ar_tokens, ar_seconds = arrays(ar)
-    idx = np.random.default_rng(seed).integers(0, len(ids), size=(samples, len(ids)))
-    speed = tokens[idx].sum(1) / np.maximum(seconds[idx].sum(1), 1e-12)
-    ar_speed = ar_tokens[idx].sum(1) / np.maximum(ar_seconds[idx].sum(1), 1e-12)
-    ratio = speed / np.maximum(ar_speed, 1e-12)
-    return {"tokens_per_s": [float(np.percentile(speed, 2.5)), float(np.percentile(speed, 97.5))],
-            "speedup": [float(np.percentile(ratio, 2.5)), float(np.percentile(ratio, 97.5))]}
-
-
-GAIN_METHODS = ("verify_width", "hybrid")
-GAIN_BASES = ("fixed", "best_fixed", "ar")
-
-
-def speed_gains(results: dict, source_set: str | None = None) -> dict[str, dict[str, dict]]:
-    """Tokens/s gain of each per-step method over each baseline, paired by prompt: ``{method: {base: {"gain", "ci"}}}``.
-
-    ``gain`` = tokens/s(method) / tokens/s(base) - 1 over the prompts both decoded; ``ci`` its percentile bootstrap 95%
-    interval over prompts (``speed_intervals`` with ``base``). Only methods and bases that ran.
-    """
-    block = results["methods"] if source_set is None else results.get("per_set", {}).get(source_set, {})
-    out: dict[str, dict[str, dict]] = {}
-    for method in GAIN_METHODS:
-        if method not in block:
-            continue
-        for base in GAIN_BASES:
-            if base not in block or not block[base].get("tokens_per_s"):
-                continue
-            lo, hi = speed_intervals(results, method, source_set, base=base)["speedup"]
-            out.setdefault(method, {})[base] = {
-                "gain": block[method]["tokens_per_s"] / block[base]["tokens_per_s"] - 1.0,
-                "ci": [lo - 1.0 if lo is not None else None, hi - 1.0 if hi is not None else None]}
-    return out
-
-
 def markdown_table(results: dict) -> str:
     """Markdown tables of ``results`` (overall, then one per source set).
 
@@ -150,6 +109,10 @@ def markdown_table(results: dict) -> str:
               "lossless | prompts (requests) |\n|---|---|---|---|---|---|---|---|---|")
     sections = [("All prompts", None, results["methods"])] + [(f"Source set `{s}`", s, b) for s, b in sorted(results.get("per_set", {}).items())]
     lines = ["# Eval results", ""]
+    origin = results.get("provenance") or {}
+    if origin:
+        lines += [f"Run `{origin.get('run_name')}`, {origin.get('date_utc')} UTC, commit `{origin.get('git_commit') or 'unknown'}`"
+                  + (f", {origin['command']}" if origin.get("command") else "") + ".", ""]
     config = {k: v for k, v in results.get("config", {}).items() if k != "block_size"}
     if config:
         lines += ["Decode config: " + ", ".join(f"{k}={v}" for k, v in config.items()), ""]
@@ -158,18 +121,18 @@ def markdown_table(results: dict) -> str:
         lines += [f"## {title}", "", header]
         for method, r in block.items():
             rows = method_rows(results, method, source_set)
-            share = "" if method == "ar" else _fmt(r.get("oracle_gain_share"))
+            share = _fmt(r.get("oracle_gain_share")) if has_gain_share(method) else ""
             ci = r.get("oracle_gain_share_ci")
-            if method != "ar" and ci and ci[0] is not None:
+            if has_gain_share(method) and ci and ci[0] is not None:
                 share += f" [{_fmt(ci[0])}, {_fmt(ci[1])}]"
             speed = f"{_fmt(r.get('tokens_per_s'))}"
             speedup = f"{_fmt(r.get('speedup'))}x"
             if rows and method != "ar":
                 intervals = speed_intervals(results, method, source_set)
                 lo, hi = intervals["tokens_per_s"]
-                speed += f" [{_fmt(lo)}, {_fmt(hi)}]"
+                speed += f" [{_fmt(lo)}, {_fmt(hi)}]" if lo is not None else ""  # one prompt: no interval
                 lo, hi = intervals["speedup"]
-                speedup += f" [{_fmt(lo)}, {_fmt(hi)}]"
+                speedup += f" [{_fmt(lo)}, {_fmt(hi)}]" if lo is not None else ""
             requests = request_count(rows) if rows else r.get("n_prompts")
             mark = ""
             if requests is not None and requests < MIN_REQUESTS:
@@ -197,7 +160,8 @@ def markdown_table(results: dict) -> str:
     lines += ["B: the block sizes decoded with (a range when they varied per request or per step). tau: mean acceptance length "
               "(tokens per target verify). speedup: tokens/s over `ar` in the same run; intervals are percentile bootstrap "
               "95% over prompts (speedup paired with `ar` on the same prompts). oracle gain share: (tau - tau_fixed) / "
-              "(tau_oracle - tau_fixed), bootstrap 95% interval over prompts. overhead: time choosing B per request (the "
+              "(tau_oracle - tau_fixed), bootstrap 95% interval over prompts (none for a single prompt, and no share for methods "
+              "that do not choose B per request). overhead: time choosing B per request (the "
               "predictor's featurize + forward), and its share of decode time.", ""]
     if few:
         lines += [f"†: fewer than {MIN_REQUESTS} requests; its tokens/s and speedup are not a finding.", ""]
@@ -398,3 +362,79 @@ def write_report(results: dict, out_dir: str | Path, labels: pd.DataFrame | None
         paths[name] = out_dir / f"{name}.png"
         fig.savefig(paths[name], dpi=120)
     return paths
+
+
+def provenance(cfg) -> dict:
+    """Where a results file came from: ``run_name``, the UTC date, the git commit of the code (``-dirty`` with local
+    edits; None outside a git checkout) and the command (``python -m pipeline.evaluate`` + its overrides when known)."""
+    from pipeline import PROJECT_ROOT
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = git("rev-parse", "--short=12", "HEAD")
+    if commit and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "-dirty"
+    command = None
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            command = "python -m pipeline.evaluate " + " ".join(HydraConfig.get().overrides.task)
+    except (ImportError, ValueError):
+        pass
+    return {"run_name": str(cfg.get("run_name")), "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+            "git_commit": commit, "command": command}
+
+
+def write_json(results: dict, out: str | Path) -> Path:
+    """Write ``results`` atomically at ``out``."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(results, indent=2))
+    os.replace(tmp, out)
+    return out
+
+
+def log_summary(results: dict) -> None:
+    """One log line per method (tau, tokens/s, speedup, overhead, oracle gain share where it means something,
+    exact-match rate) and the paired tokens/s gains."""
+    for m, r in results["methods"].items():
+        share = r.get("oracle_gain_share")
+        shown = f"  gain share {'-' if share is None else f'{share:.2f}'}" if has_gain_share(m) else ""
+        log.info("%-16s tau %.2f  tok/s %.2f  speedup %.2fx  overhead %.3f ms (%.3f%%)%s  lossless %s", m, r["tau"],
+                 r["tokens_per_s"], r["speedup"], r["overhead_ms"], r["overhead_pct"], shown, r.get("lossless"))
+    for m, bases in results.get("gains", {}).get("all", {}).items():
+        for base, g in bases.items():
+            log.info("%s vs %s: tokens/s %+.1f%% [%s, %s]", m, base, 100 * g["gain"],
+                     *("-" if c is None else f"{100 * c:+.1f}%" for c in g["ci"]))
+
+
+def log_to_wandb(run, results: dict, report: dict[str, Path]) -> None:
+    """Summary scalars, the results table and the figures of one eval run."""
+    import wandb
+
+    for m, r in results["methods"].items():
+        run.summary.update({f"{m}/{k}": v for k, v in r.items() if isinstance(v, (int, float, bool))})
+    for s, block in results.get("per_set", {}).items():
+        for m, r in block.items():
+            run.summary.update({f"{s}/{m}/{k}": v for k, v in r.items() if isinstance(v, (int, float, bool))})
+    for s, per in results.get("gains", {}).items():  # verify_width / hybrid over fixed, best_fixed, ar (paired)
+        for m, bases in per.items():
+            for base, g in bases.items():
+                run.summary.update({f"{s}/{m}/gain_vs_{base}": g["gain"], f"{s}/{m}/gain_vs_{base}_ci_low": g["ci"][0]})
+    bound = (results.get("verify_width") or {}).get("bound")
+    if bound:  # the foresight bound of any verify-width policy (modelled speedups over ar)
+        for s, b in [("all", bound["all"]), *bound["per_set"].items()]:
+            run.summary.update({f"{s}/verify_width_bound/{k}": v for k, v in b.items()})
+    origin = results.get("provenance") or {}
+    run.summary.update({f"provenance/{k}": v for k, v in origin.items() if v is not None})
+    frame = results_frame(results).astype(object).where(lambda f: f.notna(), None)
+    payload = {"eval/results": wandb.Table(dataframe=frame)}
+    payload.update({f"eval/{name}": wandb.Image(str(path)) for name, path in report.items() if path.suffix == ".png"})
+    run.log(payload)

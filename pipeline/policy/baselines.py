@@ -1,0 +1,83 @@
+"""The baselines a user would reach for: transformers' own ``model.generate`` on the same target.
+
+``TransformersGenerate`` stands where a block-size schedule stands in the eval stage (methods ``hf_generate`` and
+``hf_prompt_lookup`` of ``pipeline.policy.registry``), but decodes the request itself (``run_request``): greedy at
+T=0 (the same text as ``ar`` in float32), sampled with transformers' sampler at T>0 (so its exact-match rate against
+``ar`` is then below 1), plain or with prompt-lookup decoding (``prompt_lookup_num_tokens``). Its times are taken
+like the decoder's: ``prefill_ms`` up to the first new token, ``decode_ms`` after it (CUDA synchronised), and
+each step's new tokens (one per step, or the accepted lookup drafts + 1) are its ``taus``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.decoding.speculative import RequestStats, _now
+
+
+class _StepClock:
+    """A transformers streamer that records when each ``put`` came and how many tokens it held."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.times, self.sizes = device, [], []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(_now(self.device))
+        self.sizes.append(int(value.numel()))
+
+    def end(self) -> None:
+        pass
+
+
+class TransformersGenerate:
+    """``model.generate`` of the decoder's target as an eval method.
+
+    Args:
+        extra: further ``GenerationConfig`` fields (e.g. ``prompt_lookup_num_tokens``, ``max_matching_ngram_size``).
+    Attributes:
+        max_block_size: 1 (it never asks the drafter); static: False (its decodes are never shared).
+    """
+
+    static = False
+    max_block_size = 1
+
+    def __init__(self, extra: dict | None = None):
+        self.extra = dict(extra or {})
+
+    def first(self, last_logits: torch.Tensor) -> int:  # never called: run_request decodes the whole request
+        return 1
+
+    def next(self, tau: int, block_size: int) -> int:
+        return 1
+
+    @torch.inference_mode()
+    def run_request(self, decoder, input_ids: torch.Tensor, config) -> RequestStats:
+        """Decode one request ([1, n] or [n] prompt ids) with ``decoder.model.generate`` under ``config``
+        (``DecodeConfig``: max_new_tokens, temperature, seed); stops at the decoder's stop tokens (kept in the output).
+
+        Raises:
+            ValueError / PromptTooLongError: for a prompt the decoder would refuse (``check_prompt``).
+        """
+        from transformers import GenerationConfig
+
+        device = decoder.device
+        input_ids = input_ids.reshape(1, -1).to(device)
+        decoder.check_prompt(input_ids, config.max_new_tokens)
+        stops = sorted(decoder.stop_ids)
+        sample = float(config.temperature) > 0
+        generation = GenerationConfig(
+            max_new_tokens=int(config.max_new_tokens), do_sample=sample, temperature=float(config.temperature) if sample else None,
+            top_k=None, top_p=None, min_p=None, repetition_penalty=None, eos_token_id=stops or None,
+            pad_token_id=stops[0] if stops else None, **self.extra)
+        if sample:
+            torch.manual_seed(int(config.seed))
+        clock = _StepClock(device)
+        t0 = _now(device)
+        out = decoder.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=generation,
+                                     streamer=clock)
+        t1 = _now(device)
+        new = out[0, input_ids.shape[1]:].tolist()
+        stopped = bool(new) and new[-1] in decoder.stop_ids
+        first = clock.times[1] if len(clock.times) > 1 else t1  # put 0 is the prompt, put 1 the prefill's tokens
+        return RequestStats(prompt_tokens=input_ids.shape[1], output_ids=new, taus=clock.sizes[2:],
+                            block_sizes=[], prefill_ms=(first - t0) * 1e3, decode_ms=(t1 - first) * 1e3, stopped=stopped)

@@ -1,0 +1,129 @@
+"""The policy registry (issue 23 item 1): every method is built by one builder for the eval stage and the server, from
+one config group (``conf/policy/``); both give the same schedule, and the server says which methods it cannot run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+sys.path.insert(0, str(Path(__file__).parent))
+from policy_fixtures import ALL_METHODS, CANDIDATES, RUN, build_tiny_run, tiny_overrides  # noqa: E402
+
+from pipeline import PROJECT_ROOT  # noqa: E402
+from pipeline.evaluation.inputs import load_eval_inputs, method_schedules  # noqa: E402
+from pipeline.policy import registry  # noqa: E402
+from pipeline.policy.registry import METHODS, PerPrompt  # noqa: E402
+from pipeline.prompts import Prompt  # noqa: E402
+
+CONF = str(PROJECT_ROOT / "conf")
+
+
+@pytest.fixture(scope="module")
+def run(tiny, tmp_path_factory) -> dict:
+    return build_tiny_run(tmp_path_factory.getbasetemp() / "policy-run", tiny.target_dir("llama"), tiny.drafter_dir("llama", "trained"))
+
+
+def eval_config(run: dict, *overrides: str):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("evaluate", overrides=tiny_overrides(run) + [f"eval.methods={ALL_METHODS}", *overrides])
+
+
+def serve_config(run: dict, policy: str, *overrides: str):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("serve", overrides=[f"paths.data={run['data']}", f"run_name={RUN}", f"model.target={run['target']}",
+                                           f"model.drafter={run['drafter']}", f"model.candidates={CANDIDATES}",
+                                           f"serve.policy={policy}", "serve.warmup=false", *overrides])
+
+
+def trace(schedule, vocab: int) -> list:
+    """What a schedule does on fixed inputs: its class, and for four random prefill logits rows the B it picks first,
+    then the width it verifies (verify-width policies) and the B it asks for after a fixed series of step outcomes."""
+    generator = torch.Generator().manual_seed(0)
+    out: list = [type(schedule).__name__, getattr(schedule, "max_block_size", None)]
+    for _ in range(4):
+        b = int(schedule.first(torch.randn(vocab, generator=generator) * 3))
+        steps = [b]
+        for tau in (1, 4, 2, 8, 1, 1, 3):
+            confidence = torch.rand(max(b - 1, 1), generator=generator, dtype=torch.float64)
+            if hasattr(schedule, "choose_width") and b > 1:
+                steps.append(("k", int(schedule.choose_width(confidence, 64))))
+            b = int(schedule.next(min(tau, b), b))
+            steps.append(b)
+        out.append(steps)
+    return out
+
+
+def test_every_method_builds_the_same_schedule_through_eval_and_serve(run, tiny):
+    from pipeline.serve import build_engine
+
+    decoder = tiny.decoder("llama", "trained")
+    cfg = eval_config(run)
+    eval_factories = method_schedules(cfg, decoder, load_eval_inputs(cfg, ALL_METHODS, decoder))
+    assert sorted(eval_factories) == sorted(METHODS) == sorted(ALL_METHODS)  # every method, with every input loaded
+    vocab = decoder.lm_head.shape[0]
+    served = []
+    for name, method in METHODS.items():
+        made = eval_factories[name]
+        if method.servable is not None:
+            with pytest.raises(ValueError, match=f"serve.policy={name} cannot be served"):
+                build_engine(serve_config(run, name), decoder)
+            continue
+        engine = build_engine(serve_config(run, name), decoder)
+        try:
+            assert engine.policy.name == name
+            assert trace(engine.policy.make(), vocab) == trace(made(), vocab), name
+        finally:
+            engine.close()
+        served.append(name)
+    assert served == list(registry.SERVABLE) and "oracle" not in served and "hf_generate" not in served
+    oracle = eval_factories["oracle"]  # the eval-only bound: bound to each request
+    assert isinstance(oracle, PerPrompt) and oracle.bind(Prompt("code-0", ["x"], "code"))().block_size in CANDIDATES
+
+
+def test_one_option_reaches_both_stages(run, tiny):
+    """``policy.<method>.*`` is read by both: the same override changes the eval's and the server's schedule alike."""
+    from pipeline.serve import build_engine
+
+    decoder = tiny.decoder("llama", "trained")
+    cfg = eval_config(run, "eval.methods=[ar,ema]", "policy.ema.start=12", "policy.ema.alpha=0.9")
+    ema_eval = method_schedules(cfg, decoder)["ema"]()
+    engine = build_engine(serve_config(run, "ema", "policy.ema.start=12", "policy.ema.alpha=0.9"), decoder)
+    try:
+        ema_serve = engine.policy.make()
+    finally:
+        engine.close()
+    assert ema_eval.first(torch.zeros(4)) == ema_serve.first(torch.zeros(4)) == 12
+    assert trace(ema_eval, decoder.lm_head.shape[0]) == trace(ema_serve, decoder.lm_head.shape[0])
+    assert trace(ema_eval, 4) != trace(method_schedules(eval_config(run), decoder)["ema"](), 4)  # the option mattered
+
+
+def test_serving_a_run_without_a_predictor_names_the_run_and_make_run(run, tiny):
+    """Issue 23 item 7: after ``make all EXPERIMENT=quick`` the server (run_name main) pointed at the main run; now the
+    message names the run it looked in, the runs that have a predictor, and ``make serve RUN=...``."""
+    from pipeline.serve import build_engine
+
+    with pytest.raises(FileNotFoundError) as err:
+        build_engine(serve_config(run, "blockpilot", "run_name=main"), tiny.decoder("llama", "trained"))
+    message = str(err.value)
+    assert "run_name=main" in message and f"make serve RUN={RUN} ARGS='serve.policy=blockpilot'" in message
+
+
+def test_default_block_size_and_the_vocabulary_check_are_written_once(tiny):
+    from types import SimpleNamespace
+
+    decoder = tiny.decoder("llama", "trained")
+    assert registry.default_block_size(decoder) == decoder.drafter.block_size == 8
+    assert registry.default_block_size(decoder, 3) == 3
+    assert registry.default_block_size(SimpleNamespace(drafter=None)) == 1
+    other = SimpleNamespace(featurizer=SimpleNamespace(spec=SimpleNamespace(vocab_size=decoder.lm_head.shape[0] + 1)),
+                            candidates=[2, 4])
+    with pytest.raises(ValueError, match="vocabulary of"):
+        registry.check_predictor(other, decoder, "somewhere")
+    with pytest.raises(ValueError, match="unknown serve.policy entry 'beam'"):
+        registry.build("beam", registry.Context(decoder, where="serve"))
+    with pytest.raises(ValueError, match="needs labels"):
+        registry.build("oracle", registry.Context(decoder))
