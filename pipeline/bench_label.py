@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 from pipeline import costs
 from pipeline.config_checks import validate_config
 from pipeline.decoding.speculative import DecodeConfig, _now
-from pipeline.evaluate import write_json
+from pipeline.evaluation.report import write_json
 from pipeline.labeling.brute import brute_force, reseed
 from pipeline.labeling.oracle import (LabelSettings, candidate_window, label_prompt, pick_label, predicted_tokens_per_s,
                                      rank_agreement)

@@ -214,7 +214,7 @@ def main(cfg: DictConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     results = bench_serve(cfg)
     if cfg.bench.out:
-        from pipeline.evaluate import write_json
+        from pipeline.evaluation.report import write_json
 
         print(write_json(results, cfg.bench.out))
     print(json.dumps({k: v for k, v in results.items() if k != "identity"}, indent=2))

@@ -211,7 +211,7 @@ def main(cfg: DictConfig) -> None:
     if cfg.out:
         out = Path(cfg.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        from pipeline.evaluate import write_json
+        from pipeline.evaluation.report import write_json
 
         write_json(result, out)
         out.with_suffix(".md").write_text(table + "\n")

@@ -1,10 +1,12 @@
-"""The package's layering (issue 23): stage entry points stay thin, no module imports a stage, the model layer
-imports nothing above it, and there is no import circle. Read from the source (ast), so imports inside functions
-count too."""
+"""The package's layering (issue 23): stage entry points stay thin and no module grows past 600 lines, no module
+imports a stage, the model layer imports nothing above it, the cost model sits at the bottom layer, and there is no
+import circle. Read from the source (ast), so imports inside functions count too."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 from pipeline import PROJECT_ROOT
@@ -12,16 +14,7 @@ from pipeline import PROJECT_ROOT
 PACKAGE = PROJECT_ROOT / "pipeline"
 STAGES = {"label", "dataset", "train", "evaluate", "serve", "draft", "bench_label", "bench_serve", "bench_step"}
 ENTRY_POINT_MAX_LINES = 250
-# What another change of issue 23 still has to remove (pipeline/evaluate.py is being split into an evaluation
-# package, which will own write_json). Empty this once it is merged; a new entry needs a reason.
-PENDING = {
-    ("size", "pipeline/evaluate.py"): "split into pipeline/evaluation/ (issue 23 item 4)",
-    ("imports", "pipeline/bench_label.py", "pipeline.evaluate"): "write_json moves out of evaluate.py",
-    ("imports", "pipeline/bench_serve.py", "pipeline.evaluate"): "write_json moves out of evaluate.py",
-    ("imports", "pipeline/bench_step.py", "pipeline.evaluate"): "write_json moves out of evaluate.py",
-    ("circle", "pipeline.labeling.latency", "pipeline.labeling.oracle"): "the cost model moves to pipeline/costs.py "
-                                                                         "(issue 23 item 2)",
-}
+FILE_MAX_LINES = 600  # any module of the package
 
 
 def modules() -> dict[str, Path]:
@@ -57,8 +50,6 @@ def test_stage_entry_points_are_thin():
     for stage in sorted(STAGES):
         path = PACKAGE / f"{stage}.py"
         lines = len(path.read_text().splitlines())
-        if ("size", rel(path)) in PENDING:
-            continue
         assert lines < ENTRY_POINT_MAX_LINES, f"{rel(path)} has {lines} lines: move its library code into a package"
 
 
@@ -67,7 +58,7 @@ def test_no_module_imports_a_stage_entry_point():
     found = []
     for name, path in modules().items():
         for target in sorted(imported(path) & stages):
-            if target != name and ("imports", rel(path), target) not in PENDING:
+            if target != name:
                 found.append(f"{rel(path)} imports {target}")
     assert not found, "import the library module instead: " + "; ".join(found)
 
@@ -80,20 +71,21 @@ def test_the_model_layer_imports_nothing_above_it():
     assert not found, "; ".join(found)
 
 
-def test_no_import_circle():
-    """Not even through an import inside a function (a circle the first call would otherwise close)."""
+def import_graph() -> dict[str, set[str]]:
+    """``{module: pipeline modules it imports}`` (a package's ``__init__`` importing its own modules is left out)."""
     graph = {name: {m for m in imported(path) if m in modules() and m != name} for name, path in modules().items()}
-    for name in graph:  # a package's __init__ importing its own modules is not a circle through them
-        graph[name] = {m for m in graph[name] if not m.startswith(name + ".")}
-    for kind, a, b in (k for k in PENDING if k[0] == "circle"):
-        graph[a].discard(b)
+    return {name: {m for m in targets if not m.startswith(name + ".")} for name, targets in graph.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` as ``[a, b, ..., a]``, or None."""
     state: dict[str, int] = {}
     stack: list[str] = []
 
     def visit(node: str) -> list[str] | None:
         state[node] = 1
         stack.append(node)
-        for nxt in sorted(graph[node]):
+        for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
                 return stack[stack.index(nxt):] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
@@ -103,17 +95,42 @@ def test_no_import_circle():
         return None
 
     for name in sorted(graph):
-        if name not in state:
-            cycle = visit(name)
-            assert cycle is None, " -> ".join(cycle)
+        if name not in state and (cycle := visit(name)):
+            return cycle
+    return None
 
 
-def test_the_pending_exceptions_are_still_needed():
-    """Each PENDING entry still describes the code (delete it when the other change lands)."""
-    for key in PENDING:
-        if key[0] == "size":
-            assert len((PROJECT_ROOT / key[1]).read_text().splitlines()) >= ENTRY_POINT_MAX_LINES, key
-        elif key[0] == "circle":
-            assert key[2] in imported(modules()[key[1]]) and key[1] in imported(modules()[key[2]]), key
-        else:
-            assert key[2] in imported(PROJECT_ROOT / key[1]), key
+def test_the_walk_reads_imports_and_finds_a_planted_cycle():
+    graph = import_graph()
+    assert "pipeline.costs" in graph["pipeline.labeling.oracle"]  # a module-level import
+    assert "pipeline.costs" in graph["pipeline.serve"]  # `from pipeline import costs` inside a function
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_circle():
+    """Not even through an import inside a function (a circle the first call would otherwise close)."""
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "break the circle by moving the shared code down a layer: " + " -> ".join(cycle)
+
+
+def test_no_module_is_over_600_lines():
+    long = {rel(p): n for p in modules().values() if (n := len(p.read_text().splitlines())) > FILE_MAX_LINES}
+    assert not long, f"split these by role: {long}"
+
+
+def test_the_cost_model_sits_at_the_bottom_layer():
+    """``pipeline.costs`` reaches only the model and decoding layers, and importing it loads no other module."""
+    graph = import_graph()
+    reach, todo = set(), ["pipeline.costs"]
+    while todo:
+        for b in graph[todo.pop()]:
+            if b not in reach:
+                reach.add(b)
+                todo.append(b)
+    above = sorted(b for b in reach if b != "pipeline" and not b.startswith(("pipeline.models", "pipeline.decoding", "pipeline.prompts")))
+    assert above == [], f"pipeline.costs reaches modules above its layer: {above}"
+    loaded = subprocess.run([sys.executable, "-c", "import sys, pipeline.costs; "
+                             "print(' '.join(sorted(m for m in sys.modules if m.startswith('pipeline'))))"],
+                            cwd=PROJECT_ROOT, capture_output=True, text=True, check=True).stdout.split()
+    assert loaded == ["pipeline", "pipeline.costs"]
