@@ -76,7 +76,7 @@ def measure_batch_costs(decoder: SpeculativeDecoder, block_size: int = 8, contex
     gen = torch.Generator().manual_seed(seed)
     n_tok = min(vocab, len(decoder.target.tokenizer))
     rows = sorted({int(r) for r in rows if int(r) >= 1})
-    need = max(max_requests, *[-(-r // max_block) for r in rows], 2)
+    need = max(max_requests, *[-(-r // max_block) for r in rows], max_block, 2)
     sampler = PositionKeyedSampler(0.0, seed, vocab)
     caches, feats = [], []
     with torch.inference_mode():
