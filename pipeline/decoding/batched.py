@@ -84,7 +84,8 @@ class BatchedDecoder:
             drafting) before the step's draft.
     Attributes:
         active: the requests not yet done, in arrival order; steps: batched steps run; rows: per step, the
-            (verified rows, drafted rows, requests, drafting requests) it ran.
+            (verified rows, drafted rows, requests, drafting requests) it ran; step_log: per step (wall ms, tokens
+            emitted).
     """
 
     def __init__(self, decoder: SpeculativeDecoder, allocator: Allocator | None = None, planner: Planner | None = None):
@@ -95,6 +96,7 @@ class BatchedDecoder:
         self.active: list[BatchRequest] = []
         self.steps = 0
         self.rows: list[tuple[int, int, int, int]] = []
+        self.step_log: list[tuple[float, int]] = []
 
     # -------------------------------------------------------------------------------------------
     def add(self, input_ids: torch.Tensor | PrefillResult, schedule: BlockSizeSchedule | int, config: DecodeConfig,
@@ -170,6 +172,7 @@ class BatchedDecoder:
         reqs = list(self.active)
         if not reqs:
             return []
+        t_step = _now(dec.device)
         for r in reqs:
             dec.check_block_size(r.block_size)
         sizes = [min(r.block_size, r.remaining) for r in reqs]
@@ -222,12 +225,16 @@ class BatchedDecoder:
         self.rows.append((sum(k + 1 for k in widths), sum(sizes[i] for i in drafting), len(reqs), len(drafting)))
         now = _now(dec.device)
         finished = []
+        emitted = 0
         for i, r in enumerate(reqs):
+            before = r.stats.new_tokens
             new = self._accept(r, verified[i], outs[i], widths[i], confidences[i])
             self._record(r, new, sizes[i], now)
+            emitted += r.stats.new_tokens - before
             if r.done:
                 finished.append(r)
                 self.active.remove(r)
+        self.step_log.append(((now - t_step) * 1e3, emitted))
         return finished
 
     def _accept(self, r: BatchRequest, block: torch.Tensor, out, k: int, confidence) -> list[int]:
@@ -274,7 +281,7 @@ class BatchedDecoder:
 def decode_all(decoder: SpeculativeDecoder, prompts: Sequence[torch.Tensor], schedules: Sequence[BlockSizeSchedule | int],
                configs: Sequence[DecodeConfig], arrivals: Sequence[int] | None = None, max_batch: int | None = None,
                allocator: Allocator | None = None, planner: Planner | None = None,
-               arrival_times_s: Sequence[float] | None = None) -> list[BatchRequest]:
+               arrival_times_s: Sequence[float] | None = None, batch: BatchedDecoder | None = None) -> list[BatchRequest]:
     """Decode a workload of requests in batched steps.
 
     Request i becomes ready at batched step ``arrivals[i]`` (default: all at step 0), or, with ``arrival_times_s``, at
@@ -284,6 +291,8 @@ def decode_all(decoder: SpeculativeDecoder, prompts: Sequence[torch.Tensor], sch
 
     Args:
         prompts: [1, n_i] or [n_i] prompt ids; schedules: per request a schedule or a fixed B; configs: per request.
+        batch: the ``BatchedDecoder`` to run on (its ``step_log`` and ``rows`` then describe the run); None: a new one
+            with ``allocator`` and ``planner``.
     Returns:
         the ``BatchRequest`` of each prompt, in the order given (all done).
     Raises:
@@ -297,7 +306,7 @@ def decode_all(decoder: SpeculativeDecoder, prompts: Sequence[torch.Tensor], sch
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     import time
 
-    batch = BatchedDecoder(decoder, allocator, planner)
+    batch = batch if batch is not None else BatchedDecoder(decoder, allocator, planner)
     order = list(range(n))
     if arrival_times_s is not None:
         order.sort(key=lambda i: arrival_times_s[i])
@@ -324,7 +333,7 @@ def decode_all(decoder: SpeculativeDecoder, prompts: Sequence[torch.Tensor], sch
                         batch.steps = arrivals[i]
                         continue
                     break
-                arrived = None
+                arrived = t0 if arrivals is None else None  # all at once: queueing counts from the start
             waiting.pop(0)
             out[i] = batch.add(prompts[i], schedules[i], configs[i], rid=i, arrived_s=arrived)
         batch.step()
