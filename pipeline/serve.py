@@ -78,8 +78,10 @@ def build_engine(cfg: DictConfig, decoder=None):
     width = verify_width_options(cfg, decoder) if str(s.policy) == "verify_width" else None
     policy = build_policy(str(s.policy), decoder, s.get("block_size"), predictor_dir, list(cfg.model.candidates), s.get("ema"),
                           width)
-    return Engine(decoder, policy, str(s.model_name), int(s.max_queue), int(s.default_max_tokens), int(s.max_tokens),
-                  int(cfg.decode.seed), build_recorder(cfg, decoder), float(cfg.decode.temperature))
+    from pipeline.serving.batch_engine import BatchEngine  # serve.max_batch > 1: continuous batching
+    return BatchEngine.from_engine(Engine(decoder, policy, str(s.model_name), int(s.max_queue), int(s.default_max_tokens),
+                                          int(s.max_tokens), int(cfg.decode.seed), build_recorder(cfg, decoder),
+                                          float(cfg.decode.temperature)), int(s.get("max_batch") or 1))
 
 
 def verify_width_options(cfg: DictConfig, decoder) -> dict:

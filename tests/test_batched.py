@@ -281,3 +281,56 @@ def test_real_target_batched_methods_equal_batch1_ar(compose_config):
         got = decode_all(decoder, prompts, [make() for _ in prompts], configs, arrivals=[0, 0, 1, 3],
                          allocator=allocator, planner=planner)
         assert [r.stats.output_ids for r in got] == ar, method
+
+
+# ---------------------------------------------------------------------------------------------------
+# continuous batching in the server (pipeline.serving.batch_engine)
+# ---------------------------------------------------------------------------------------------------
+def test_batch_engine_serves_each_request_its_ar_text_and_frees_cancelled_slots(trained_decoder):
+    import asyncio
+    import json
+
+    import httpx
+
+    from pipeline.prompts import messages_input_ids
+    from pipeline.serving.app import create_app
+    from pipeline.serving.batch_engine import BatchEngine
+    from pipeline.serving.engine import Engine, Job, QueueFull, build_policy
+
+    texts = ["def add(a, b):", "Natalia sold clips to 48 of her friends.", "Write a function that sums a list."]
+    tok = trained_decoder.target.tokenizer
+    ids = {t: messages_input_ids(tok, [{"role": "user", "content": t}]) for t in texts}
+    references = {t: trained_decoder.generate(ids[t], 1, DecodeConfig(10)).output_ids for t in texts}
+    engine = BatchEngine.from_engine(Engine(trained_decoder, build_policy("fixed", trained_decoder), "tiny", max_queue=2,
+                                            default_max_tokens=10), max_batch=4)
+    assert isinstance(engine, BatchEngine) and engine.max_queue == 2 + 4 - 1
+    app = create_app(engine)
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=120) as c:
+            bodies = [{"model": "tiny", "messages": [{"role": "user", "content": texts[i % 3]}], "max_tokens": 10,
+                       "return_token_ids": True, "stream": i % 2 == 1} for i in range(6)]
+            served = await asyncio.gather(*(c.post("/v1/chat/completions", json=b) for b in bodies))
+        # direct jobs: two cancel themselves after their first text, one runs to the end, the rest are refused
+        jobs = [Job(f"j{i}", ids[texts[i % 3]], DecodeConfig(40)) for i in range(9)]
+        for job in jobs[:2]:
+            job.on_text = lambda text, job=job: job.cancelled.set()
+        tasks = [asyncio.ensure_future(engine.run(j)) for j in jobs]
+        return served, await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        served, direct = asyncio.run(scenario())
+        assert not engine.batch.active and engine.in_flight == 0
+        assert max(v[2] for v in engine.batch.rows) > 1  # requests did share steps
+    finally:
+        engine.close()
+    for i, response in enumerate(served):
+        assert response.status_code == 200
+        body = [json.loads(e.removeprefix("data: ")) for e in response.text.splitlines()
+                if e.startswith("data: ") and e != "data: [DONE]"][-1] if i % 2 else response.json()
+        assert body["blockpilot"]["token_ids"] == references[texts[i % 3]]
+    assert [type(d) for d in direct[6:]] == [QueueFull] * 3  # 4 running + 2 waiting = 6 slots
+    assert all(d.finish_reason == "abort" for d in direct[:2])
+    full = trained_decoder.generate(ids[texts[2]], 1, DecodeConfig(40)).output_ids
+    assert direct[2].output_ids == full and direct[2].finish_reason in ("length", "stop")
+    assert engine.served == 6 + 6 and engine.failed == 0

@@ -47,7 +47,8 @@ def test_bench_batch_cli_writes_the_documented_json(tiny, tmp_path):
                 assert set(FIELDS) <= set(fig)
                 assert fig["exact_match"] == 1.0  # every request's text is its batch-1 ar text
                 lo, hi = fig["tokens_per_s_ci"]
-                assert 0 < lo <= hi and fig["tokens_per_s"] > 0 and fig["new_tokens"] == 5 * 12 or fig["new_tokens"] <= 60
+                assert 0 < lo <= hi and fig["tokens_per_s"] > 0
+                assert fig["new_tokens"] == per_m["ar"]["new_tokens"] <= 5 * 12
                 assert fig["ttft_ms_p50"] <= fig["ttft_ms_p99"] and fig["tpot_ms_p50"] <= fig["tpot_ms_p99"]
     assert data["by_concurrency"]["3"]["ar"]["mean_batch"] > data["by_concurrency"]["1"]["ar"]["mean_batch"] == 1.0
     table = out.with_suffix(".md").read_text()
