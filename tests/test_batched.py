@@ -182,7 +182,7 @@ def _workload(decoder, data, n_max=6):
 
 @needs_smallm
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
                                                                                    HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_batched_decode_equals_each_request_alone(tiny, arch, data, restore_eager):

@@ -180,6 +180,14 @@ def brute_force_allocate(acceptance: Sequence[torch.Tensor], step_ms: Callable[[
     return best_k or [], best
 
 
+def _skip_state(request) -> list[int]:
+    """[skip run length, steps left to skip] of a request, kept on the request itself."""
+    state = request.__dict__.get("budget_skip")
+    if state is None:
+        state = request.__dict__["budget_skip"] = [0, 0]
+    return state
+
+
 class BudgetPolicy:
     """The ``budget`` method for ``BatchedDecoder``: ``plan`` (skip the drafter for requests whose drafts did not pay)
     and ``allocate`` (the joint widths), one object passed as both ``planner`` and ``allocator``.
@@ -197,7 +205,6 @@ class BudgetPolicy:
             raise ValueError(f"max_skip must be >= 0, got {max_skip}")
         self.calibration, self.costs = calibration, costs
         self.skip_drafts, self.max_skip = bool(skip_drafts), int(max_skip)
-        self._skip: dict[int, list[int]] = {}  # id(request) -> [skip run length, steps left to skip]
         self._plain = 0
         self.widths: list[int] = []
 
@@ -205,7 +212,7 @@ class BudgetPolicy:
         """The block size of each request this step: its own, or 1 while it skips the drafter."""
         out = []
         for r, b in zip(requests, sizes):
-            run = self._skip.setdefault(id(r), [0, 0])
+            run = _skip_state(r)
             if self.skip_drafts and run[1] > 0 and b > 1:
                 run[1] -= 1
                 out.append(1)
@@ -222,7 +229,7 @@ class BudgetPolicy:
         drafted = sum(len(a) + 1 for a in acceptance)
         widths, _ = allocate(acceptance, self.costs, self._plain, drafted)
         for r, k in zip(requests, widths):
-            run = self._skip.setdefault(id(r), [0, 0])
+            run = _skip_state(r)
             if k > 0:
                 run[0] = 0
             elif self.skip_drafts:
