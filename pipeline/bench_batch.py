@@ -18,6 +18,10 @@ their prefill) and every batched method (``pipeline.policy.budget.batched_method
 - ``ttft_ms_p50``/``_p99``: first token time - arrival time (queueing and prefill included, ms);
 - ``exact_match``: the share of requests whose text equals their batch-1 ``ar`` text; ``tau``, ``mean_batch``.
 
+With ``bench.labels_dir`` (a label run with replay samples at B), ``foresight`` holds the modelled batched foresight
+bound (``pipeline.policy.budget.batched_foresight_bound``: speedups over batched ``ar`` of ``fixed`` and of widths
+chosen with foresight, per concurrency, on the same cost model): how much of the reachable gain ``budget`` takes.
+
 The JSON has ``batch1_ar_tokens_per_s``, ``by_concurrency["<c>"]["<method>"]`` for the first arrival pattern (burst by
 default) and ``by_arrivals["<pattern>"]`` for each; a Markdown table is written beside it, and a W&B run logs the
 figures. The batched cost model that ``verify_width`` and ``budget`` read is measured once per machine
@@ -214,8 +218,16 @@ def bench_batch(cfg: DictConfig) -> dict:
                 log.info("bench_batch: %s c=%d %s: %.1f tokens/s (%.2fx batch-1 ar), TPOT p50 %.1f ms, exact %.2f",
                          pattern, int(c), method, fig["tokens_per_s"], fig["speedup_vs_batch1_ar"], fig["tpot_ms_p50"],
                          fig["exact_match"])
+    foresight = None
+    if b.get("labels_dir") and costs is not None:
+        from pipeline.dataset import read_label_table
+        from pipeline.policy.budget import batched_foresight_bound
+
+        labels, _ = read_label_table(b.labels_dir)
+        foresight = batched_foresight_bound(labels, costs, block_size, [int(c) for c in b.concurrency])
     first = list(b.arrivals)[0]
     return {
+        "foresight": foresight,
         "batch1_ar_tokens_per_s": batch1, "arrivals": first, "by_concurrency": by_arrivals[first],
         "by_arrivals": by_arrivals, "block_size": block_size, "requests": len(prompts),
         "max_new_tokens": int(b.max_new_tokens), "temperature": float(b.temperature), "rate": float(b.rate),
