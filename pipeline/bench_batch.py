@@ -30,7 +30,6 @@ figures. The batched cost model that ``verify_width`` and ``budget`` read is mea
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import platform

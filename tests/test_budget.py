@@ -5,7 +5,6 @@ model (``pipeline.batch_costs``) has the right shape and is cached."""
 
 from __future__ import annotations
 
-import itertools
 import json
 
 import pandas as pd

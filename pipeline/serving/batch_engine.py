@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 
-from pipeline.decoding.batched import BatchedDecoder, BatchRequest
+from pipeline.decoding.batched import BatchedDecoder
 from pipeline.decoding.schedules import FirstChoice, FixedSchedule
 from pipeline.decoding.speculative import RequestStats, SpeculativeDecoder
 from pipeline.serving.engine import Completion, Engine, Job, Policy, QueueFull
