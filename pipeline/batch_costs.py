@@ -1,5 +1,6 @@
-"""This machine's cost of one batched decode step (``pipeline.policy.budget.BatchCostModel``), measured once per
-machine, models and forward path, and cached like the single-request latency model (``pipeline.labeling.latency``).
+"""The cost of one batched decode step (``BatchCostModel``), measured once per machine, models and forward path, and
+cached like the single-request latency model (``pipeline.labeling.latency``). Module-level imports are the standard
+library and numpy only (the cost layer sits below the policies; the measurement imports torch and the models lazily).
 
 ``measure_batch_costs`` prefills ``max_requests`` random prompts of ``context`` tokens, then times (the least of
 ``repeats`` runs after a warm-up, since other load only adds time) with ``pipeline.models.batched_forward``:
@@ -21,19 +22,103 @@ import json
 import logging
 import os
 import platform
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-import torch
-from transformers import DynamicCache
-
-from pipeline.decoding.sampling import PositionKeyedSampler
-from pipeline.decoding.speculative import SpeculativeDecoder, _now, crop_to
-from pipeline.models.batched_forward import BatchedForward
-from pipeline.models.target import new_cache
-from pipeline.policy.budget import BatchCostModel
+import numpy as np
 
 log = logging.getLogger(__name__)
+
+
+def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Piecewise-linear interpolation, extrapolated linearly from the last two points beyond the ends."""
+    if len(xs) == 1:
+        return float(ys[0])
+    if x <= xs[0]:
+        i = 0
+    elif x >= xs[-1]:
+        i = len(xs) - 2
+    else:
+        i = int(np.searchsorted(xs, x)) - 1
+    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+    return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+@dataclass
+class BatchCostModel:
+    """The cost of one batched step (ms), by total verified rows, drafted rows and requests.
+
+    ``step_ms(R, D, N, N_d) = verify(R) + verify_per_request_ms * (N - 1)
+                              + [D > 0] * (draft(D) + draft_per_request_ms * (N_d - 1))``
+
+    with ``verify`` / ``draft`` interpolated from the measured tables (rows -> ms: the forward, its LM head and
+    sampling, as one request, or rows split over several when more than one request's worth) and the per-request
+    terms the attention, masks and bookkeeping each extra request adds. Measured per machine and forward path by
+    ``pipeline.batch_costs.measure_batch_costs_cached``.
+
+    Attributes:
+        verify_rows, verify_ms: the target-forward table; draft_rows, draft_ms: the drafter-forward table (rows
+        ascending); verify_per_request_ms, draft_per_request_ms: ms per extra request; context: the context length
+        it was measured at (tokens); info: how it was measured.
+    Raises:
+        ValueError: for empty or unsorted tables.
+    """
+
+    verify_rows: list[int]
+    verify_ms: list[float]
+    draft_rows: list[int]
+    draft_ms: list[float]
+    verify_per_request_ms: float = 0.0
+    draft_per_request_ms: float = 0.0
+    context: int = 128
+    info: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, xs, ys in (("verify", self.verify_rows, self.verify_ms), ("draft", self.draft_rows, self.draft_ms)):
+            if not xs or len(xs) != len(ys) or list(xs) != sorted(set(xs)):
+                raise ValueError(f"BatchCostModel: the {name} table needs ascending distinct rows with one ms each, "
+                                 f"got {xs} / {ys}")
+
+    def verify(self, rows: int) -> float:
+        """One target forward over ``rows`` rows (ms)."""
+        return max(1e-6, _interp(rows, self.verify_rows, self.verify_ms))
+
+    def draft(self, rows: int) -> float:
+        """One drafter forward over ``rows`` block rows (ms); 0 for none."""
+        return 0.0 if rows <= 0 else max(0.0, _interp(rows, self.draft_rows, self.draft_ms))
+
+    def step_ms(self, verified_rows: int, drafted_rows: int, requests: int, drafting: int = 0) -> float:
+        """One batched step: a target forward over ``verified_rows`` rows of ``requests`` requests, after a drafter
+        forward over ``drafted_rows`` block rows of ``drafting`` requests (ms)."""
+        ms = self.verify(verified_rows) + self.verify_per_request_ms * max(0, requests - 1)
+        if drafted_rows > 0:
+            ms += self.draft(drafted_rows) + self.draft_per_request_ms * max(0, drafting - 1)
+        return ms
+
+    def to_dict(self) -> dict:
+        return {"verify_rows": list(self.verify_rows), "verify_ms": list(self.verify_ms),
+                "draft_rows": list(self.draft_rows), "draft_ms": list(self.draft_ms),
+                "verify_per_request_ms": self.verify_per_request_ms, "draft_per_request_ms": self.draft_per_request_ms,
+                "context": self.context, "info": self.info}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "BatchCostModel":
+        return cls([int(r) for r in data["verify_rows"]], [float(v) for v in data["verify_ms"]],
+                   [int(r) for r in data["draft_rows"]], [float(v) for v in data["draft_ms"]],
+                   float(data.get("verify_per_request_ms", 0.0)), float(data.get("draft_per_request_ms", 0.0)),
+                   int(data.get("context", 128)), dict(data.get("info", {})))
+
+
+class SoloCosts:
+    """A ``LatencyModel``-like view of a ``BatchCostModel`` for one request alone (``measured_ms(kind, b, L)``), so a
+    single-request ``VerifyWidthSchedule`` can run on the same measured costs (the batched ``verify_width`` method)."""
+
+    def __init__(self, costs: BatchCostModel):
+        self.costs = costs
+
+    def measured_ms(self, kind: str, b: int, context: int) -> float:
+        return self.costs.draft(b) if kind == "draft" else self.costs.verify(b)
 
 
 def monotone(ys: Sequence[float]) -> list[float]:
@@ -49,7 +134,7 @@ def monotone(ys: Sequence[float]) -> list[float]:
     return [m for m, n in blocks for _ in range(int(n))]
 
 
-def measure_batch_costs(decoder: SpeculativeDecoder, block_size: int = 8, context: int = 128, max_requests: int = 16,
+def measure_batch_costs(decoder, block_size: int = 8, context: int = 128, max_requests: int = 16,
                         rows: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128), repeats: int = 3, seed: int = 0
                         ) -> BatchCostModel:
     """Time batched steps on this machine (see the module doc).
@@ -61,6 +146,14 @@ def measure_batch_costs(decoder: SpeculativeDecoder, block_size: int = 8, contex
         ValueError: for repeats < 1, a block size beyond the drafter's limit, or a context that leaves no room for a
             block.
     """
+    import torch
+    from transformers import DynamicCache
+
+    from pipeline.decoding.sampling import PositionKeyedSampler
+    from pipeline.decoding.speculative import _now, crop_to
+    from pipeline.models.batched_forward import BatchedForward
+    from pipeline.models.target import new_cache
+
     if repeats < 1:
         raise ValueError(f"batch cost repeats must be >= 1, got {repeats}")
     has_drafter = decoder.drafter is not None
@@ -154,7 +247,7 @@ def measure_batch_costs(decoder: SpeculativeDecoder, block_size: int = 8, contex
     return BatchCostModel(rows, verify_ms, draft_rows, draft_ms, per_request, draft_per_request, context, info)
 
 
-def measure_batch_costs_cached(decoder: SpeculativeDecoder, block_size: int = 8, context: int = 128,
+def measure_batch_costs_cached(decoder, block_size: int = 8, context: int = 128,
                                max_requests: int = 16, rows: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128),
                                repeats: int = 3, seed: int = 0, cache_dir: str | Path | None = None,
                                identity: dict | None = None) -> BatchCostModel:
@@ -169,6 +262,8 @@ def measure_batch_costs_cached(decoder: SpeculativeDecoder, block_size: int = 8,
             "rows": sorted(int(r) for r in rows), "repeats": int(repeats), "seed": int(seed)}
     if cache_dir is None:
         return measure_batch_costs(decoder, **args)
+    import torch
+
     key = {"identity": identity or {}, "host": platform.node(), "threads": torch.get_num_threads(),
            "forward": decoder.forward_path(), **args}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -23,105 +23,15 @@ request's k chosen alone by its ``VerifyWidthSchedule`` on the single-request co
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
+from pipeline.batch_costs import BatchCostModel, SoloCosts  # noqa: F401  (re-exported: the cost model sits below)
 from pipeline.policy.verify_width import AcceptanceCalibration, expected_tokens, step_acceptances
 
 METHODS = ("ar", "fixed", "verify_width", "budget")
-
-
-def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
-    """Piecewise-linear interpolation, extrapolated linearly from the last two points beyond the ends."""
-    if len(xs) == 1:
-        return float(ys[0])
-    if x <= xs[0]:
-        i = 0
-    elif x >= xs[-1]:
-        i = len(xs) - 2
-    else:
-        i = int(np.searchsorted(xs, x)) - 1
-    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
-    return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
-
-
-@dataclass
-class BatchCostModel:
-    """The cost of one batched step (ms), by total verified rows, drafted rows and requests.
-
-    ``step_ms(R, D, N, N_d) = verify(R) + verify_per_request_ms * (N - 1)
-                              + [D > 0] * (draft(D) + draft_per_request_ms * (N_d - 1))``
-
-    with ``verify`` / ``draft`` interpolated from the measured tables (rows -> ms: the forward, its LM head and
-    sampling, as one request, or rows split over several when more than one request's worth) and the per-request
-    terms the attention, masks and bookkeeping each extra request adds. Measured per machine and forward path by
-    ``pipeline.batch_costs.measure_batch_costs_cached``.
-
-    Attributes:
-        verify_rows, verify_ms: the target-forward table; draft_rows, draft_ms: the drafter-forward table (rows
-        ascending); verify_per_request_ms, draft_per_request_ms: ms per extra request; context: the context length
-        it was measured at (tokens); info: how it was measured.
-    Raises:
-        ValueError: for empty or unsorted tables.
-    """
-
-    verify_rows: list[int]
-    verify_ms: list[float]
-    draft_rows: list[int]
-    draft_ms: list[float]
-    verify_per_request_ms: float = 0.0
-    draft_per_request_ms: float = 0.0
-    context: int = 128
-    info: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        for name, xs, ys in (("verify", self.verify_rows, self.verify_ms), ("draft", self.draft_rows, self.draft_ms)):
-            if not xs or len(xs) != len(ys) or list(xs) != sorted(set(xs)):
-                raise ValueError(f"BatchCostModel: the {name} table needs ascending distinct rows with one ms each, "
-                                 f"got {xs} / {ys}")
-
-    def verify(self, rows: int) -> float:
-        """One target forward over ``rows`` rows (ms)."""
-        return max(1e-6, _interp(rows, self.verify_rows, self.verify_ms))
-
-    def draft(self, rows: int) -> float:
-        """One drafter forward over ``rows`` block rows (ms); 0 for none."""
-        return 0.0 if rows <= 0 else max(0.0, _interp(rows, self.draft_rows, self.draft_ms))
-
-    def step_ms(self, verified_rows: int, drafted_rows: int, requests: int, drafting: int = 0) -> float:
-        """One batched step: a target forward over ``verified_rows`` rows of ``requests`` requests, after a drafter
-        forward over ``drafted_rows`` block rows of ``drafting`` requests (ms)."""
-        ms = self.verify(verified_rows) + self.verify_per_request_ms * max(0, requests - 1)
-        if drafted_rows > 0:
-            ms += self.draft(drafted_rows) + self.draft_per_request_ms * max(0, drafting - 1)
-        return ms
-
-    def to_dict(self) -> dict:
-        return {"verify_rows": list(self.verify_rows), "verify_ms": list(self.verify_ms),
-                "draft_rows": list(self.draft_rows), "draft_ms": list(self.draft_ms),
-                "verify_per_request_ms": self.verify_per_request_ms, "draft_per_request_ms": self.draft_per_request_ms,
-                "context": self.context, "info": self.info}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "BatchCostModel":
-        return cls([int(r) for r in data["verify_rows"]], [float(v) for v in data["verify_ms"]],
-                   [int(r) for r in data["draft_rows"]], [float(v) for v in data["draft_ms"]],
-                   float(data.get("verify_per_request_ms", 0.0)), float(data.get("draft_per_request_ms", 0.0)),
-                   int(data.get("context", 128)), dict(data.get("info", {})))
-
-
-class SoloCosts:
-    """A ``LatencyModel``-like view of a ``BatchCostModel`` for one request alone (``measured_ms(kind, b, L)``), so a
-    single-request ``VerifyWidthSchedule`` can run on the same measured costs (the batched ``verify_width`` method)."""
-
-    def __init__(self, costs: BatchCostModel):
-        self.costs = costs
-
-    def measured_ms(self, kind: str, b: int, context: int) -> float:
-        return self.costs.draft(b) if kind == "draft" else self.costs.verify(b)
 
 
 # ---------------------------------------------------------------------------------------------------

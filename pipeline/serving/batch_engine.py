@@ -28,11 +28,20 @@ import time
 from pipeline.decoding.batched import BatchedDecoder
 from pipeline.decoding.schedules import FirstChoice, FixedSchedule
 from pipeline.decoding.speculative import RequestStats, SpeculativeDecoder
+from pipeline.serving import engine as _engine
 from pipeline.serving.engine import Completion, Engine, Job, Policy, QueueFull
 from pipeline.serving.schemas import DecodeInfo
 from pipeline.serving.text import TextStream
 
 log = logging.getLogger(__name__)
+_HAS_JOB_CANCELLED = hasattr(_engine, "JobCancelled")  # newer engines answer a job cancelled while waiting with it
+
+
+class _NotRaised(Exception):
+    """Stands in for ``JobCancelled`` with an engine that has none (never raised)."""
+
+
+_JobCancelled = getattr(_engine, "JobCancelled", _NotRaised)
 
 
 class _Entry:
@@ -70,6 +79,7 @@ class BatchEngine(Engine):
         self.waiting_limit = int(max_queue)
         self.max_queue = self.waiting_limit + self.max_batch - 1  # the app's check: in_flight >= 1 + max_queue
         self.budget = budget
+        self._admitted: dict[int, Job] = {}  # admitted and not answered, by id(job)
         self.batch = BatchedDecoder(decoder, budget.allocate if budget is not None else None,
                                     budget.plan if budget is not None else None)
         self._inbox: queue.Queue[_Entry | None] = queue.Queue()
@@ -106,6 +116,7 @@ class BatchEngine(Engine):
         if self.in_flight >= 1 + self.max_queue:
             raise QueueFull(f"the queue is full ({self.waiting_limit} waiting + {self.max_batch} running); retry later")
         self.in_flight += 1
+        self._admitted[id(job)] = job
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._idle.clear()
@@ -115,13 +126,27 @@ class BatchEngine(Engine):
         except asyncio.CancelledError:
             job.cancelled.set()  # the caller went away: the scheduler frees the slot at the next step boundary
             raise
+        except _JobCancelled:
+            self.aborted = getattr(self, "aborted", 0) + 1
+            raise
         except Exception:
             self.failed += 1
             raise
         finally:
             self.in_flight -= 1
+            self._admitted.pop(id(job), None)
+        if completion.finish_reason == "abort":
+            self.aborted = getattr(self, "aborted", 0) + 1
         self.served += 1
         return completion
+
+    def cancel_all(self) -> int:
+        """Cancel every admitted request (shutdown): waiting ones end unstarted, running ones leave the batch at the next
+        step boundary. Returns how many were cancelled."""
+        jobs = list(self._admitted.values())
+        for job in jobs:
+            job.cancelled.set()
+        return len(jobs)
 
     # -- the scheduler thread -----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -161,6 +186,9 @@ class BatchEngine(Engine):
         """End requests whose client went away: waiting ones are answered at once, running ones leave the batch."""
         for entry in [e for e in self._pending if e.job.cancelled.is_set()]:
             self._pending.remove(entry)
+            if _HAS_JOB_CANCELLED:  # the batch-1 Engine's answer to a job cancelled before its decode started
+                self._reject(entry, _JobCancelled(f"request {entry.job.request_id} was cancelled before its decode started"))
+                continue
             stats = RequestStats(prompt_tokens=int(entry.job.input_ids.shape[-1]))
             info = DecodeInfo(policy=self.policy.name, block_size=0, block_sizes=[], tau=0.0, steps=0, prefill_ms=0.0,
                               schedule_ms=0.0, decode_ms=0.0, queue_ms=(time.perf_counter() - entry.job.submitted) * 1e3)
