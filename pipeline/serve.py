@@ -73,8 +73,11 @@ def build_engine(cfg: DictConfig, decoder=None):
     options = policy_options(cfg)
     policy = build_policy(str(s.policy), decoder, s.get("block_size"), predictor_dir, list(cfg.model.candidates), options,
                           policy_inputs(cfg, decoder), run_hint(cfg))
-    return Engine(decoder, policy, str(s.model_name), int(s.max_queue), int(s.default_max_tokens), int(s.max_tokens),
-                  int(cfg.decode.seed), build_recorder(cfg, decoder), float(cfg.decode.temperature))
+    from pipeline.serving.batch_engine import BatchEngine  # serve.max_batch > 1: continuous batching
+
+    engine = Engine(decoder, policy, str(s.model_name), int(s.max_queue), int(s.default_max_tokens), int(s.max_tokens),
+                    int(cfg.decode.seed), build_recorder(cfg, decoder), float(cfg.decode.temperature))
+    return BatchEngine.from_engine(engine, int(s.get("max_batch") or 1))
 
 
 def serve_options(cfg: DictConfig):

@@ -1,0 +1,340 @@
+"""Many requests, one step: N active requests advance together, each exactly as ``SpeculativeDecoder.step`` would.
+
+A batched step (``BatchedDecoder.step``) takes every active request's next block size b_i (from its schedule, capped
+by its remaining token budget; a planner may make it 1 = skip the drafter), runs ONE drafter forward over all drafting
+requests' blocks, chooses each request's verify width k_i (its own verify-width policy, a joint allocator such as
+``pipeline.policy.budget.BudgetAllocator``, or b_i - 1), runs ONE target forward over all verified rows (request i
+contributes k_i + 1), then per request keeps the longest matching prefix plus the bonus token, rolls its caches back and
+samples with its own position-keyed sampler. The forwards are ``pipeline.models.batched_forward.BatchedForward``:
+linears once over the concatenated rows, attention per request over its own cache, so each request's logits are bit
+for bit those of its decode alone at the same widths (on the smallm backend; off it, each request's forward runs
+alone). Every k is lossless, so each request's text at T=0 is its autoregressive text whatever the batch's
+composition, arrival order and widths, and at T>0 the same sampled text (position-keyed noise).
+
+Requests join at a step boundary after their own prefill (``BatchedDecoder.add``) and leave when they stop, reach
+``max_new_tokens`` or their ``on_tokens`` callback returns true. ``decode_all`` runs a whole workload with arrivals at
+given step indices (the tests' and ``pipeline.bench_batch``'s driver).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from pipeline.decoding.sampling import PositionKeyedSampler, draft_confidence
+from pipeline.decoding.schedules import BlockSizeSchedule, FixedSchedule
+from pipeline.decoding.speculative import (DecodeConfig, DecodeState, PrefillResult, RequestStats, SpeculativeDecoder,
+                                           _now, crop_to)
+from pipeline.models.batched_forward import BatchedForward
+
+
+@dataclass
+class BatchRequest:
+    """One request in a batch.
+
+    Attributes:
+        rid: the caller's id of the request.
+        config: its decoding settings; schedule: its block-size schedule (B per step; ``choose_width`` when it has one).
+        state: its ``DecodeState`` (caches, pending token, position); sampler: its position-keyed sampler.
+        stats: its ``RequestStats`` (output ids, per-step tau, B, k, confidences, times).
+        block_size: the B its schedule chose for the next step.
+        on_tokens: called with each step's new tokens (the prefill's first token first); a true return ends it.
+        done: finished (stop token, max_new_tokens or halted); halted: ended by ``on_tokens``.
+        arrived_s / first_token_s / finished_s: perf_counter times (s) of its arrival, its first token, its end.
+        token_times: perf_counter time (s) at which each output token was emitted.
+    """
+
+    rid: Any
+    config: DecodeConfig
+    schedule: BlockSizeSchedule
+    state: DecodeState
+    sampler: PositionKeyedSampler
+    stats: RequestStats
+    block_size: int
+    on_tokens: Callable[[list[int]], bool | None] | None = None
+    done: bool = False
+    halted: bool = False
+    arrived_s: float = 0.0
+    first_token_s: float = 0.0
+    finished_s: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens left in its budget (``max_new_tokens`` minus the output so far)."""
+        return self.config.max_new_tokens - self.stats.new_tokens
+
+
+# A joint width choice: given the drafting requests and their drafts' probabilities [b_i - 1] each, the k_i of each.
+Allocator = Callable[[Sequence[BatchRequest], Sequence[torch.Tensor]], Sequence[int]]
+# A block-size plan: given the active requests and the b_i their schedules chose, the b_i to use (1 = skip drafting).
+Planner = Callable[[Sequence[BatchRequest], Sequence[int]], Sequence[int]]
+
+
+class BatchedDecoder:
+    """Advances many requests of one ``SpeculativeDecoder`` together (see the module doc).
+
+    Args:
+        decoder: the loaded decoder (target, drafter, backend); its prefill runs per request.
+        allocator: None (each request's own ``choose_width`` when its schedule has one, else k = b - 1), or a joint
+            width choice over all drafting requests of a step (``pipeline.policy.budget.BudgetAllocator``).
+        planner: None (each request's schedule's B), or a hook that may lower any b_i (1 = a plain step without
+            drafting) before the step's draft.
+    Attributes:
+        active: the requests not yet done, in arrival order; steps: batched steps run; rows: per step, the
+            (verified rows, drafted rows, requests, drafting requests) it ran; step_log: per step (wall ms, tokens
+            emitted).
+    """
+
+    def __init__(self, decoder: SpeculativeDecoder, allocator: Allocator | None = None, planner: Planner | None = None):
+        self.decoder = decoder
+        self.forward = BatchedForward(decoder)
+        self.allocator = allocator
+        self.planner = planner
+        self.active: list[BatchRequest] = []
+        self.steps = 0
+        self.rows: list[tuple[int, int, int, int]] = []
+        self.step_log: list[tuple[float, int]] = []
+
+    # -------------------------------------------------------------------------------------------
+    def add(self, input_ids: torch.Tensor | PrefillResult, schedule: BlockSizeSchedule | int, config: DecodeConfig,
+            rid: Any = None, on_tokens: Callable[[list[int]], bool | None] | None = None,
+            arrived_s: float | None = None) -> BatchRequest:
+        """Prefill a request alone (or take its ``PrefillResult``) and make it join the batch at the next step.
+
+        Args:
+            input_ids: [1, n] or [n] prompt ids, or a prefill already run (with drafter features when B > 1).
+            schedule: its block-size schedule, or an int (a fixed B; 1 = autoregressive, no drafter).
+        Returns:
+            the ``BatchRequest`` (already ``done`` when its first token is a stop token or max_new_tokens is 1).
+        Raises:
+            ValueError: for an empty or too-long prompt, or a block size this decoder cannot run.
+        """
+        dec = self.decoder
+        if isinstance(schedule, int):
+            dec.check_block_size(schedule)
+            schedule = FixedSchedule(schedule)
+        dec.check_block_size(schedule.max_block_size)
+        use_drafter = schedule.max_block_size > 1
+        arrived = _now(dec.device) if arrived_s is None else arrived_s
+        if isinstance(input_ids, PrefillResult):
+            prefill = input_ids
+            dec.check_prompt(prefill.input_ids, config.max_new_tokens)
+            if use_drafter and prefill.features is None:
+                raise ValueError("prefill ran without drafter features; call prefill(want_features=True)")
+        else:
+            prefill = dec.prefill(input_ids, config, want_features=use_drafter)
+        sampler = PositionKeyedSampler(config.temperature, config.seed, dec.lm_head.shape[0])
+        stats = RequestStats(prompt_tokens=prefill.input_ids.shape[1], prefill_ms=prefill.prefill_ms)
+        t0 = _now(dec.device)
+        block_size = schedule.first(prefill.last_logits)
+        stats.schedule_ms = (_now(dec.device) - t0) * 1e3
+        state = dec.new_state(prefill, use_drafter)
+        req = BatchRequest(rid, config, schedule, state, sampler, stats, block_size, on_tokens, arrived_s=arrived)
+        now = _now(dec.device)
+        req.first_token_s = now
+        stats.output_ids.append(state.pending)
+        req.token_times.append(now)
+        stats.stopped = state.pending in dec.stop_ids
+        req.halted = on_tokens is not None and bool(on_tokens([state.pending]))
+        self._finish_if_done(req, now)
+        if not req.done:
+            self.active.append(req)
+        return req
+
+    def _finish_if_done(self, req: BatchRequest, now: float) -> None:
+        if req.halted or req.stats.stopped or req.remaining <= 0:
+            req.done = True
+            req.finished_s = now
+            req.stats.decode_ms = (now - req.first_token_s) * 1e3
+
+    def cancel(self, req: BatchRequest) -> None:
+        """End ``req`` now (a client that went away): it leaves the batch and frees its slot."""
+        if not req.done:
+            req.halted = True
+            self._finish_if_done(req, _now(self.decoder.device))
+        if req in self.active:
+            self.active.remove(req)
+
+    # -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[BatchRequest]:
+        """One batched draft-verify step of every active request; the finished ones leave the batch.
+
+        Returns:
+            the requests that finished in this step.
+        Raises:
+            ValueError: for a block size out of range (checked for every request).
+        """
+        dec = self.decoder
+        reqs = list(self.active)
+        if not reqs:
+            return []
+        t_step = _now(dec.device)
+        for r in reqs:
+            dec.check_block_size(r.block_size)
+        sizes = [min(r.block_size, r.remaining) for r in reqs]
+        if self.planner is not None:
+            planned = [int(b) for b in self.planner(reqs, sizes)]
+            sizes = [max(1, min(p, b)) for p, b in zip(planned, sizes)]
+        mask_id = dec.drafter.mask_token_id if dec.drafter is not None else 0
+        blocks = []
+        for r, b in zip(reqs, sizes):
+            block = torch.full((1, b), mask_id, dtype=torch.long, device=dec.device)
+            block[0, 0] = r.state.pending
+            blocks.append(block)
+
+        # one drafter forward over every drafting request's block
+        drafting = [i for i, b in enumerate(sizes) if b > 1]
+        confidences: list[torch.Tensor | None] = [None] * len(reqs)
+        want_conf = self.allocator is not None
+        if drafting:
+            states = [reqs[i].state for i in drafting]
+            hidden = self.forward.draft_hidden([blocks[i] for i in drafting], [s.features for s in states],
+                                               [s.start for s in states], [s.draft_cache for s in states])
+            for s in states:
+                crop_to(s.draft_cache, s.start)
+                s.features = s.features[:, :0]
+            logits = self.forward.draft_logits([h[0, 1:] for h in hidden])
+            for j, i in enumerate(drafting):
+                r = reqs[i]
+                columns = r.sampler.pick_columns(logits[j], r.state.start + 1, dec.draft_vocab)
+                blocks[i][0, 1:] = columns if dec.draft_vocab is None else dec.draft_vocab[columns]
+                if want_conf or callable(getattr(r.schedule, "choose_width", None)):
+                    confidences[i] = draft_confidence(logits[j], columns, r.sampler.temperature)
+
+        # every request's verify width
+        widths = [0] * len(reqs)
+        if self.allocator is not None and drafting:
+            chosen = self.allocator([reqs[i] for i in drafting], [confidences[i] for i in drafting])
+            for i, k in zip(drafting, chosen):
+                widths[i] = int(k)
+        else:
+            for i in drafting:
+                choose = getattr(reqs[i].schedule, "choose_width", None)
+                widths[i] = int(choose(confidences[i], reqs[i].state.start)) if callable(choose) else sizes[i] - 1
+        widths = [max(0, min(k, b - 1)) for k, b in zip(widths, sizes)]
+
+        # one target forward over every request's k_i + 1 rows
+        verified = [blocks[i][:, : widths[i] + 1] for i in range(len(reqs))]
+        outs = self.forward.target(verified, [r.state.cache for r in reqs], [r.state.start for r in reqs],
+                                   [r.state.draft_cache is not None for r in reqs])
+        self.steps += 1
+        self.rows.append((sum(k + 1 for k in widths), sum(sizes[i] for i in drafting), len(reqs), len(drafting)))
+        now = _now(dec.device)
+        finished = []
+        emitted = 0
+        for i, r in enumerate(reqs):
+            before = r.stats.new_tokens
+            new = self._accept(r, verified[i], outs[i], widths[i], confidences[i])
+            self._record(r, new, sizes[i], now)
+            emitted += r.stats.new_tokens - before
+            if r.done:
+                finished.append(r)
+                self.active.remove(r)
+        self.step_log.append(((now - t_step) * 1e3, emitted))
+        return finished
+
+    def _accept(self, r: BatchRequest, block: torch.Tensor, out, k: int, confidence) -> list[int]:
+        """``SpeculativeDecoder.step``'s acceptance, rollback and state update for one request."""
+        state = r.state
+        logits, new_features = out
+        state.last_width, state.last_confidence = k, confidence
+        target_tokens = r.sampler.pick(logits, state.start + 1)
+        matches = (block[0, 1:] == target_tokens[:-1]).int()
+        accepted = int(matches.cumprod(0).sum()) if k > 0 else 0
+        new = block[0, 1: accepted + 1].tolist() + [int(target_tokens[accepted])]
+        crop_to(state.cache, state.start + accepted + 1)
+        if state.draft_cache is not None:
+            state.features = torch.cat([state.features, new_features[:, : accepted + 1]], dim=1)
+        state.start += accepted + 1
+        state.pending = new[-1]
+        return new
+
+    def _record(self, r: BatchRequest, new: list[int], b: int, now: float) -> None:
+        """``SpeculativeDecoder.decode``'s per-step bookkeeping for one request (stop tokens, stats, schedule)."""
+        stats = r.stats
+        for i, token in enumerate(new):
+            if token in self.decoder.stop_ids:
+                new = new[: i + 1]
+                stats.stopped = True
+                break
+        stats.output_ids.extend(new)
+        r.token_times.extend([now] * len(new))
+        stats.taus.append(len(new))
+        stats.block_sizes.append(b)
+        stats.verify_widths.append(r.state.last_width)
+        conf = r.state.last_confidence
+        stats.confidences.append(float(conf[0]) if conf is not None and len(conf) else None)
+        r.block_size = r.schedule.next(len(new), b)
+        r.halted = r.on_tokens is not None and bool(r.on_tokens(new))
+        self._finish_if_done(r, now)
+
+    def run(self) -> None:
+        """Step until no request is active."""
+        while self.active:
+            self.step()
+
+
+def decode_all(decoder: SpeculativeDecoder, prompts: Sequence[torch.Tensor], schedules: Sequence[BlockSizeSchedule | int],
+               configs: Sequence[DecodeConfig], arrivals: Sequence[int] | None = None, max_batch: int | None = None,
+               allocator: Allocator | None = None, planner: Planner | None = None,
+               arrival_times_s: Sequence[float] | None = None, batch: BatchedDecoder | None = None) -> list[BatchRequest]:
+    """Decode a workload of requests in batched steps.
+
+    Request i becomes ready at batched step ``arrivals[i]`` (default: all at step 0), or, with ``arrival_times_s``, at
+    that many seconds after the start (wall clock; steps wait for the next arrival when nothing is active). Ready
+    requests join in order at the next step boundary while fewer than ``max_batch`` are active (None: no limit), each
+    after its own prefill.
+
+    Args:
+        prompts: [1, n_i] or [n_i] prompt ids; schedules: per request a schedule or a fixed B; configs: per request.
+        batch: the ``BatchedDecoder`` to run on (its ``step_log`` and ``rows`` then describe the run); None: a new one
+            with ``allocator`` and ``planner``.
+    Returns:
+        the ``BatchRequest`` of each prompt, in the order given (all done).
+    Raises:
+        ValueError: when the lists' lengths differ or max_batch < 1.
+    """
+    n = len(prompts)
+    if len(schedules) != n or len(configs) != n or (arrivals is not None and len(arrivals) != n):
+        raise ValueError(f"need one schedule, config (and arrival) per prompt: {n} prompts, {len(schedules)} schedules, "
+                         f"{len(configs)} configs")
+    if max_batch is not None and max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    import time
+
+    batch = batch if batch is not None else BatchedDecoder(decoder, allocator, planner)
+    order = list(range(n))
+    if arrival_times_s is not None:
+        order.sort(key=lambda i: arrival_times_s[i])
+    elif arrivals is not None:
+        order.sort(key=lambda i: arrivals[i])
+    out: list[BatchRequest | None] = [None] * n
+    t0 = time.perf_counter()
+    waiting = list(order)
+    while waiting or batch.active:
+        now_s = time.perf_counter() - t0
+        while waiting and (max_batch is None or len(batch.active) < max_batch):
+            i = waiting[0]
+            if arrival_times_s is not None:
+                if arrival_times_s[i] > now_s:
+                    if not batch.active:
+                        time.sleep(arrival_times_s[i] - now_s)
+                        now_s = time.perf_counter() - t0
+                        continue
+                    break
+                arrived = t0 + arrival_times_s[i]
+            else:
+                if arrivals is not None and arrivals[i] > batch.steps:
+                    if not batch.active:  # nothing to step: the clock jumps to the next arrival
+                        batch.steps = arrivals[i]
+                        continue
+                    break
+                arrived = t0 if arrivals is None else None  # all at once: queueing counts from the start
+            waiting.pop(0)
+            out[i] = batch.add(prompts[i], schedules[i], configs[i], rid=i, arrived_s=arrived)
+        batch.step()
+    return out  # type: ignore[return-value]

@@ -1,0 +1,276 @@
+"""A verify budget for a batched step: every request's verify width k_i chosen jointly.
+
+In a batched step (``pipeline.decoding.batched``) N requests share one target forward over R = sum_i (k_i + 1) rows and
+one drafter forward over the drafting requests' blocks. With a_ij the calibrated acceptance of request i's draft j
+(``AcceptanceCalibration``, as the single-request ``VerifyWidthSchedule`` uses it), the step yields on average
+
+    E = sum_i E_i(k_i),   E_i(k) = 1 + sum_{m<=k} prod_{j<=m} a_ij   tokens,
+
+and costs ``BatchCostModel.step_ms(R, D, N, N_d)`` (ms; D drafted rows over N_d drafting requests, already spent when
+the widths are chosen). ``allocate`` picks the k_i that maximise E / cost. Each E_i's increments g_im = prod_{j<=m} a_ij
+never grow with m (products of probabilities), so for every total width r = sum k_i the best E is the sum of the r
+largest increments over all requests (taken in each request's order: a greedy exchange argument); the allocation is
+the best of those N_d * (b-1) + 1 prefixes, exactly the optimum (``tests/test_budget.py`` brute-forces small cases).
+
+A request whose drafts do not pay gets k_i = 0 (a plain step) and, through ``BudgetPolicy.plan``, skips the drafter for
+the next 1, 2, 4, ... ``max_skip`` steps before it looks again (the rule ``VerifyWidthSchedule`` uses alone).
+
+Batched methods (``batched_method``): ``ar`` (B = 1 for all), ``fixed`` (k = B - 1 for all), ``verify_width`` (each
+request's k chosen alone by its ``VerifyWidthSchedule`` on the single-request costs), ``budget`` (joint, this module).
+``batched_foresight_bound`` models how much any width choice could gain at a given concurrency.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from pipeline.batch_costs import BatchCostModel, SoloCosts  # noqa: F401  (re-exported: the cost model sits below)
+from pipeline.policy.verify_width import AcceptanceCalibration, expected_tokens, step_acceptances
+
+METHODS = ("ar", "fixed", "verify_width", "budget")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the joint allocation
+# ---------------------------------------------------------------------------------------------------
+def allocate(acceptance: Sequence[torch.Tensor], costs: BatchCostModel | Callable[[int], float], plain_requests: int = 0,
+             drafted_rows: int = 0) -> tuple[list[int], float]:
+    """The verify widths k_i (0..len(a_i)) of the drafting requests that maximise the step's expected tokens per ms.
+
+    Args:
+        acceptance: per drafting request, [b_i - 1] calibrated acceptance probabilities of its drafts (in order).
+        costs: a ``BatchCostModel`` (step_ms over all N = drafting + ``plain_requests`` requests, with
+            ``drafted_rows`` drafted), or a callable ``total verified rows -> ms`` of the whole step.
+        plain_requests: requests in the same step that verify one row without drafting (1 token each).
+        drafted_rows: block rows the step's drafter forward ran (its cost is the same for every k).
+    Returns:
+        ([k_i] per drafting request, the step's expected tokens per ms at that choice). Ties go to the narrower step.
+    """
+    n_d = len(acceptance)
+    n = n_d + int(plain_requests)
+    if callable(costs) and not isinstance(costs, BatchCostModel):
+        step_ms = costs
+    else:
+        step_ms = lambda rows: costs.step_ms(rows, drafted_rows, n, n_d)  # noqa: E731
+    gains = []  # (increment, request, column) for every draft
+    for i, a in enumerate(acceptance):
+        a = torch.as_tensor(a, dtype=torch.float64).reshape(-1)
+        inc = torch.cumprod(a, 0) if len(a) else a
+        gains.extend((float(g), i, m) for m, g in enumerate(inc.tolist(), start=1))
+    gains.sort(key=lambda t: (-t[0], t[1], t[2]))  # per request increments never grow, so its columns stay in order
+    best_r, best = 0, n / step_ms(n)
+    total = float(n)
+    for r, (g, _, _) in enumerate(gains, start=1):
+        total += g
+        rate = total / step_ms(n + r)
+        if rate > best + 1e-12:
+            best_r, best = r, rate
+    widths = [0] * n_d
+    for g, i, m in gains[:best_r]:
+        widths[i] = max(widths[i], m)
+    return widths, best
+
+
+def brute_force_allocate(acceptance: Sequence[torch.Tensor], step_ms: Callable[[int], float], plain_requests: int = 0
+                         ) -> tuple[list[int], float]:
+    """``allocate`` by trying every combination of widths (small cases only; the tests' reference)."""
+    import itertools
+
+    n = len(acceptance) + plain_requests
+    expected = [expected_tokens(a).tolist() for a in acceptance]
+    best, best_k = -1.0, None
+    for ks in itertools.product(*[range(len(e)) for e in expected]):
+        rate = (plain_requests + sum(e[k] for e, k in zip(expected, ks))) / step_ms(n + sum(ks))
+        if rate > best + 1e-12:
+            best, best_k = rate, list(ks)
+    return best_k or [], best
+
+
+def _skip_state(request) -> list[int]:
+    """[skip run length, steps left to skip] of a request, kept on the request itself."""
+    state = request.__dict__.get("budget_skip")
+    if state is None:
+        state = request.__dict__["budget_skip"] = [0, 0]
+    return state
+
+
+class BudgetPolicy:
+    """The ``budget`` method for ``BatchedDecoder``: ``plan`` (skip the drafter for requests whose drafts did not pay)
+    and ``allocate`` (the joint widths), one object passed as both ``planner`` and ``allocator``.
+
+    Args:
+        calibration: the drafts' acceptance calibration; costs: this machine's ``BatchCostModel``.
+        skip_drafts: skip the drafter after a step that gave a request k = 0; max_skip: the longest skip run (steps).
+    Attributes:
+        widths: every k it chose, in order.
+    """
+
+    def __init__(self, calibration: AcceptanceCalibration, costs: BatchCostModel, skip_drafts: bool = True,
+                 max_skip: int = 8):
+        if int(max_skip) < 0:
+            raise ValueError(f"max_skip must be >= 0, got {max_skip}")
+        self.calibration, self.costs = calibration, costs
+        self.skip_drafts, self.max_skip = bool(skip_drafts), int(max_skip)
+        self._plain = 0
+        self.widths: list[int] = []
+
+    def plan(self, requests: Sequence, sizes: Sequence[int]) -> list[int]:
+        """The block size of each request this step: its own, or 1 while it skips the drafter."""
+        out = []
+        for r, b in zip(requests, sizes):
+            run = _skip_state(r)
+            if self.skip_drafts and run[1] > 0 and b > 1:
+                run[1] -= 1
+                out.append(1)
+            else:
+                out.append(int(b))
+        self._plain = sum(1 for b in out if b <= 1)
+        return out
+
+    __call__ = plan  # the planner hook
+
+    def allocate(self, requests: Sequence, confidences: Sequence[torch.Tensor]) -> list[int]:
+        """The joint widths of the step's drafting requests (``allocate`` on the calibrated acceptances)."""
+        acceptance = [self.calibration.predict(c) if c is not None and len(c) else torch.zeros(0) for c in confidences]
+        drafted = sum(len(a) + 1 for a in acceptance)
+        widths, _ = allocate(acceptance, self.costs, self._plain, drafted)
+        for r, k in zip(requests, widths):
+            run = _skip_state(r)
+            if k > 0:
+                run[0] = 0
+            elif self.skip_drafts:
+                run[0] = min(max(1, 2 * run[0]), self.max_skip)
+                run[1] = run[0]
+        self.widths.extend(widths)
+        return widths
+
+
+def batched_method(method: str, block_size: int, calibration: AcceptanceCalibration | None = None,
+                   costs: BatchCostModel | None = None, max_skip: int = 8):
+    """What ``BatchedDecoder`` / ``decode_all`` need for a batched method: (schedule factory, allocator, planner).
+
+    Args:
+        method: ``ar``, ``fixed``, ``verify_width`` or ``budget``.
+        block_size: B drafted by ``fixed``, ``verify_width`` and ``budget``.
+    Returns:
+        (a function ``() -> schedule`` for each new request, allocator or None, planner or None).
+    Raises:
+        ValueError: for another method, B < 2 for a drafting method, or a missing calibration / cost model.
+    """
+    from pipeline.decoding.schedules import FixedSchedule
+    from pipeline.policy.verify_width import VerifyWidthSchedule
+
+    if method not in METHODS:
+        raise ValueError(f"batched method must be one of {list(METHODS)}, got {method!r}")
+    if method == "ar":
+        return (lambda: FixedSchedule(1)), None, None
+    if int(block_size) < 2:
+        raise ValueError(f"method {method} drafts blocks of B >= 2, got B={block_size}")
+    if method == "fixed":
+        return (lambda: FixedSchedule(block_size)), None, None
+    if calibration is None or costs is None:
+        raise ValueError(f"method {method} needs an acceptance calibration and a BatchCostModel "
+                         "(pipeline.batch_costs.measure_batch_costs_cached)")
+    if method == "verify_width":
+        solo = SoloCosts(costs)
+        return (lambda: VerifyWidthSchedule(calibration, solo, block_size, max_skip=max_skip)), None, None
+    policy = BudgetPolicy(calibration, costs, max_skip=max_skip)
+    return (lambda: FixedSchedule(block_size)), policy.allocate, policy.plan
+
+
+# ---------------------------------------------------------------------------------------------------
+# the batched foresight bound (modelled)
+# ---------------------------------------------------------------------------------------------------
+def simulate_batched(requests: Sequence[tuple[int, list[int]]], costs: BatchCostModel, block_size: int,
+                     concurrency: int, policy: str) -> dict:
+    """Modelled tokens per ms of a workload decoded in batched steps at ``concurrency`` slots (requests join as slots
+    free, all ready at the start).
+
+    Args:
+        requests: per request (new tokens n, accepted drafts of each step of its replay at ``block_size``).
+        policy: ``ar`` (1 row each), ``fixed`` (B rows each, the replay's acceptances), ``foresight`` (a request
+            verifies exactly its step's accepted drafts, and skips the drafter when that is 0), ``foresight_drafting``
+            (the same, but every request drafts every step).
+    Returns:
+        {"tokens", "ms", "tokens_per_ms", "steps"}.
+    """
+    b = int(block_size)
+    queue = [(int(n), list(steps)) for n, steps in requests]
+    active: list[list] = []  # [emitted, n, step index, steps]
+    tokens = ms = 0.0
+    n_steps = 0
+    while queue or active:
+        while queue and len(active) < concurrency:
+            n, steps = queue.pop(0)
+            active.append([1, n, 0, steps])  # the prefill's token
+            tokens += 1
+        active = [a for a in active if a[0] < a[1]]
+        if not active:
+            continue
+        rows = drafted = drafting = 0
+        for a in active:
+            emitted, n, s, steps = a
+            width = min(b, n - emitted)
+            if policy == "ar" or width < 2:
+                acc, q, d = 0, 1, 0
+            else:
+                acc = min(steps[s] if s < len(steps) else 0, width - 1)
+                if policy == "fixed":
+                    q, d = width, width
+                elif policy == "foresight":
+                    q, d = acc + 1, (width if acc > 0 else 0)
+                else:
+                    q, d = acc + 1, width
+                a[2] += 1
+            rows += q
+            drafted += d
+            drafting += int(d > 0)
+            gained = min(acc + 1, n - emitted)
+            a[0] += gained
+            tokens += gained
+        ms += costs.step_ms(rows, drafted, len(active), drafting)
+        n_steps += 1
+    return {"tokens": tokens, "ms": ms, "tokens_per_ms": tokens / ms if ms else math.nan, "steps": n_steps}
+
+
+def batched_foresight_bound(labels, costs: BatchCostModel, block_size: int, concurrency: Sequence[int],
+                            ids: set[str] | None = None) -> dict:
+    """Modelled speedups over batched ``ar`` of batched ``fixed`` and of foresight widths, per concurrency.
+
+    The batched form of ``pipeline.policy.verify_width.foresight_bound``: every labelled request's replay at
+    ``block_size`` is decoded (in the model) with ``concurrency`` requests sharing each step, costs from ``costs``.
+    No width policy (``verify_width`` or ``budget``) can beat ``foresight`` with this drafter on this cost curve.
+
+    Args:
+        labels: label rows with ``conf_block``/``conf_column``/``conf_ok``, ``candidates``, ``new_tokens``.
+    Returns:
+        {"block_size", "by_concurrency": {"<c>": {"requests", "fixed", "foresight", "foresight_drafting"}}} (x ar).
+    Raises:
+        ValueError: when no request has replay samples at ``block_size``.
+    """
+    b = int(block_size)
+    work = []
+    for _, row in labels.iterrows():
+        if ids is not None and str(row["id"]) not in ids:
+            continue
+        candidates = [int(c) for c in row["candidates"]]
+        if b not in candidates or row.get("conf_block") is None:
+            continue
+        keep = np.asarray(row["conf_block"]) == b
+        if not keep.any():
+            continue
+        steps = step_acceptances(np.asarray(row["conf_column"])[keep], np.asarray(row["conf_ok"])[keep])
+        work.append((int(row["new_tokens"][candidates.index(b)]), steps))
+    if not work:
+        raise ValueError(f"no labelled request has verify-width samples at B={b}: label with B={b} among the candidates "
+                         "and label.record_confidence=true")
+    out = {}
+    for c in concurrency:
+        ar = simulate_batched(work, costs, b, int(c), "ar")["tokens_per_ms"]
+        out[str(c)] = {"requests": len(work), **{p: simulate_batched(work, costs, b, int(c), p)["tokens_per_ms"] / ar
+                                                 for p in ("fixed", "foresight", "foresight_drafting")}}
+    return {"block_size": b, "by_concurrency": out}

@@ -1,0 +1,282 @@
+"""Continuous batching for the server: up to ``serve.max_batch`` requests share every draft-verify step.
+
+``BatchEngine`` has ``Engine``'s interface (``run``, streaming through ``Job.on_text``, ``QueueFull``, cancellation
+through ``Job.cancelled``, ``decode_config``, ``check_block_size``, ``drain``, ``close``, the counters ``/health``
+reads) and runs one scheduler thread around a ``pipeline.decoding.batched.BatchedDecoder``: between two batched steps
+it admits waiting requests while fewer than ``max_batch`` run (each prefilled alone, then joining at the step
+boundary), ends requests whose client went away (the slot frees at once: ``finish_reason`` ``abort``), and after each
+step answers the requests that finished. Each request's text is the one it would get alone (batched steps are
+lossless and, on the smallm backend, bit-identical per request).
+
+Admission: ``max_batch`` running + ``max_queue`` waiting; more get ``QueueFull`` (503). The ``max_queue`` attribute the
+app reads holds ``max_queue + max_batch - 1`` so that its check ``in_flight >= 1 + max_queue`` counts every slot.
+Policies: every ``serve.policy`` schedule (each request's own, verify-width ones choosing k alone), or ``budget``
+(``pipeline.policy.budget.BudgetPolicy``: the widths chosen jointly). Not supported here: the recorder, and chunked
+prefills (a long prompt's prefill stalls the running requests for its duration).
+
+    python -m pipeline.serve serve.max_batch=8            # continuous batching (serve.max_batch=1: the batch-1 Engine)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+
+from pipeline.decoding.batched import BatchedDecoder
+from pipeline.decoding.schedules import FirstChoice, FixedSchedule
+from pipeline.decoding.speculative import RequestStats, SpeculativeDecoder
+from pipeline.serving import engine as _engine
+from pipeline.serving.engine import Completion, Engine, Job, Policy, QueueFull
+from pipeline.serving.schemas import DecodeInfo
+from pipeline.serving.text import TextStream
+
+log = logging.getLogger(__name__)
+_HAS_JOB_CANCELLED = hasattr(_engine, "JobCancelled")  # newer engines answer a job cancelled while waiting with it
+
+
+class _NotRaised(Exception):
+    """Stands in for ``JobCancelled`` with an engine that has none (never raised)."""
+
+
+_JobCancelled = getattr(_engine, "JobCancelled", _NotRaised)
+
+
+class _Entry:
+    """A job inside the scheduler: its future, loop, text stream and batch request."""
+
+    __slots__ = ("job", "future", "loop", "stream", "schedule", "request", "policy", "queue_ms")
+
+    def __init__(self, job: Job, future: asyncio.Future, loop: asyncio.AbstractEventLoop):
+        self.job, self.future, self.loop = job, future, loop
+        self.stream = self.schedule = self.request = self.policy = None
+        self.queue_ms = 0.0
+
+
+class BatchEngine(Engine):
+    """Runs requests through one ``SpeculativeDecoder`` in batched steps (see the module doc).
+
+    Args:
+        as ``Engine``, plus max_batch: the most requests decoding together (>= 1); budget: a
+        ``pipeline.policy.budget.BudgetPolicy`` choosing every step's widths jointly (None: each request's schedule).
+    Raises:
+        ValueError: for max_batch < 1, max_queue < 0, or a recorder (not supported with batching).
+    """
+
+    def __init__(self, decoder: SpeculativeDecoder, policy: Policy, model_name: str, max_queue: int = 64,
+                 default_max_tokens: int = 256, max_tokens: int = 4096, default_seed: int = 0, recorder=None,
+                 default_temperature: float = 0.0, max_batch: int = 8, budget=None):
+        if int(max_batch) < 1:
+            raise ValueError(f"serve.max_batch must be >= 1, got {max_batch}")
+        if recorder is not None:
+            raise ValueError("serve.record=true is not supported with serve.max_batch > 1; record with serve.max_batch=1")
+        super().__init__(decoder, policy, model_name, max_queue, default_max_tokens, max_tokens, default_seed, None,
+                         default_temperature)
+        self.executor.shutdown(wait=False)  # the batch-1 worker is not used
+        self.max_batch = int(max_batch)
+        self.waiting_limit = int(max_queue)
+        self.max_queue = self.waiting_limit + self.max_batch - 1  # the app's check: in_flight >= 1 + max_queue
+        self.budget = budget
+        self._admitted: dict[int, Job] = {}  # admitted and not answered, by id(job)
+        self.batch = BatchedDecoder(decoder, budget.allocate if budget is not None else None,
+                                    budget.plan if budget is not None else None)
+        self._inbox: queue.Queue[_Entry | None] = queue.Queue()
+        self._pending: list[_Entry] = []
+        self._running: dict[int, _Entry] = {}  # id(BatchRequest) -> entry
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._loop, name="batch-decoder", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine(cls, engine: Engine, max_batch: int, budget=None) -> Engine:
+        """``engine`` itself when ``max_batch`` <= 1, else a ``BatchEngine`` with its settings (``engine`` is closed).
+
+        Raises:
+            ValueError: as the constructor (a recorder with max_batch > 1).
+        """
+        if max_batch is None or int(max_batch) <= 1:
+            return engine
+        batched = cls(engine.decoder, engine.policy, engine.model_name, engine.max_queue, engine.default_max_tokens,
+                      engine.max_tokens, engine.default_seed, engine.recorder, engine.default_temperature,
+                      int(max_batch), budget)
+        engine.close()
+        return batched
+
+    # -- the event loop's side ----------------------------------------------------------------------
+    async def run(self, job: Job) -> Completion:
+        """Admit ``job`` and wait for its completion (decoded in batched steps by the scheduler thread).
+
+        Raises:
+            QueueFull: when ``max_batch + max_queue`` requests are in flight.
+            Exception: whatever its decode raised (the server answers 500 and keeps serving).
+        """
+        if self.in_flight >= 1 + self.max_queue:
+            raise QueueFull(f"the queue is full ({self.waiting_limit} waiting + {self.max_batch} running); retry later")
+        self.in_flight += 1
+        self._admitted[id(job)] = job
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._idle.clear()
+        self._inbox.put(_Entry(job, future, loop))
+        try:
+            completion = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            job.cancelled.set()  # the caller went away: the scheduler frees the slot at the next step boundary
+            raise
+        except _JobCancelled:
+            self.aborted = getattr(self, "aborted", 0) + 1
+            raise
+        except Exception:
+            self.failed += 1
+            raise
+        finally:
+            self.in_flight -= 1
+            self._admitted.pop(id(job), None)
+        if completion.finish_reason == "abort":
+            self.aborted = getattr(self, "aborted", 0) + 1
+        self.served += 1
+        return completion
+
+    def cancel_all(self) -> int:
+        """Cancel every admitted request (shutdown): waiting ones end unstarted, running ones leave the batch at the next
+        step boundary. Returns how many were cancelled."""
+        jobs = list(self._admitted.values())
+        for job in jobs:
+            job.cancelled.set()
+        return len(jobs)
+
+    # -- the scheduler thread -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            if not self._pending and not self._running:
+                self._idle.set()
+                entry = self._inbox.get()
+                if entry is None:
+                    return
+                self._pending.append(entry)
+            while True:
+                try:
+                    entry = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if entry is None:
+                    self._fail_all(RuntimeError("the server is shutting down"))
+                    return
+                self._pending.append(entry)
+            self._drop_cancelled()
+            while self._pending and len(self._running) < self.max_batch:
+                self._admit(self._pending.pop(0))
+            if not self.batch.active:
+                continue
+            try:
+                finished = self.batch.step()
+            except Exception as err:  # a failed step fails the requests in it; the engine keeps serving
+                log.exception("batched step failed")
+                for req in list(self.batch.active):
+                    self.batch.cancel(req)
+                    self._reject(self._running.pop(id(req)), err)
+                continue
+            for req in finished:
+                self._complete(self._running.pop(id(req)))
+
+    def _drop_cancelled(self) -> None:
+        """End requests whose client went away: waiting ones are answered at once, running ones leave the batch."""
+        for entry in [e for e in self._pending if e.job.cancelled.is_set()]:
+            self._pending.remove(entry)
+            if _HAS_JOB_CANCELLED:  # the batch-1 Engine's answer to a job cancelled before its decode started
+                self._reject(entry, _JobCancelled(f"request {entry.job.request_id} was cancelled before its decode started"))
+                continue
+            stats = RequestStats(prompt_tokens=int(entry.job.input_ids.shape[-1]))
+            info = DecodeInfo(policy=self.policy.name, block_size=0, block_sizes=[], tau=0.0, steps=0, prefill_ms=0.0,
+                              schedule_ms=0.0, decode_ms=0.0, queue_ms=(time.perf_counter() - entry.job.submitted) * 1e3)
+            entry.loop.call_soon_threadsafe(_settle, entry.future, Completion("", "abort", [], stats, info), None)
+        for key, entry in list(self._running.items()):
+            if entry.job.cancelled.is_set() and not entry.request.done:
+                self.batch.cancel(entry.request)
+                self._complete(self._running.pop(key))
+
+    def _admit(self, entry: _Entry) -> None:
+        job = entry.job
+        entry.queue_ms = (time.perf_counter() - job.submitted) * 1e3
+        if job.block_size is not None:
+            entry.policy, schedule = "request", FixedSchedule(int(job.block_size))
+        else:
+            entry.policy, schedule = (self.policy.name if self.budget is None else "budget"), self.policy.make()
+        entry.schedule = FirstChoice(schedule)
+        entry.stream = stream = TextStream(self.tokenizer, job.stops)
+
+        def on_tokens(ids: list[int]) -> bool:
+            delta = stream.push(ids)
+            if delta and job.on_text is not None:
+                job.on_text(delta)
+            return stream.stopped or job.cancelled.is_set()
+
+        try:
+            req = self.batch.add(job.input_ids, entry.schedule, job.config, rid=job.request_id, on_tokens=on_tokens)
+        except Exception as err:
+            self._reject(entry, err)
+            return
+        entry.request = req
+        if req.done:
+            self._complete(entry)
+        else:
+            self._running[id(req)] = entry
+
+    def _complete(self, entry: _Entry) -> None:
+        job, req, stream = entry.job, entry.request, entry.stream
+        stats = req.stats
+        tail = stream.finish()
+        if tail and job.on_text is not None:
+            job.on_text(tail)
+        if job.cancelled.is_set() and not stream.stopped:
+            reason = "abort"
+        elif stream.stopped or stats.stopped:
+            reason = "stop"
+        else:
+            reason = "length"
+        info = DecodeInfo(policy=entry.policy, block_size=int(entry.schedule.chosen), block_sizes=sorted(set(stats.block_sizes)),
+                          tau=stats.tau, steps=len(stats.taus), prefill_ms=stats.prefill_ms, schedule_ms=stats.schedule_ms,
+                          decode_ms=stats.decode_ms, queue_ms=entry.queue_ms)
+        completion = Completion(stream.text, reason, list(stats.output_ids), stats, info)
+        entry.loop.call_soon_threadsafe(_settle, entry.future, completion, None)
+
+    def _reject(self, entry: _Entry, err: BaseException) -> None:
+        entry.loop.call_soon_threadsafe(_settle, entry.future, None, err)
+
+    def _fail_all(self, err: BaseException) -> None:
+        for entry in self._pending:
+            self._reject(entry, err)
+        for entry in self._running.values():
+            self._reject(entry, err)
+        self._pending, self._running = [], {}
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def drain(self, timeout_s: float = 600.0) -> None:
+        """Wait (at most ``timeout_s``) until every admitted request has been answered."""
+        deadline = time.monotonic() + timeout_s
+        while not self._idle.wait(timeout=0.05) or not self._inbox.empty():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"requests still running after {timeout_s} s")
+
+    def close(self) -> None:
+        """Finish the admitted requests and stop the scheduler (a second call does nothing)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.drain()
+        finally:
+            self._inbox.put(None)
+            self._thread.join(timeout=60)
+
+
+def _settle(future: asyncio.Future, result, err) -> None:
+    if future.done():
+        return
+    if err is not None:
+        future.set_exception(err)
+    else:
+        future.set_result(result)

@@ -1,0 +1,152 @@
+"""The verify budget (``pipeline.policy.budget``): the joint allocation is the optimum (brute-forced on small cases,
+and known answers on constructed ones), the budget policy skips drafting after a step that did not pay, the cost
+model interpolates and round-trips, the batched foresight bound orders the policies as it must, and the measured cost
+model (``pipeline.batch_costs``) has the right shape and is cached."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.batch_costs import measure_batch_costs_cached, monotone
+from pipeline.policy.budget import (METHODS, BatchCostModel, BudgetPolicy, SoloCosts, allocate, batched_foresight_bound,
+                                    batched_method, brute_force_allocate, simulate_batched)
+from pipeline.policy.verify_width import AcceptanceCalibration
+
+
+def _linear_costs(base: float = 10.0, per_row: float = 1.0, per_request: float = 0.0, draft: float = 0.0):
+    return BatchCostModel([1, 64], [base + per_row, base + 64 * per_row], [1, 64], [draft, draft],
+                          verify_per_request_ms=per_request)
+
+
+def test_allocation_known_answers():
+    # free rows (a flat cost curve): verify every draft with any chance of acceptance
+    flat = BatchCostModel([1, 64], [10.0, 10.0], [1, 64], [0.0, 0.0])
+    widths, rate = allocate([torch.tensor([0.9, 0.5, 0.1]), torch.tensor([0.2, 0.2])], flat)
+    assert widths == [3, 2]
+    assert rate == pytest.approx((2 + 0.9 + 0.45 + 0.045 + 0.2 + 0.04) / 10.0)
+    # rows as dear as a whole step: nothing pays, every request takes a plain step
+    dear = _linear_costs(base=0.0, per_row=10.0)
+    assert allocate([torch.tensor([0.9, 0.9]), torch.tensor([0.5])], dear)[0] == [0, 0]
+    # base 10 ms + 1 ms per row, two requests: the sure drafts pay, the doubtful ones do not
+    widths, _ = allocate([torch.tensor([1.0, 1.0, 0.01]), torch.tensor([0.01, 0.9])], _linear_costs())
+    assert widths == [2, 0]
+    # plain requests in the step share its cost: (1 + 1 + 0.5) / 13 beats (1 + 1) / 12
+    assert allocate([torch.tensor([0.5])], lambda rows: 10.0 + rows, plain_requests=1)[0] == [1]
+    assert allocate([], _linear_costs(), plain_requests=3) == ([], pytest.approx(3 / 13))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(probs=st.lists(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=4), min_size=1, max_size=3),
+       plain=st.integers(0, 2), base=st.floats(0.5, 30.0), per_row=st.floats(0.0, 5.0),
+       knee=st.integers(1, 8), steep=st.floats(0.0, 10.0))
+def test_allocation_is_the_brute_force_optimum(probs, plain, base, per_row, knee, steep):
+    """On any non-decreasing cost curve (here piecewise linear with a knee), the greedy prefix equals the best of all
+    width combinations."""
+    acceptance = [torch.tensor(p, dtype=torch.float64) for p in probs]
+
+    def step_ms(rows: int) -> float:
+        return base + per_row * rows + steep * max(0, rows - knee)
+
+    widths, rate = allocate(acceptance, step_ms, plain)
+    best_widths, best = brute_force_allocate(acceptance, step_ms, plain)
+    assert rate == pytest.approx(best, rel=1e-9)
+    expected = [1.0 + sum(float(torch.prod(a[:m])) for m in range(1, k + 1)) for a, k in zip(acceptance, widths)]
+    assert (plain + sum(expected)) / step_ms(plain + len(probs) + sum(widths)) == pytest.approx(best, rel=1e-9)
+
+
+def test_cost_model_interpolates_and_round_trips():
+    costs = BatchCostModel([1, 4, 16], [10.0, 12.0, 30.0], [8, 16], [5.0, 7.0], verify_per_request_ms=0.5,
+                           draft_per_request_ms=0.25)
+    assert costs.verify(2) == pytest.approx(10 + 2 / 3 * 1)
+    assert costs.verify(32) == pytest.approx(30 + 16 * 1.5)  # linear beyond the table
+    assert costs.step_ms(4, 0, 3) == pytest.approx(12 + 1.0)
+    assert costs.step_ms(4, 16, 3, 2) == pytest.approx(12 + 1.0 + 7 + 0.25)
+    assert BatchCostModel.from_dict(json.loads(json.dumps(costs.to_dict()))) == costs
+    assert SoloCosts(costs).measured_ms("verify", 4, 100) == 12.0 and SoloCosts(costs).measured_ms("draft", 8, 9) == 5.0
+    with pytest.raises(ValueError, match="ascending"):
+        BatchCostModel([4, 1], [1.0, 2.0], [1], [1.0])
+    assert monotone([3.0, 1.0, 2.0, 5.0, 4.0]) == [2.0, 2.0, 2.0, 4.5, 4.5]
+
+
+class _Req:
+    pass
+
+
+def test_budget_policy_skips_the_drafter_after_an_unpaid_step():
+    calibration = AcceptanceCalibration([0.0] * 4, [1.0] * 4)  # a_j = p_j
+    policy = BudgetPolicy(calibration, _linear_costs(base=10.0, per_row=4.0), max_skip=4)
+    good, bad = _Req(), _Req()
+    assert policy.plan([good, bad], [4, 4]) == [4, 4]
+    widths = policy.allocate([good, bad], [torch.tensor([0.999, 0.999, 0.999]), torch.tensor([0.01, 0.01, 0.01])])
+    assert widths[0] == 3 and widths[1] == 0
+    # the bad request skips 1 step, then drafts again; after a second miss it skips 2
+    assert policy.plan([good, bad], [4, 4]) == [4, 1]
+    assert policy.plan([good, bad], [4, 4]) == [4, 4]
+    policy.allocate([good, bad], [torch.tensor([0.999] * 3), torch.tensor([0.01] * 3)])
+    assert [policy.plan([good, bad], [4, 4])[1] for _ in range(3)] == [1, 1, 4]
+    with pytest.raises(ValueError, match="max_skip"):
+        BudgetPolicy(calibration, _linear_costs(), max_skip=-1)
+
+
+def test_batched_methods():
+    calibration = AcceptanceCalibration([0.0] * 4, [1.0] * 4)
+    costs = _linear_costs()
+    assert batched_method("ar", 8)[0]().block_size == 1
+    assert batched_method("fixed", 8)[0]().block_size == 8
+    make, allocator, planner = batched_method("verify_width", 8, calibration, costs)
+    assert callable(getattr(make(), "choose_width")) and allocator is None and planner is None
+    make, allocator, planner = batched_method("budget", 8, calibration, costs)
+    assert make().block_size == 8 and allocator is not None and planner is not None
+    assert set(METHODS) == {"ar", "fixed", "verify_width", "budget"}
+    with pytest.raises(ValueError, match="one of"):
+        batched_method("greedy", 8)
+    with pytest.raises(ValueError, match="calibration"):
+        batched_method("budget", 8)
+    with pytest.raises(ValueError, match="B >= 2"):
+        batched_method("fixed", 1)
+
+
+def test_batched_foresight_bound_orders_the_policies():
+    # two requests of 9 tokens, B = 4: one accepts every draft, one none
+    work = [(9, [3, 3, 3]), (9, [0] * 8)]
+    costs = _linear_costs(base=10.0, per_row=1.0, draft=2.0)
+    ar = simulate_batched(work, costs, 4, 2, "ar")
+    assert ar == {"tokens": 18.0, "ms": 8 * 12.0, "tokens_per_ms": 18 / 96.0, "steps": 8}
+    sight = simulate_batched(work, costs, 4, 2, "foresight")
+    # the good request finishes in 2 steps (1 + 4 + 4 tokens): steps 1-2 cost 10 + 5 rows + 2 (draft), then 6 plain
+    assert sight["ms"] == pytest.approx(2 * (10 + 5 + 2) + 6 * 11) and sight["tokens"] == 18
+    fixed = simulate_batched(work, costs, 4, 2, "fixed")
+    drafting = simulate_batched(work, costs, 4, 2, "foresight_drafting")
+    assert sight["tokens_per_ms"] >= drafting["tokens_per_ms"] >= fixed["tokens_per_ms"]
+    # one slot: requests run one after the other
+    assert simulate_batched(work, costs, 4, 1, "ar")["steps"] == 16
+    labels = pd.DataFrame([{"id": "a", "candidates": [1, 4], "new_tokens": [9, 9], "prompt_tokens": 5, "source_set": "x",
+                            "conf_block": [4] * 9, "conf_column": [1, 2, 3] * 3, "conf_ok": [True] * 9},
+                           {"id": "b", "candidates": [1, 4], "new_tokens": [9, 9], "prompt_tokens": 5, "source_set": "x",
+                            "conf_block": [4] * 8, "conf_column": [1] * 8, "conf_ok": [False] * 8}])
+    bound = batched_foresight_bound(labels, costs, 4, [1, 2])
+    assert bound["by_concurrency"]["2"]["foresight"] == pytest.approx(sight["tokens_per_ms"] / ar["tokens_per_ms"])
+    assert bound["by_concurrency"]["1"]["requests"] == 2
+    with pytest.raises(ValueError, match="B=8"):
+        batched_foresight_bound(labels, costs, 8, [1])
+
+
+def test_measured_costs_are_cached(tiny, tmp_path):
+    decoder = tiny.decoder("llama", "random")
+    kwargs = dict(block_size=4, context=16, max_requests=2, rows=(1, 2, 4, 8), repeats=1, cache_dir=tmp_path,
+                  identity={"target": "tiny"})
+    costs = measure_batch_costs_cached(decoder, **kwargs)
+    assert costs.verify_rows == [1, 2, 4, 8] and costs.draft_rows == [4, 8]
+    assert costs.verify_ms == sorted(costs.verify_ms) and all(v > 0 for v in costs.verify_ms)
+    assert costs.info["exact_batching"] is False  # eager: each request's forward alone
+    files = list(tmp_path.glob("batch-costs-*.json"))
+    assert len(files) == 1
+    assert measure_batch_costs_cached(decoder, **kwargs) == costs  # read back, not remeasured
+    with pytest.raises(ValueError, match="repeats"):
+        measure_batch_costs_cached(decoder, **{**kwargs, "repeats": 0, "cache_dir": None})
