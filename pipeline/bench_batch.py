@@ -25,234 +25,20 @@ chosen with foresight, per concurrency, on the same cost model): how much of the
 The JSON has ``batch1_ar_tokens_per_s``, ``by_concurrency["<c>"]["<method>"]`` for the first arrival pattern (burst by
 default) and ``by_arrivals["<pattern>"]`` for each; a Markdown table is written beside it, and a W&B run logs the
 figures. The batched cost model that ``verify_width`` and ``budget`` read is measured once per machine
-(``pipeline.batch_costs``). Timings need a quiet machine: other processes on the cores inflate every figure.
+(``pipeline.costs.batched``). Timings need a quiet machine: other processes on the cores inflate every figure.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import platform
-import time
 from pathlib import Path
 
 import hydra
-import numpy as np
-import torch
 from omegaconf import DictConfig
 
+from pipeline.evaluation.batched import FIELDS, bench_batch, check_bench_config, markdown
+
 log = logging.getLogger(__name__)
-ARRIVALS = ("burst", "poisson")
-FIELDS = ("tokens_per_s", "tokens_per_s_ci", "tpot_ms_p50", "tpot_ms_p99", "ttft_ms_p50", "ttft_ms_p99", "exact_match")
-
-
-def check_bench_config(cfg: DictConfig) -> None:
-    """Check ``cfg.bench`` before any model loads.
-
-    Raises:
-        ValueError: for an empty or non-positive concurrency list, an unknown method or arrival pattern, a
-            non-positive rate, max_new_tokens or bootstrap count, or a negative temperature; each names the key.
-    """
-    from pipeline.policy.budget import METHODS
-
-    b = cfg.bench
-    conc = list(b.concurrency or [])
-    if not conc or any(int(c) < 1 for c in conc):
-        raise ValueError(f"bench.concurrency must be a non-empty list of ints >= 1, got {conc}")
-    bad = [m for m in b.methods or [] if m not in METHODS]
-    if not b.methods or bad:
-        raise ValueError(f"bench.methods must be a non-empty subset of {list(METHODS)}, got {list(b.methods or [])}")
-    bad = [a for a in b.arrivals or [] if a not in ARRIVALS]
-    if not b.arrivals or bad:
-        raise ValueError(f"bench.arrivals must be a non-empty subset of {list(ARRIVALS)}, got {list(b.arrivals or [])}")
-    if "poisson" in b.arrivals and not float(b.rate) > 0:
-        raise ValueError(f"bench.rate must be > 0 requests/s for Poisson arrivals, got {b.rate}")
-    if int(b.max_new_tokens) < 1:
-        raise ValueError(f"bench.max_new_tokens must be >= 1, got {b.max_new_tokens}")
-    if not float(b.temperature) >= 0 or not math.isfinite(float(b.temperature)):
-        raise ValueError(f"bench.temperature must be a finite number >= 0, got {b.temperature}")
-    if int(b.bootstrap) < 1:
-        raise ValueError(f"bench.bootstrap must be >= 1 resamples, got {b.bootstrap}")
-    if b.requests is not None and int(b.requests) < 1:
-        raise ValueError(f"bench.requests must be >= 1 or null (every prompt), got {b.requests}")
-    if b.split not in (None, "train", "validation", "test"):
-        raise ValueError(f"bench.split must be null, train, validation or test, got {b.split!r}")
-
-
-def percentile(values, q: float) -> float:
-    """The q-th percentile (0..100, linear) of ``values``; NaN when empty."""
-    return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else math.nan
-
-
-def bootstrap_ci(units: list[tuple[float, int]], scale: float, resamples: int, seed: int) -> list[float]:
-    """95% percentile interval of sum(tokens) / sum(ms) * 1000 * ``scale`` over resamples of ``units`` ((ms, tokens))."""
-    if not units:
-        return [math.nan, math.nan]
-    ms = np.array([u[0] for u in units], dtype=float)
-    tok = np.array([u[1] for u in units], dtype=float)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(units), size=(int(resamples), len(units)))
-    rates = tok[idx].sum(1) / np.maximum(ms[idx].sum(1), 1e-9) * 1e3 * scale
-    return [float(np.percentile(rates, 2.5)), float(np.percentile(rates, 97.5))]
-
-
-def run_metrics(reqs, batch, references: list[str], tokenizer, resamples: int, seed: int) -> dict:
-    """The documented figures of one batched run (see the module doc)."""
-    start = min(r.arrived_s for r in reqs)
-    end = max(r.finished_s for r in reqs)
-    tokens = sum(r.stats.new_tokens for r in reqs)
-    wall_s = max(end - start, 1e-9)
-    units = [(r.stats.prefill_ms, 1) for r in reqs] + [(ms, n) for ms, n in batch.step_log]
-    busy_ms = sum(u[0] for u in units)
-    tokens_per_s = tokens / wall_s
-    busy_rate = tokens / max(busy_ms, 1e-9) * 1e3
-    tpot = [(r.finished_s - r.first_token_s) * 1e3 / (r.stats.new_tokens - 1) for r in reqs if r.stats.new_tokens > 1]
-    ttft = [(r.first_token_s - r.arrived_s) * 1e3 for r in reqs]
-    texts = [tokenizer.decode(r.stats.output_ids) for r in reqs]
-    steps = sum(len(r.stats.taus) for r in reqs)
-    return {
-        "tokens_per_s": tokens_per_s,
-        "tokens_per_s_ci": bootstrap_ci(units, tokens_per_s / busy_rate, resamples, seed),
-        "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p99": percentile(tpot, 99),
-        "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
-        "exact_match": sum(t == ref for t, ref in zip(texts, references)) / len(reqs),
-        "requests": len(reqs), "new_tokens": tokens, "wall_s": wall_s,
-        "tau": sum(sum(r.stats.taus) for r in reqs) / max(1, steps),
-        "mean_batch": float(np.mean([v[2] for v in batch.rows])) if batch.rows else 0.0,
-        "mean_verified_rows": float(np.mean([v[0] for v in batch.rows])) if batch.rows else 0.0,
-        "batched_steps": len(batch.rows),
-    }
-
-
-def load_bench_prompts(cfg: DictConfig, tokenizer) -> list:
-    """The benchmark's prompts as [1, n] chat-templated ids: ``data``'s sets, only ``bench.split``'s when set."""
-    from pipeline.prompts import chat_input_ids, load_prompt_sets, prompt_id_of
-
-    prompts = load_prompt_sets(cfg.data.sets, cfg.data.get("limit"), cfg.data.get("seed"), cfg.data.get("offset", 0))
-    if cfg.bench.split:
-        from pipeline.dataset import split_prompt_ids
-
-        try:
-            keep = {prompt_id_of(i) for i in split_prompt_ids(cfg.bench.features_dir)[cfg.bench.split]}
-        except (FileNotFoundError, KeyError, OSError) as err:
-            raise FileNotFoundError(f"bench.split={cfg.bench.split} needs the dataset stage's splits at "
-                                    f"{cfg.bench.features_dir} ({err}); run make all for run_name={cfg.run_name} or set "
-                                    "bench.split=null") from err
-        prompts = [p for p in prompts if p.id in keep]
-    if not prompts:
-        raise ValueError("no prompt to benchmark: check data (and bench.split)")
-    if cfg.bench.requests:
-        prompts = [prompts[i % len(prompts)] for i in range(int(cfg.bench.requests))]
-    return [chat_input_ids(tokenizer, p.turns) for p in prompts]
-
-
-def bench_batch(cfg: DictConfig) -> dict:
-    """Run the benchmark (see the module doc); returns the JSON-ready dict.
-
-    Raises:
-        ValueError: for a bad ``bench`` setting (before loading), or a drafting method without a drafter.
-        FileNotFoundError: for ``verify_width`` / ``budget`` without a calibration.
-    """
-    check_bench_config(cfg)
-    from pipeline.batch_costs import measure_batch_costs_cached
-    from pipeline.decoding import DecodeConfig
-    from pipeline.decoding.batched import BatchedDecoder, decode_all
-    from pipeline.models.batched_forward import BatchedForward
-    from pipeline.models.loading import build_decoder
-    from pipeline.policy.budget import batched_method
-    from pipeline.policy.verify_width import find_calibration, load_calibration
-
-    b = cfg.bench
-    torch.manual_seed(int(cfg.seed))
-    if b.get("num_threads"):
-        torch.set_num_threads(int(b.num_threads))
-    methods = list(b.methods)
-    drafting = [m for m in methods if m != "ar"]
-    if drafting and not cfg.model.get("drafter"):
-        raise ValueError(f"methods {drafting} need a drafter: set model.drafter or use bench.methods=[ar]")
-    decoder = build_decoder(cfg.model)
-    tokenizer = decoder.target.tokenizer
-    block_size = int(b.block_size or (decoder.drafter.block_size if decoder.drafter is not None else 1))
-    calibration = costs = None
-    if any(m in ("verify_width", "budget") for m in methods):
-        calibration = load_calibration(find_calibration(b.calibration, Path(cfg.paths.data) / "predictors" / str(cfg.run_name)
-                                                        / "verify_width", cfg.model.drafter))
-        costs = measure_batch_costs_cached(
-            decoder, block_size=block_size, context=int(b.costs.context), max_requests=max(int(c) for c in b.concurrency),
-            rows=[int(r) for r in b.costs.rows], repeats=int(b.costs.repeats), seed=int(cfg.seed),
-            cache_dir=b.costs.get("cache"), identity={"target": str(cfg.model.target), "drafter": str(cfg.model.drafter)})
-    prompts = load_bench_prompts(cfg, tokenizer)
-    configs = [DecodeConfig(int(b.max_new_tokens), float(b.temperature), int(cfg.seed) + i) for i in range(len(prompts))]
-    if b.warmup:
-        make, allocator, planner = batched_method(drafting[0] if drafting else "ar", block_size, calibration, costs)
-        decode_all(decoder, prompts[:2], [make() for _ in prompts[:2]], [DecodeConfig(4)] * len(prompts[:2]),
-                   allocator=allocator, planner=planner)
-
-    log.info("bench_batch: batch-1 ar over %d requests", len(prompts))
-    t0 = time.perf_counter()
-    references, ar_tokens = [], 0
-    for ids, config in zip(prompts, configs):
-        stats = decoder.generate(ids, 1, config)
-        references.append(tokenizer.decode(stats.output_ids))
-        ar_tokens += stats.new_tokens
-    batch1 = ar_tokens / (time.perf_counter() - t0)
-    log.info("bench_batch: batch-1 ar %.1f tokens/s", batch1)
-
-    rng = np.random.default_rng(int(cfg.seed))
-    gaps = rng.exponential(1.0 / float(b.rate), size=len(prompts)) if "poisson" in b.arrivals else None
-    by_arrivals: dict = {}
-    for pattern in b.arrivals:
-        times = None if pattern == "burst" else np.cumsum(gaps) - gaps[0]
-        per_c = by_arrivals[pattern] = {}
-        for c in b.concurrency:
-            per_c[str(int(c))] = {}
-            for method in methods:
-                make, allocator, planner = batched_method(method, block_size, calibration, costs, int(b.max_skip))
-                batch = BatchedDecoder(decoder, allocator, planner)
-                reqs = decode_all(decoder, prompts, [make() for _ in prompts], configs, max_batch=int(c), batch=batch,
-                                  arrival_times_s=None if times is None else [float(t) for t in times])
-                fig = run_metrics(reqs, batch, references, tokenizer, int(b.bootstrap), int(cfg.seed))
-                fig["speedup_vs_batch1_ar"] = fig["tokens_per_s"] / batch1
-                per_c[str(int(c))][method] = fig
-                log.info("bench_batch: %s c=%d %s: %.1f tokens/s (%.2fx batch-1 ar), TPOT p50 %.1f ms, exact %.2f",
-                         pattern, int(c), method, fig["tokens_per_s"], fig["speedup_vs_batch1_ar"], fig["tpot_ms_p50"],
-                         fig["exact_match"])
-    foresight = None
-    if b.get("labels_dir") and costs is not None:
-        from pipeline.dataset import read_label_table
-        from pipeline.policy.budget import batched_foresight_bound
-
-        labels, _ = read_label_table(b.labels_dir)
-        foresight = batched_foresight_bound(labels, costs, block_size, [int(c) for c in b.concurrency])
-    first = list(b.arrivals)[0]
-    return {
-        "foresight": foresight,
-        "batch1_ar_tokens_per_s": batch1, "arrivals": first, "by_concurrency": by_arrivals[first],
-        "by_arrivals": by_arrivals, "block_size": block_size, "requests": len(prompts),
-        "max_new_tokens": int(b.max_new_tokens), "temperature": float(b.temperature), "rate": float(b.rate),
-        "costs": costs.to_dict() if costs is not None else None,
-        "info": {"host": platform.node(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                 "target": decoder.target.name, "drafter": str(cfg.model.drafter), "forward": decoder.forward_path(),
-                 "exact_batching": BatchedForward(decoder).exact},
-    }
-
-
-def markdown(result: dict) -> str:
-    """One row per (arrivals, concurrency, method): tokens/s with its interval, x batch-1 ar, TPOT, TTFT, exact match."""
-    header = ["arrivals", "concurrency", "method", "tokens/s", "95% CI", "x batch-1 ar", "TPOT p50 ms", "TPOT p99 ms",
-              "TTFT p50 ms", "TTFT p99 ms", "tau", "exact match"]
-    lines = [f"batch-1 ar: {result['batch1_ar_tokens_per_s']:.1f} tokens/s ({result['requests']} requests, "
-             f"{result['max_new_tokens']} new tokens, T={result['temperature']}, B={result['block_size']})", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for pattern, per_c in result["by_arrivals"].items():
-        for c, per_m in per_c.items():
-            for method, f in per_m.items():
-                lo, hi = f["tokens_per_s_ci"]
-                lines.append("| " + " | ".join([pattern, c, method, f"{f['tokens_per_s']:.1f}", f"[{lo:.1f}, {hi:.1f}]",
-                                                f"{f['speedup_vs_batch1_ar']:.2f}", f"{f['tpot_ms_p50']:.1f}",
-                                                f"{f['tpot_ms_p99']:.1f}", f"{f['ttft_ms_p50']:.0f}",
-                                                f"{f['ttft_ms_p99']:.0f}", f"{f['tau']:.2f}", f"{f['exact_match']:.2f}"]) + " |")
-    return "\n".join(lines)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="bench_batch")
@@ -265,7 +51,7 @@ def main(cfg: DictConfig) -> None:
     table = markdown(result)
     print(table)
     if cfg.out:
-        from pipeline.evaluate import write_json
+        from pipeline.evaluation.report import write_json
 
         out = write_json(result, Path(cfg.out))
         out.with_suffix(".md").write_text(table + "\n")

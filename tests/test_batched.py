@@ -261,8 +261,8 @@ def test_cancel_frees_the_slot(tiny):
 
 @pytest.mark.slow
 def test_real_target_batched_methods_equal_batch1_ar(compose_config):
-    from pipeline.batch_costs import measure_batch_costs
-    from pipeline.models.loading import build_decoder
+    from pipeline.costs.batched import measure_batch_costs
+    from pipeline.decoding.build import build_decoder
     from pipeline.policy.budget import METHODS, batched_method
     from pipeline.policy.verify_width import load_calibration
     from pipeline.prompts import chat_input_ids, load_prompt_set

@@ -13,7 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeline import PROJECT_ROOT
-from pipeline.bench_batch import FIELDS, bootstrap_ci, check_bench_config
+from pipeline.evaluation.batched import FIELDS, bootstrap_ci, check_bench_config
 from pipeline.policy.verify_width import AcceptanceCalibration
 
 

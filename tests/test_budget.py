@@ -1,7 +1,7 @@
 """The verify budget (``pipeline.policy.budget``): the joint allocation is the optimum (brute-forced on small cases,
 and known answers on constructed ones), the budget policy skips drafting after a step that did not pay, the cost
 model interpolates and round-trips, the batched foresight bound orders the policies as it must, and the measured cost
-model (``pipeline.batch_costs``) has the right shape and is cached."""
+model (``pipeline.costs.batched``) has the right shape and is cached."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.batch_costs import measure_batch_costs_cached, monotone
+from pipeline.costs import monotone
+from pipeline.costs.batched import measure_batch_costs_cached
 from pipeline.policy.budget import (METHODS, BatchCostModel, BudgetPolicy, SoloCosts, allocate, batched_foresight_bound,
                                     batched_method, brute_force_allocate, simulate_batched)
 from pipeline.policy.verify_width import AcceptanceCalibration

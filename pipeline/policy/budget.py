@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from pipeline.batch_costs import BatchCostModel, SoloCosts  # noqa: F401  (re-exported: the cost model sits below)
+from pipeline.costs.batched import BatchCostModel, SoloCosts  # noqa: F401  (re-exported: the cost model sits below)
 from pipeline.policy.verify_width import AcceptanceCalibration, expected_tokens, step_acceptances
 
 METHODS = ("ar", "fixed", "verify_width", "budget")
@@ -174,7 +174,7 @@ def batched_method(method: str, block_size: int, calibration: AcceptanceCalibrat
         return (lambda: FixedSchedule(block_size)), None, None
     if calibration is None or costs is None:
         raise ValueError(f"method {method} needs an acceptance calibration and a BatchCostModel "
-                         "(pipeline.batch_costs.measure_batch_costs_cached)")
+                         "(pipeline.costs.batched.measure_batch_costs_cached)")
     if method == "verify_width":
         solo = SoloCosts(costs)
         return (lambda: VerifyWidthSchedule(calibration, solo, block_size, max_skip=max_skip)), None, None

@@ -17,32 +17,16 @@ Each request's caches are rolled back after every timing, so all timings see the
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
+
+from pipeline.costs import _cached, interp, monotone  # the one curve fit and cache of pipeline.costs
 
 log = logging.getLogger(__name__)
-
-
-def _interp(x: float, xs: Sequence[float], ys: Sequence[float]) -> float:
-    """Piecewise-linear interpolation, extrapolated linearly from the last two points beyond the ends."""
-    if len(xs) == 1:
-        return float(ys[0])
-    if x <= xs[0]:
-        i = 0
-    elif x >= xs[-1]:
-        i = len(xs) - 2
-    else:
-        i = int(np.searchsorted(xs, x)) - 1
-    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
-    return float(y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 
 @dataclass
@@ -55,7 +39,7 @@ class BatchCostModel:
     with ``verify`` / ``draft`` interpolated from the measured tables (rows -> ms: the forward, its LM head and
     sampling, as one request, or rows split over several when more than one request's worth) and the per-request
     terms the attention, masks and bookkeeping each extra request adds. Measured per machine and forward path by
-    ``pipeline.batch_costs.measure_batch_costs_cached``.
+    ``pipeline.costs.batched.measure_batch_costs_cached``.
 
     Attributes:
         verify_rows, verify_ms: the target-forward table; draft_rows, draft_ms: the drafter-forward table (rows
@@ -82,11 +66,11 @@ class BatchCostModel:
 
     def verify(self, rows: int) -> float:
         """One target forward over ``rows`` rows (ms)."""
-        return max(1e-6, _interp(rows, self.verify_rows, self.verify_ms))
+        return max(1e-6, interp(rows, self.verify_rows, self.verify_ms))
 
     def draft(self, rows: int) -> float:
         """One drafter forward over ``rows`` block rows (ms); 0 for none."""
-        return 0.0 if rows <= 0 else max(0.0, _interp(rows, self.draft_rows, self.draft_ms))
+        return 0.0 if rows <= 0 else max(0.0, interp(rows, self.draft_rows, self.draft_ms))
 
     def step_ms(self, verified_rows: int, drafted_rows: int, requests: int, drafting: int = 0) -> float:
         """One batched step: a target forward over ``verified_rows`` rows of ``requests`` requests, after a drafter
@@ -119,19 +103,6 @@ class SoloCosts:
 
     def measured_ms(self, kind: str, b: int, context: int) -> float:
         return self.costs.draft(b) if kind == "draft" else self.costs.verify(b)
-
-
-def monotone(ys: Sequence[float]) -> list[float]:
-    """The non-decreasing sequence closest to ``ys`` in least squares (pool adjacent violators): a forward over more
-    rows never costs less, so a noisy dip (other load on the cores) must not make wider steps look free."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for y in ys:
-        blocks.append([float(y), 1.0])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            m2, n2 = blocks.pop()
-            m1, n1 = blocks.pop()
-            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
-    return [m for m, n in blocks for _ in range(int(n))]
 
 
 def measure_batch_costs(decoder, block_size: int = 8, context: int = 128, max_requests: int = 16,
@@ -266,15 +237,5 @@ def measure_batch_costs_cached(decoder, block_size: int = 8, context: int = 128,
 
     key = {"identity": identity or {}, "host": platform.node(), "threads": torch.get_num_threads(),
            "forward": decoder.forward_path(), **args}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    path = Path(cache_dir) / f"batch-costs-{digest}.json"
-    if path.is_file():
-        log.info("reusing the batched step costs measured earlier on this machine: %s (delete it to remeasure)", path)
-        return BatchCostModel.from_dict(json.loads(path.read_text())["batch_costs"])
-    model = measure_batch_costs(decoder, **args)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({"key": key, "batch_costs": model.to_dict()}, indent=2, default=str))
-    os.replace(tmp, path)
-    log.info("batched step costs stored for later runs: %s", path)
-    return model
+    return BatchCostModel.from_dict(_cached(cache_dir, "batch-costs", key, "batch_costs",
+                                            lambda: measure_batch_costs(decoder, **args).to_dict()))

@@ -23,11 +23,9 @@ One way to obtain it: ``load_or_measure(decoder, cfg, widths, section)``: a run'
 (``<section>.path``), else the model measured earlier on this machine for the same models and forward path
 (``<section>.cache``, ``data/cache/latency/latency-<key>.json``), else measured now (with progress) and cached.
 
-Extension point (issue 25, not built): a batched engine's step time by total verified rows, drafted rows and number
-of requests is a second model beside ``CostModel`` in this module: its own ``measure_batched``, the same monotone
-fit (``monotone``) along each axis, cached through ``_cached`` under its own file prefix (``batched-<key>.json``, so
-the batch-1 files stay valid), obtained by ``load_or_measure`` with a ``kind`` argument, and read by policies through
-the ``StepCosts`` protocol's ``step_ms``.
+The batched step (many requests per verify forward, issue 25) has its cost model beside this one in
+``pipeline.costs.batched`` (step time by total verified rows, drafted rows and number of requests), on the same
+monotone fit and the same cache (``batch-costs-<key>.json``).
 
 This module imports only ``pipeline.models`` and ``pipeline.decoding`` (no stage, no labeling/policy/serving code).
 """
@@ -411,8 +409,8 @@ def load_or_measure(decoder, cfg, widths: Sequence[int], section: str = "label.l
     Args:
         decoder: the ``SpeculativeDecoder`` to time (may be None when 1. or 2. applies).
         cfg: a composed config with ``model``, ``decode.temperature``, ``seed`` and the latency block at ``section``
-            (``{path, cache, context_buckets, repeats}``: ``label.latency``, ``eval.verify_width.latency``,
-            ``serve.verify_width.latency``; missing keys take ``DEFAULTS``, a missing cache measures every time).
+            (``{path, cache, context_buckets, repeats}``: ``label.latency``, ``policy.verify_width.latency``
+            (eval and serve); missing keys take ``DEFAULTS``, a missing cache measures every time).
         widths: the block sizes (and verify widths) the caller will read; the measured widths are 1..max.
     Raises:
         FileNotFoundError / ValueError: as ``load``; ValueError: when it must measure without a decoder, or as ``measure``.
