@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from pipeline.decoding import DecodeConfig
-from pipeline.decoding.speculative import crop_to
+from pipeline.models.cache import crop_to
 from pipeline.labeling.brute import brute_force, reseed
 from pipeline.labeling.latency import LatencyModel, kendall, measure_latency, rank_agreement, spearman, steps_of
 from pipeline.labeling.replay import DrafterContext, first_divergence, replay, target_trace
