@@ -338,18 +338,20 @@ def _shortlist_rejects(h: torch.Tensor, y_index: list[int], trace: Trace, y: tor
 
 
 def _drafts_match(h: torch.Tensor, positions: list[int], trace: Trace, y: torch.Tensor, head: torch.Tensor,
-                  draft_vocab: torch.Tensor | None, record_gaps: bool,
-                  record_confidence: bool = False) -> tuple[list[bool], list[float], list[float]]:
+                  draft_vocab: torch.Tensor | None, record_gaps: bool, record_confidence: bool = False,
+                  scorer=None) -> tuple[list[bool], list[float], list[float]]:
     """Whether the drafter's token (argmax over its whole head, as in the decoder) equals y, per row.
 
     Args:
         h: [R, H] final drafter hidden states of draft rows at absolute ``positions``.
         head: the decoder's draft head ([V, H], or [N, H] over ``draft_vocab`` [N]).
+        scorer: hidden [R, H] -> logits [R, V | N] on the decoder's path (``decoder.drafter_head``, the one its drafts
+            are scored with); None: ``lm_head_logits(h, head)``.
     Returns:
         (matches, top-2 score gaps or [] without ``record_gaps``, the drafter's probability of each proposed
         token (``draft_confidence``) or [] without ``record_confidence``).
     """
-    logits = lm_head_logits(h, head).float()
+    logits = (scorer(h) if scorer is not None else lm_head_logits(h, head)).float()
     scores = pick_scores(trace.sampler, logits, positions, draft_vocab)
     columns = scores.argmax(dim=-1)
     proposed = draft_vocab[columns] if draft_vocab is not None else columns
@@ -359,7 +361,8 @@ def _drafts_match(h: torch.Tensor, positions: list[int], trace: Trace, y: torch.
 
 
 def _accept(states: list[_State], packed: PackedBlocks, trace: Trace, y: torch.Tensor, head: torch.Tensor,
-            lazy: bool, record_gaps: bool, draft_vocab: torch.Tensor | None = None, record_confidence: bool = False) -> None:
+            lazy: bool, record_gaps: bool, draft_vocab: torch.Tensor | None = None, record_confidence: bool = False,
+            scorer=None) -> None:
     """Set ``state.accepted`` (leading draft tokens equal to y) for every drafting state.
 
     Draft column j (1..b-1) of the block of ``states[i]`` (packed row ``packed.offsets[i] + j``) proposes
@@ -382,7 +385,8 @@ def _accept(states: list[_State], packed: PackedBlocks, trace: Trace, y: torch.T
     if not lazy or record_gaps or (record_confidence and screen):
         spans = [(i, 1, s.columns) for i, s in enumerate(states) if s.columns > 0]
         h, positions = _rows(packed, states, spans)
-        matches, gaps, confidence = _drafts_match(h, positions, trace, y, head, draft_vocab, record_gaps, record_confidence)
+        matches, gaps, confidence = _drafts_match(h, positions, trace, y, head, draft_vocab, record_gaps, record_confidence,
+                                                    scorer)
         offset = 0
         for i, lo, hi in spans:
             for j in range(hi):
@@ -406,7 +410,8 @@ def _accept(states: list[_State], packed: PackedBlocks, trace: Trace, y: torch.T
             y_index = [p - trace.prompt_tokens for p in positions]
             passed = [not r for r in _shortlist_rejects(h, y_index, trace, y, head)]
         else:
-            passed, _, confidence = _drafts_match(h, positions, trace, y, head, draft_vocab, False, record_confidence)
+            passed, _, confidence = _drafts_match(h, positions, trace, y, head, draft_vocab, False, record_confidence,
+                                                        scorer)
         offset, still_open = 0, []
         for i, lo, hi in spans:
             width = hi - lo + 1
@@ -428,7 +433,7 @@ def _accept(states: list[_State], packed: PackedBlocks, trace: Trace, y: torch.T
     rows = [r for rs in kept for r in rs]
     if rows:
         positions = [s.start + j for s, rs in zip(states, kept) for j in range(1, len(rs) + 1)]
-        matches, _, _ = _drafts_match(torch.stack(rows), positions, trace, y, head, draft_vocab, False)
+        matches, _, _ = _drafts_match(torch.stack(rows), positions, trace, y, head, draft_vocab, False, False, scorer)
         offset = 0
         for s, rs in zip(states, kept):
             while s.accepted < len(rs) and matches[offset + s.accepted]:
@@ -487,7 +492,7 @@ def replay(decoder: SpeculativeDecoder, trace: Trace, candidates: list[int], con
             packed = context.blocks(decoder.embed, [trace.tokens[s.start - n] for s in drafting],
                                     [s.start for s in drafting], [s.width for s in drafting])
             _accept(drafting, packed, trace, y, decoder.draft_head, lazy, record_gaps, decoder.draft_vocab,
-                    record_confidence)
+                    record_confidence, decoder.drafter_head)
         for s in active:
             index = s.start - n  # index in y of the step's first block token
             tau = s.accepted + 1
