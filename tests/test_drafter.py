@@ -297,3 +297,47 @@ def test_sliding_window_layers_follow_layer_types(tiny):
         wide.load_state_dict(full.state_dict())
         causal = full(noise, features, positions, attention_mask=torch.ones(4, 13, dtype=torch.bool).tril(9)[None, None])
         torch.testing.assert_close(wide(noise, features, positions), causal, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 24 items 7(b) and 7(f): the rotary table under a cast, the mask token id's keys
+# ------------------------------------------------------------------------------------------------
+def test_rotary_inv_freq_stays_float32_when_the_drafter_is_cast(tiny, tmp_path):
+    """7(b): ``model.to(device, dtype)`` rounded the drafter's rotary ``inv_freq`` to bfloat16 (an angle error of
+    ~1 rad at position 1,000); z-lab's loader keeps it float32, and so does every cast of ours now."""
+    tc = tiny.target("llama").model.config
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(make_drafter_config(tc, num_layers=1, block_size=4, target_layer_ids=[0, 2]))
+    positions = torch.tensor([[1, 300, 1000]])
+    with torch.no_grad():
+        cos32, sin32 = drafter.rotary_emb(torch.zeros(1, 3, 64), positions)
+        rounded = drafter.rotary_emb.inv_freq.to(torch.bfloat16).float()  # what a cast used to leave
+        error = (positions[0, -1] * (rounded - drafter.rotary_emb.inv_freq)).abs().max()
+    assert error > 0.1  # the angle a bfloat16 inv_freq gets wrong at position 1,000 (rad)
+    out = drafter.save_pretrained(tmp_path / "d", dtype=torch.bfloat16)
+    for model in (drafter.to(torch.bfloat16), DFlashDrafter.from_pretrained(out, dtype=torch.bfloat16)):
+        assert model.fc.weight.dtype == torch.bfloat16
+        assert model.rotary_emb.inv_freq.dtype == model.rotary_emb.original_inv_freq.dtype == torch.float32
+        with torch.no_grad():
+            cos, sin = model.rotary_emb(torch.zeros(1, 3, 64, dtype=torch.bfloat16), positions)
+        assert torch.equal(cos, cos32.to(torch.bfloat16)) and torch.equal(sin, sin32.to(torch.bfloat16))
+    assert drafter.float().rotary_emb.inv_freq.dtype == torch.float32
+
+
+def test_mask_token_id_from_dflash_config_or_top_level(tiny, tmp_path):
+    """7(f): a config without ``dflash_config.mask_token_id`` silently drafted with token 0; now a top-level
+    ``mask_token_id`` is read (as z-lab's loader does) and a config with neither is refused, naming the key."""
+    tc = tiny.target("llama").model.config
+    out = make_tiny_drafter(tiny.target_dir("llama"), tmp_path / "d", target_layer_ids=[0, 2])
+    _edit_config(out, dflash_config=lambda d: {k: v for k, v in d.items() if k != "mask_token_id"}, mask_token_id=7)
+    drafter = DFlashDrafter.from_pretrained(out)
+    assert drafter.mask_token_id == 7
+    check_compatible(drafter, tc)
+    _edit_config(out, dflash_config=lambda d: {**d, "mask_token_id": 5})  # dflash_config wins over the top level
+    assert DFlashDrafter.from_pretrained(out).mask_token_id == 5
+    _edit_config(out, dflash_config=lambda d: {k: v for k, v in d.items() if k != "mask_token_id"})
+    config = json.loads((out / "config.json").read_text())
+    del config["mask_token_id"]
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"must define dflash_config.mask_token_id \(or a top-level mask_token_id\)"):
+        DFlashDrafter.from_pretrained(out)

@@ -126,6 +126,7 @@ def test_bfloat16_folder_beside_a_float32_target(tiny, tmp_path):
 
     remote = AutoModel.from_pretrained(out, trust_remote_code=True)  # dtype="auto": the stored bfloat16
     assert remote.dtype == torch.bfloat16 and remote.draft_vocab.dtype == torch.long
+    assert remote.rotary_emb.inv_freq.dtype == remote.to(torch.bfloat16).rotary_emb.inv_freq.dtype == torch.float32
     noise, features, positions = _inputs(drafter.config)
     with torch.no_grad():
         hidden = remote(position_ids=positions, noise_embedding=noise, target_hidden=features)  # float32 in

@@ -1,6 +1,7 @@
 """``pipeline.models.fast_forward``: the lean decode-step forward equals transformers' own forward bit for bit
 (last hidden state, every hidden state, the KV cache) on every packed backend, for Llama and Qwen3 (q/k
-norms), and the decoder takes it only where it may; the same for the drafter's lean draft forward."""
+norms), and the decoder takes it only where it may; the drafter's fast path (its own forward with fused
+products) equals its plain forward bit for bit, masks included."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from pipeline.decoding import SpeculativeDecoder
-from pipeline.decoding.speculative import crop_to
+from pipeline.models.cache import crop_to
 from pipeline.models.backend import set_backend
 from pipeline.models.fast_forward import FastDraft, FastForward
 from pipeline.models.target import new_cache
@@ -132,12 +133,33 @@ def test_decoder_takes_the_fast_draft_only_where_it_may(tiny, eager_afterwards, 
     assert SpeculativeDecoder(target, drafter, backend="eager").fast_draft is None
     assert SpeculativeDecoder(target, drafter, backend="smallm", fast_forward=False).fast_draft is None
     assert SpeculativeDecoder(target, backend="smallm").fast_draft is None  # no drafter
+    assert SpeculativeDecoder(target, drafter, backend="onednn").fast_draft.products() is None  # fused on smallm only
+    assert "is not a DFlash drafter" in FastDraft.unsupported(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="does not support this drafter: Linear is not a DFlash drafter"):
+        FastDraft(nn.Linear(4, 4))
+
+
+def test_fast_draft_runs_causal_and_sliding_window_layers(tiny, eager_drafters):
+    """The fast path is the drafter's own forward with fused products, so it builds the same masks: a causal layer and
+    a sliding-window one give the plain forward's hidden states bit for bit (the old lean copy refused them)."""
+    target, drafter = tiny.target("llama"), tiny.drafter("llama", "random")
+    set_backend(drafter, "smallm")
     attn = drafter.layers[0].self_attn
+    hidden_size = target.model.config.hidden_size
+    torch.manual_seed(1)
     try:
-        attn.is_causal = True  # a causal draft layer needs the block mask the lean forward does not build
-        assert "layer 0 is causal" in FastDraft.unsupported(drafter)
-        assert SpeculativeDecoder(target, drafter, backend="smallm").fast_draft is None
-        with pytest.raises(ValueError, match="does not support this drafter: layer 0"):
-            SpeculativeDecoder(target, drafter, backend="smallm", fast_forward=True)
+        for causal, window in ((True, None), (False, 3), (True, 4)):
+            attn.is_causal, attn.sliding_window = causal, window
+            features = torch.randn(1, 6, len(drafter.target_layer_ids) * hidden_size)
+            block = torch.randn(1, drafter.block_size, hidden_size)
+            positions = torch.arange(6 + drafter.block_size)[None]
+            with torch.inference_mode():
+                plain = drafter(block, features, positions)
+                fast = FastDraft(drafter)(block, features, positions)
+            attn.is_causal, attn.sliding_window = False, None
+            with torch.inference_mode():
+                unmasked = drafter(block, features, positions)
+            assert torch.equal(fast, plain)
+            assert not torch.equal(fast, unmasked), (causal, window)  # the mask did change the result
     finally:
-        attn.is_causal = False
+        attn.is_causal, attn.sliding_window = False, None

@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 from pipeline.costs import steps_of
 from pipeline.decoding import DecodeConfig
-from pipeline.decoding.speculative import crop_to
+from pipeline.models.cache import crop_to
 from pipeline.labeling.brute import brute_force, reseed
 from pipeline.labeling.oracle import kendall, rank_agreement, spearman
 from pipeline.labeling.replay import DrafterContext, first_divergence, replay, target_trace
@@ -99,16 +99,14 @@ def test_replay_honours_stop_tokens_like_the_decoder(trained_decoder):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_lazy_and_full_lm_head_and_batching_agree(trained_decoder, monkeypatch, temperature):
-    import pipeline.labeling.replay as replay_module
-
     decoder = trained_decoder
     config = DecodeConfig(30, temperature, 3)
     prefill = decoder.prefill(ids_of(decoder, PROMPTS[2]), config)
     trace = target_trace(decoder, reseed(prefill, config), config)
     assert trace.shortlist.shape == (len(trace.tokens), 32)
     rows = []
-    real = replay_module.lm_head_logits
-    monkeypatch.setattr(replay_module, "lm_head_logits", lambda h, w: rows.append(h.shape[0]) or real(h, w))
+    real = decoder.drafter_head  # replay scores draft rows on the decoder's own draft head
+    monkeypatch.setattr(decoder, "drafter_head", lambda h: rows.append(h.shape[0]) or real(h))
     lazy = replay(decoder, trace, ALL_B, config, lm_head="lazy")
     lazy_rows, rows[:] = sum(rows), []
     full = replay(decoder, trace, ALL_B, config, lm_head="full")

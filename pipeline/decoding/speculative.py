@@ -19,7 +19,7 @@ from transformers import DynamicCache
 from pipeline.decoding.sampling import PositionKeyedSampler, draft_confidence
 from pipeline.decoding.schedules import BlockSizeSchedule, FixedSchedule
 from pipeline.models.backend import SMALLM_MAX_ROWS, LMHead, resolve_backend, set_backend
-from pipeline.models.cache import resolve_kv_cache
+from pipeline.models.cache import crop_to, resolve_kv_cache  # noqa: F401 (crop_to: also imported from here)
 from pipeline.models.drafter import DFlashDrafter, check_compatible
 from pipeline.models.fast_forward import fast_draft_for, fast_forward_for
 from pipeline.models.target import Target, logit_head, new_cache
@@ -121,13 +121,6 @@ class RequestStats:
             "tpot_ms": self.tpot_ms,
             "stopped": self.stopped,
         }
-
-
-def crop_to(cache: DynamicCache, length: int) -> None:
-    """Roll ``cache`` back to its first ``length`` tokens (transformers 5 ``crop`` takes -tokens_to_drop)."""
-    remove = cache.get_seq_length() - length
-    if remove >= 0:  # crop(0) still trims sliding-window layers back to their window
-        cache.crop(-remove)
 
 
 @dataclass

@@ -31,8 +31,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch.nn import functional as F
-from transformers.models.qwen3.modeling_qwen3 import rotate_half
 
 from pipeline.decoding.sampling import PositionKeyedSampler, draft_confidence
 from pipeline.decoding.speculative import DecodeConfig, PrefillResult, SpeculativeDecoder, _now
@@ -178,30 +176,24 @@ def trace_from_output(decoder: SpeculativeDecoder, prefill: PrefillResult, token
 
 
 class DrafterContext:
-    """Per draft layer, the context keys/values of every position, projected once.
+    """Per draft layer, the context keys/values of every position, projected once (``context_keys_values``).
 
     Args:
         drafter: the DFlash drafter.
         features: [1, P, F] context features of positions 0..P-1.
+        fused: the drafter's fast-path products (``FastDraft.products()``: per layer (qkv, gate_up)), or None; the
+            packed blocks run on them as the decoder's drafts do.
     Attributes:
         keys, values: per layer [1, kv_heads, P, head_dim]; keys carry RoPE at their positions.
     """
 
-    def __init__(self, drafter: DFlashDrafter, features: torch.Tensor):
+    def __init__(self, drafter: DFlashDrafter, features: torch.Tensor, fused: list[tuple] | None = None):
         self.drafter = drafter
-        length = features.shape[1]
-        context = drafter.hidden_norm(drafter.fc(features))
-        positions = torch.arange(length, device=features.device)[None]
-        cos, sin = drafter.rotary_emb(context, positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        for layer in drafter.layers:
-            attn = layer.self_attn
-            k = attn.k_norm(attn.k_proj(context).view(1, length, -1, attn.head_dim)).transpose(1, 2)
-            v = attn.v_proj(context).view(1, length, -1, attn.head_dim).transpose(1, 2)
-            self.keys.append(k * cos + rotate_half(k) * sin)
-            self.values.append(v)
+        self.fused = fused
+        positions = torch.arange(features.shape[1], device=features.device)[None]
+        pairs = drafter.context_keys_values(features, positions)
+        self.keys: list[torch.Tensor] = [k for k, _ in pairs]
+        self.values: list[torch.Tensor] = [v for _, v in pairs]
 
     def blocks(self, embed: torch.nn.Module, anchors: list[int], starts: list[int], sizes: list[int]) -> "PackedBlocks":
         """Several blocks in one drafter forward (packed along the sequence); see ``PackedBlocks``."""
@@ -213,19 +205,17 @@ class DrafterContext:
         return packed.rows(list(range(packed.total)))
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin
-
-
 class PackedBlocks:
     """The drafter over several blocks at once; its last layer runs only for the rows asked for.
 
     Block i is ``[anchors[i], mask, ..., mask]`` (``sizes[i]`` tokens) at positions
     ``starts[i] .. starts[i]+sizes[i]-1``; it attends to the context positions ``< starts[i]`` and to its
-    own tokens (non-causally), as ``DFlashDrafter.forward`` with a cache holding that context does.
-    Every layer but the last runs for every row at construction (each row is a key of the next layer),
-    and so do the last layer's keys/values; its queries, output projection and MLP run in ``rows`` only,
-    so a block whose first draft is rejected costs one row there instead of ``sizes[i]``.
+    own tokens (as each layer's ``visible`` rule allows), as ``DFlashDrafter.forward`` with a cache holding
+    that context does. The layers' own steps run (``project``, ``queries``, ``keys``, ``values``, ``attend``,
+    ``feed_forward``), on the context's fast-path products when it has them. Every layer but the last runs for
+    every row at construction (each row is a key of the next layer), and so do the last layer's q/k/v products;
+    its attention, output projection and MLP run in ``rows`` only, so a block whose first draft is rejected costs
+    one row there instead of ``sizes[i]``.
 
     Attributes:
         offsets: packed row of each block's first token; total: sum(sizes).
@@ -246,50 +236,42 @@ class PackedBlocks:
         ids[offsets] = torch.tensor(anchors, dtype=torch.long, device=device)
         positions = (starts_t[segment] + within)[None]
         self.context_len = max(starts)
-        self.mask = torch.cat([
-            torch.arange(self.context_len, device=device)[None, :] < starts_t[segment][:, None],
+        context_positions = torch.arange(self.context_len, device=device)
+        block_mask = torch.cat([
+            context_positions[None, :] < starts_t[segment][:, None],
             segment[:, None] == segment[None, :],
-        ], dim=1)[None, None]  # [1, 1, total, context_len + total]: True = may attend
+        ], dim=1)  # [total, context_len + total]: True = may attend
+        key_positions = torch.cat([context_positions, positions[0]])
+        self.masks = []  # per layer [1, 1, total, context_len + total]
+        for layer in drafter.layers:
+            window = layer.self_attn.visible(positions[0], key_positions)
+            self.masks.append((block_mask if window is None else block_mask & window)[None, None])
         hidden = embed(ids)[None]
-        cos, sin = drafter.rotary_emb(hidden, positions)
-        self.cos, self.sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        layers = list(zip(drafter.layers, context.keys, context.values))
-        for layer, ctx_k, ctx_v in layers[:-1]:
-            normed = layer.input_layernorm(hidden)
-            keys, values = self._keys_values(layer.self_attn, normed, ctx_k, ctx_v)
-            hidden = self._rest(layer, hidden, normed, keys, values, None)
-        self.last = layers[-1][0]
+        self.cos, self.sin = drafter.rotary_emb(hidden, positions)
+        fused = context.fused or [(None, None)] * len(drafter.layers)
+        layers = list(zip(drafter.layers, context.keys, context.values, fused, self.masks))
+        for layer, ctx_k, ctx_v, (qkv, gate_up), mask in layers[:-1]:
+            attn = layer.self_attn
+            q, keys, values = self._project(attn, layer.input_layernorm(hidden), ctx_k, ctx_v, qkv)
+            hidden = layer.feed_forward(hidden + attn.attend(attn.queries(q, self.cos, self.sin), keys, values, mask), gate_up)
+        self.last, ctx_k, ctx_v, (qkv, self.gate_up), _ = layers[-1]
         self.hidden = hidden  # [1, total, H]: input of the last layer
-        self.normed = self.last.input_layernorm(hidden)
-        self.keys, self.values = self._keys_values(self.last.self_attn, self.normed, layers[-1][1], layers[-1][2])
+        self.q, self.keys, self.values = self._project(self.last.self_attn, self.last.input_layernorm(hidden), ctx_k, ctx_v, qkv)
 
-    def _keys_values(self, attn, normed: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor):
-        """[context ; block] keys (with RoPE) and values of one layer: each [1, kv_heads, context_len + total, d]."""
-        k = attn.k_norm(attn.k_proj(normed).view(1, self.total, -1, attn.head_dim)).transpose(1, 2)
-        v = attn.v_proj(normed).view(1, self.total, -1, attn.head_dim).transpose(1, 2)
-        keys = torch.cat([ctx_k[:, :, : self.context_len], _rope(k, self.cos, self.sin)], dim=2)
-        return keys, torch.cat([ctx_v[:, :, : self.context_len], v], dim=2)
-
-    def _rest(self, layer, hidden: torch.Tensor, normed: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-              index: torch.Tensor | None) -> torch.Tensor:
-        """The layer for the query rows ``index`` (None = all): attention, output projection, MLP, residuals."""
-        attn = layer.self_attn
-        cos, sin, mask = self.cos, self.sin, self.mask
-        if index is not None:
-            hidden, normed = hidden[:, index], normed[:, index]
-            cos, sin, mask = cos[:, :, index], sin[:, :, index], mask[:, :, index]
-        rows = hidden.shape[1]
-        q = _rope(attn.q_norm(attn.q_proj(normed).view(1, rows, -1, attn.head_dim)).transpose(1, 2), cos, sin)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                             enable_gqa=attn.num_heads != attn.num_kv_heads)
-        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, rows, -1))
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    def _project(self, attn, normed: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, qkv):
+        """Raw queries [1, total, heads*d] of the packed rows, and the [context ; block] keys (with RoPE) and values of
+        one layer: each [1, kv_heads, context_len + total, d]."""
+        q, k, v = attn.project(normed, None, qkv)
+        keys = torch.cat([ctx_k[:, :, : self.context_len], attn.keys(k, self.cos, self.sin)], dim=2)
+        return q, keys, torch.cat([ctx_v[:, :, : self.context_len], attn.values(v)], dim=2)
 
     def rows(self, index: list[int]) -> torch.Tensor:
         """Final hidden states (after the final norm) of the packed rows ``index`` -> [len(index), H]."""
         index_t = torch.tensor(index, dtype=torch.long, device=self.device)
-        out = self._rest(self.last, self.hidden, self.normed, self.keys, self.values, index_t)
-        return self.drafter.norm(out)[0]
+        attn = self.last.self_attn
+        q = attn.queries(self.q[:, index_t], self.cos[:, index_t], self.sin[:, index_t])
+        out = attn.attend(q, self.keys, self.values, self.masks[-1][:, :, index_t])
+        return self.drafter.norm(self.last.feed_forward(self.hidden[:, index_t] + out, self.gate_up))[0]
 
 
 @dataclass
@@ -356,18 +338,20 @@ def _shortlist_rejects(h: torch.Tensor, y_index: list[int], trace: Trace, y: tor
 
 
 def _drafts_match(h: torch.Tensor, positions: list[int], trace: Trace, y: torch.Tensor, head: torch.Tensor,
-                  draft_vocab: torch.Tensor | None, record_gaps: bool,
-                  record_confidence: bool = False) -> tuple[list[bool], list[float], list[float]]:
+                  draft_vocab: torch.Tensor | None, record_gaps: bool, record_confidence: bool = False,
+                  scorer=None) -> tuple[list[bool], list[float], list[float]]:
     """Whether the drafter's token (argmax over its whole head, as in the decoder) equals y, per row.
 
     Args:
         h: [R, H] final drafter hidden states of draft rows at absolute ``positions``.
         head: the decoder's draft head ([V, H], or [N, H] over ``draft_vocab`` [N]).
+        scorer: hidden [R, H] -> logits [R, V | N] on the decoder's path (``decoder.drafter_head``, the one its drafts
+            are scored with); None: ``lm_head_logits(h, head)``.
     Returns:
         (matches, top-2 score gaps or [] without ``record_gaps``, the drafter's probability of each proposed
         token (``draft_confidence``) or [] without ``record_confidence``).
     """
-    logits = lm_head_logits(h, head).float()
+    logits = (scorer(h) if scorer is not None else lm_head_logits(h, head)).float()
     scores = pick_scores(trace.sampler, logits, positions, draft_vocab)
     columns = scores.argmax(dim=-1)
     proposed = draft_vocab[columns] if draft_vocab is not None else columns
@@ -377,7 +361,8 @@ def _drafts_match(h: torch.Tensor, positions: list[int], trace: Trace, y: torch.
 
 
 def _accept(states: list[_State], packed: PackedBlocks, trace: Trace, y: torch.Tensor, head: torch.Tensor,
-            lazy: bool, record_gaps: bool, draft_vocab: torch.Tensor | None = None, record_confidence: bool = False) -> None:
+            lazy: bool, record_gaps: bool, draft_vocab: torch.Tensor | None = None, record_confidence: bool = False,
+            scorer=None) -> None:
     """Set ``state.accepted`` (leading draft tokens equal to y) for every drafting state.
 
     Draft column j (1..b-1) of the block of ``states[i]`` (packed row ``packed.offsets[i] + j``) proposes
@@ -400,7 +385,8 @@ def _accept(states: list[_State], packed: PackedBlocks, trace: Trace, y: torch.T
     if not lazy or record_gaps or (record_confidence and screen):
         spans = [(i, 1, s.columns) for i, s in enumerate(states) if s.columns > 0]
         h, positions = _rows(packed, states, spans)
-        matches, gaps, confidence = _drafts_match(h, positions, trace, y, head, draft_vocab, record_gaps, record_confidence)
+        matches, gaps, confidence = _drafts_match(h, positions, trace, y, head, draft_vocab, record_gaps, record_confidence,
+                                                    scorer)
         offset = 0
         for i, lo, hi in spans:
             for j in range(hi):
@@ -424,7 +410,8 @@ def _accept(states: list[_State], packed: PackedBlocks, trace: Trace, y: torch.T
             y_index = [p - trace.prompt_tokens for p in positions]
             passed = [not r for r in _shortlist_rejects(h, y_index, trace, y, head)]
         else:
-            passed, _, confidence = _drafts_match(h, positions, trace, y, head, draft_vocab, False, record_confidence)
+            passed, _, confidence = _drafts_match(h, positions, trace, y, head, draft_vocab, False, record_confidence,
+                                                        scorer)
         offset, still_open = 0, []
         for i, lo, hi in spans:
             width = hi - lo + 1
@@ -446,7 +433,7 @@ def _accept(states: list[_State], packed: PackedBlocks, trace: Trace, y: torch.T
     rows = [r for rs in kept for r in rs]
     if rows:
         positions = [s.start + j for s, rs in zip(states, kept) for j in range(1, len(rs) + 1)]
-        matches, _, _ = _drafts_match(torch.stack(rows), positions, trace, y, head, draft_vocab, False)
+        matches, _, _ = _drafts_match(torch.stack(rows), positions, trace, y, head, draft_vocab, False, False, scorer)
         offset = 0
         for s, rs in zip(states, kept):
             while s.accepted < len(rs) and matches[offset + s.accepted]:
@@ -490,7 +477,8 @@ def replay(decoder: SpeculativeDecoder, trace: Trace, candidates: list[int], con
     y = torch.tensor(trace.tokens, dtype=torch.long, device=decoder.device)
     first_stopped = trace.tokens[0] in decoder.stop_ids
     states = [_State(ReplayResult(int(b)), n, 1, first_stopped) for b in sorted(set(int(c) for c in candidates))]
-    context = DrafterContext(decoder.drafter, trace.features) if any(s.result.block_size > 1 for s in states) else None
+    fused = decoder.fast_draft.products() if decoder.fast_draft is not None else None  # the decoder's draft path
+    context = DrafterContext(decoder.drafter, trace.features, fused) if any(s.result.block_size > 1 for s in states) else None
     while True:
         active = [s for s in states if not s.stopped and s.produced < config.max_new_tokens]
         if not active:
@@ -504,7 +492,7 @@ def replay(decoder: SpeculativeDecoder, trace: Trace, candidates: list[int], con
             packed = context.blocks(decoder.embed, [trace.tokens[s.start - n] for s in drafting],
                                     [s.start for s in drafting], [s.width for s in drafting])
             _accept(drafting, packed, trace, y, decoder.draft_head, lazy, record_gaps, decoder.draft_vocab,
-                    record_confidence)
+                    record_confidence, decoder.drafter_head)
         for s in active:
             index = s.start - n  # index in y of the step's first block token
             tau = s.accepted + 1

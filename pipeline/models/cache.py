@@ -56,6 +56,13 @@ def resolve_kv_cache(kind: str | None) -> str:
     return DEFAULT_KV_CACHE if kind == "auto" else kind
 
 
+def crop_to(cache: DynamicCache, length: int) -> None:
+    """Roll ``cache`` back to its first ``length`` tokens (transformers 5 ``crop`` takes -tokens_to_drop)."""
+    remove = cache.get_seq_length() - length
+    if remove >= 0:  # crop(0) still trims sliding-window layers back to their window
+        cache.crop(-remove)
+
+
 class PreallocatedLayer(DynamicLayer):
     """A full-attention cache layer over a buffer with spare capacity (see the module docstring).
 

@@ -1,10 +1,12 @@
 """The DFlash block-diffusion drafter, reading and writing the z-lab checkpoint layout.
 
-Follows z-lab/dflash ``dflash/model.py`` (DFlash, Chen et al. 2026): the hidden states of several
-target layers are concatenated, projected (``fc``) and normalised (``hidden_norm``) into context
-features that every draft layer sees as extra keys/values; the B positions of a block (the last
-verified token followed by B-1 mask tokens) attend to each other non-causally; the target's input
-embedding and LM head are reused, so the drafter owns only its layers.
+The model is ``pipeline/models/hub/modeling_dflash.py``'s ``DFlashDraftModel`` (z-lab/dflash ``dflash/model.py``
+on transformers' Qwen3 blocks; DFlash, Chen et al. 2026): the hidden states of several target layers are
+concatenated, projected (``fc``) and normalised (``hidden_norm``) into context features that every draft layer sees
+as extra keys/values; the B positions of a block (the last verified token followed by B-1 mask tokens) attend to
+each other non-causally; the target's input embedding and LM head are reused, so the drafter owns only its layers.
+``DFlashDrafter`` is that class with BlockPilot's checkpoint reader and writer, so the drafter BlockPilot decodes,
+labels and trains with is the one every exported folder ships.
 
 Checkpoint layout (a public ``z-lab/Qwen3-4B-DFlash-b16`` loads unchanged)::
 
@@ -45,11 +47,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.nn import functional as F
-from transformers import DynamicCache, PretrainedConfig, Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+from transformers import PretrainedConfig, Qwen3Config
 
 from pipeline.models.backend import LMHead
+from pipeline.models.hub.modeling_dflash import DFlashDraftModel
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -132,104 +133,10 @@ def make_drafter_config(
     return config
 
 
-def _apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE with queries at the last ``q_len`` positions of ``cos``/``sin`` and keys at all of them."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    q_len = q.shape[-2]
-    q = q * cos[..., -q_len:, :] + rotate_half(q) * sin[..., -q_len:, :]
-    k = k * cos + rotate_half(k) * sin
-    return q, k
-
-
-def window_mask(q_len: int, k_len: int, causal: bool, sliding_window: int | None, device=None) -> torch.Tensor:
-    """Which keys each query may see when the queries are the last ``q_len`` of ``k_len`` positions (z-lab's rule).
-
-    Causal: key position <= query position. Sliding window w: query - key < w (and, non-causal, key - query < w).
-    Returns:
-        bool [1, 1, q_len, k_len], True = may attend.
-    """
-    query = (k_len - q_len + torch.arange(q_len, device=device))[:, None]
-    key = torch.arange(k_len, device=device)[None, :]
-    visible = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
-    if causal:
-        visible &= key <= query
-    if sliding_window is not None:
-        visible &= query - key < sliding_window
-        if not causal:
-            visible &= key - query < sliding_window
-    return visible[None, None]
-
-
-class DFlashAttention(nn.Module):
-    """Attention of one draft layer: block queries over [context features ; block] keys/values.
-
-    ``layer_types[layer_idx] == "sliding_attention"`` makes the layer causal (unless ``config.is_causal`` says
-    otherwise) with a window of ``config.sliding_window`` positions, as in z-lab's ``Qwen3DFlashAttention``.
-    """
-
-    def __init__(self, config: Qwen3Config, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.head_dim = config.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
-        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        layer_types = getattr(config, "layer_types", None)
-        layer_type = layer_types[layer_idx] if layer_types else "full_attention"
-        is_causal = getattr(config, "is_causal", None)
-        self.is_causal = layer_type == "sliding_attention" if is_causal is None else bool(is_causal)
-        self.sliding_window = int(config.sliding_window) if layer_type == "sliding_attention" else None
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        context: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        cache: DynamicCache | None,
-    ) -> torch.Tensor:
-        """hidden [b, q, H]; context [b, c, H]; cos/sin [b, c+q, d]; mask bool [b|1, 1, q, keys] or None."""
-        b, q_len, _ = hidden.shape
-        c_len = context.shape[1]
-        q = self.q_norm(self.q_proj(hidden).view(b, q_len, -1, self.head_dim)).transpose(1, 2)
-        kv_in = torch.cat([context, hidden], dim=1)
-        k = self.k_norm(self.k_proj(kv_in).view(b, c_len + q_len, -1, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(kv_in).view(b, c_len + q_len, -1, self.head_dim).transpose(1, 2)
-        q, k = _apply_rotary(q, k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)
-        if self.is_causal or self.sliding_window is not None:
-            window = window_mask(q_len, k.shape[-2], self.is_causal, self.sliding_window, q.device)
-            attention_mask = window if attention_mask is None else attention_mask & window
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attention_mask, enable_gqa=self.num_heads != self.num_kv_heads
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
-
-
-class DFlashLayer(nn.Module):
-    """Pre-norm transformer layer (Qwen3 shape) whose attention also reads the context features."""
-
-    def __init__(self, config: Qwen3Config, layer_idx: int):
-        super().__init__()
-        self.self_attn = DFlashAttention(config, layer_idx)
-        self.mlp = Qwen3MLP(config)
-        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-
-    def forward(self, hidden, context, cos, sin, attention_mask, cache):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, cos, sin, attention_mask, cache)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-
-class DFlashDrafter(nn.Module):
-    """DFlash drafter: B-1 tokens per forward, conditioned on target hidden states.
+class DFlashDrafter(DFlashDraftModel):
+    """BlockPilot's DFlash drafter: the remote-code ``DFlashDraftModel`` itself (its layers, forward, fast path and
+    scoring; ``pipeline/models/hub/modeling_dflash.py``), plus the z-lab checkpoint reader and writer and the
+    draft-vocabulary setter.
 
     Attributes:
         config: the z-lab-layout ``Qwen3Config`` (``block_size``, ``dflash_config``...).
@@ -237,76 +144,6 @@ class DFlashDrafter(nn.Module):
         target_layer_ids: target decoder layers whose outputs form the context features.
         mask_token_id: token id at the positions to be drafted.
     """
-
-    def __init__(self, config: Qwen3Config):
-        super().__init__()
-        dflash = getattr(config, "dflash_config", None) or {}
-        if "target_layer_ids" not in dflash:
-            raise ValueError("drafter config must define dflash_config.target_layer_ids")
-        self.config = config
-        self.block_size = int(getattr(config, "block_size", 16))
-        self.target_layer_ids = [int(i) for i in dflash["target_layer_ids"]]
-        self.mask_token_id = int(dflash.get("mask_token_id", 0))
-        self.layers = nn.ModuleList(DFlashLayer(config, i) for i in range(config.num_hidden_layers))
-        self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(config)
-        n_draft_vocab = dflash.get("draft_vocab_size")
-        self.draft_vocab: torch.Tensor | None
-        if n_draft_vocab:
-            self.register_buffer("draft_vocab", torch.arange(int(n_draft_vocab), dtype=torch.long))
-        else:
-            self.draft_vocab = None
-        self.apply(self._init_weights)
-
-    def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-
-    @property
-    def max_block_size(self) -> int:
-        """Largest inference block size accepted: twice the training block size (at least 16)."""
-        return max(16, 2 * self.block_size)
-
-    def extract_context(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Concatenate the tapped target layers.
-
-        Args:
-            hidden_states: the target's ``output_hidden_states`` tuple; entry 0 is the embedding output,
-                so decoder layer ``i`` is entry ``i + 1``. Each [b, t, H].
-        Returns:
-            [b, t, len(target_layer_ids) * H].
-        """
-        return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
-
-    def forward(
-        self,
-        noise_embedding: torch.Tensor,
-        target_features: torch.Tensor,
-        position_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        cache: DynamicCache | None = None,
-    ) -> torch.Tensor:
-        """Hidden states of the block positions.
-
-        Args:
-            noise_embedding: [b, q, H] target embeddings of the block tokens (anchor + mask tokens).
-            target_features: [b, c, n_taps*H] context features not yet in ``cache`` (c may be 0).
-            position_ids: [b, c + q] positions of the new context then of the block.
-            attention_mask: bool [b|1, 1, q, cached + c + q], True = may attend; None = all visible.
-            cache: a ``DynamicCache`` holding projected context keys/values; the caller crops it.
-        Returns:
-            [b, q, H], after the final norm; apply the target's LM head for logits.
-        """
-        context = self.hidden_norm(self.fc(target_features))
-        cos, sin = self.rotary_emb(noise_embedding, position_ids)
-        hidden = noise_embedding
-        for layer in self.layers:
-            hidden = layer(hidden, context, cos, sin, attention_mask, cache)
-        return self.norm(hidden)
 
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
         """Restrict proposals to ``token_ids`` [N] (target vocabulary ids); records N in the config."""
@@ -317,14 +154,6 @@ class DFlashDrafter(nn.Module):
             self.register_buffer("draft_vocab", token_ids.clone())
         else:
             self.draft_vocab = token_ids.clone().to(self.draft_vocab.device)
-
-    def draft_head(self, lm_head: torch.Tensor) -> torch.Tensor:
-        """The LM-head rows the drafter scores: ``lm_head[draft_vocab]`` [N, H], or the full [V, H]."""
-        return lm_head if self.draft_vocab is None else lm_head[self.draft_vocab]
-
-    def to_target_ids(self, index: torch.Tensor) -> torch.Tensor:
-        """Map argmax indices over ``draft_head`` rows to target token ids (identity without draft vocab)."""
-        return index if self.draft_vocab is None else self.draft_vocab[index]
 
     # ----------------------------------------------------------------------------------------
     # z-lab checkpoint layout

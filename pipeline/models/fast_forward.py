@@ -14,9 +14,9 @@ optional q/k norms and biases) with SDPA attention and no sliding window. ``Fast
 whether a model qualifies; anything else keeps transformers' forward. Tests check the logits, the hidden
 states and the cache against transformers' forward bit for bit, and the decodes against ``generate``.
 
-``FastDraft`` does the same for the DFlash drafter's draft forward (``DFlashDrafter.forward``): its layers'
-operations in their order, with the block's and the new context's q/k/v as one product on the smallm kernels
-(the context rows' queries are computed and dropped: a row's outputs do not depend on the other rows).
+``FastDraft`` runs the DFlash drafter's own forward (``pipeline/models/hub/modeling_dflash.py``) with its ``fused``
+option: the block's and the new context's q/k/v as one product, and gate/up as one, on the smallm kernels (the
+context rows' queries are computed and dropped: a row's outputs do not depend on the other rows).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import sys
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask
 
@@ -210,11 +209,13 @@ def fast_forward_for(base: nn.Module, setting: bool | str | None, backend: str) 
 
 
 class FastDraft:
-    """The lean draft forward of a ``DFlashDrafter`` (inference; full-attention, non-causal layers only),
-    bit-identical to ``DFlashDrafter.forward`` without an attention mask.
+    """The drafter's draft forward on the fast path: ``DFlashDraftModel.forward`` (``pipeline/models/hub``) with its
+    ``fused`` option set, on the smallm kernels, to one concatenated product for each layer's q/k/v and one for its
+    gate/up (``_Fused``; every output column of the kernel is its own FMA chain, so the products equal the separate
+    ones bit for bit); off the smallm kernels the plain forward. The layer math is the drafter's own, masks included.
 
     Raises:
-        ValueError: from the constructor when the drafter has causal or sliding-window layers.
+        ValueError: from the constructor when the drafter is not a ``DFlashDraftModel`` (``unsupported`` says why).
     """
 
     def __init__(self, drafter: nn.Module):
@@ -226,55 +227,27 @@ class FastDraft:
 
     @staticmethod
     def unsupported(drafter: nn.Module) -> str | None:
-        """Why ``drafter`` cannot run on ``FastDraft`` (None when it can)."""
-        for layer in getattr(drafter, "layers", ()):
-            attn = layer.self_attn
-            if attn.is_causal or attn.sliding_window is not None:
-                return f"layer {attn.layer_idx} is causal or sliding-window"
-            if type(layer.mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
-                return f"MLP activation {type(layer.mlp.act_fn).__name__}"
+        """Why ``drafter`` cannot run on ``FastDraft`` (None when it can): it needs the DFlash drafter's layers, whose
+        attention takes a fused q/k/v product (``project``) and whose layers a fused gate/up one (``feed_forward``)."""
+        layers = getattr(drafter, "layers", None)
+        if not layers or not all(hasattr(layer, "feed_forward") and hasattr(layer.self_attn, "project") for layer in layers):
+            return f"{type(drafter).__name__} is not a DFlash drafter (pipeline/models/hub/modeling_dflash.py)"
         return None
+
+    def products(self) -> list[tuple] | None:
+        """Per draft layer, the (qkv, gate_up) one-product callables on the drafter's current backend (the ``fused``
+        option of its forward), or None off the smallm kernels."""
+        first = self.drafter.layers[0].self_attn.q_proj
+        kind = first._bp_packed.kind if type(first) is PackedLinear else None
+        if kind not in SMALLM:
+            return None
+        return [_fused_linears(self._fused, i, layer, kind) for i, layer in enumerate(self.drafter.layers)]
 
     @torch.inference_mode()
     def __call__(self, noise_embedding: torch.Tensor, target_features: torch.Tensor, position_ids: torch.Tensor,
                  cache=None) -> torch.Tensor:
-        """``DFlashDrafter.forward(noise_embedding, target_features, position_ids, None, cache)``: [b, q, H]."""
-        from pipeline.models.drafter import _apply_rotary
-
-        d = self.drafter
-        first = d.layers[0].self_attn.q_proj
-        kind = first._bp_packed.kind if type(first) is PackedLinear else None
-        context = _rms_norm(d.hidden_norm, d.fc.forward(target_features))
-        cos, sin = d.rotary_emb(noise_embedding, position_ids)
-        hidden = noise_embedding
-        b, q_len, _ = hidden.shape
-        c_len = context.shape[1]
-        for i, layer in enumerate(d.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv, gate_up = _fused_linears(self._fused, i, layer, kind)
-            x = _rms_norm(layer.input_layernorm, hidden)
-            kv_in = torch.cat([context, x], dim=1)
-            if qkv is not None:
-                q, k, v = qkv(kv_in)
-                q = q[:, c_len:]
-            else:
-                q, k, v = attn.q_proj.forward(x), attn.k_proj.forward(kv_in), attn.v_proj.forward(kv_in)
-            q = _rms_norm(attn.q_norm, q.reshape(b, q_len, -1, attn.head_dim)).transpose(1, 2)
-            k = _rms_norm(attn.k_norm, k.reshape(b, c_len + q_len, -1, attn.head_dim)).transpose(1, 2)
-            v = v.reshape(b, c_len + q_len, -1, attn.head_dim).transpose(1, 2)
-            q, k = _apply_rotary(q, k, cos, sin)
-            if cache is not None:
-                k, v = cache.update(k, v, attn.layer_idx)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=None,
-                                                 enable_gqa=attn.num_heads != attn.num_kv_heads)
-            hidden = hidden + attn.o_proj.forward(out.transpose(1, 2).reshape(b, q_len, -1))
-            x = _rms_norm(layer.post_attention_layernorm, hidden)
-            if gate_up is not None:
-                gate, up = gate_up(x)
-            else:
-                gate, up = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
-            hidden = hidden + mlp.down_proj.forward(mlp.act_fn(gate) * up)
-        return _rms_norm(d.norm, hidden)
+        """``drafter(noise_embedding, target_features, position_ids, cache=cache)`` on the fast path: [b, q, H]."""
+        return self.drafter(noise_embedding, target_features, position_ids, cache=cache, fused=self.products())
 
 
 def fast_draft_for(drafter: nn.Module | None, setting: bool | str | None, backend: str) -> FastDraft | None:

@@ -1,11 +1,28 @@
-"""DFlash drafter for ``AutoModel.from_pretrained(folder, trust_remote_code=True)`` (exported by BlockPilot).
+"""The DFlash drafter: z-lab's ``DFlashDraftModel`` (z-lab/dflash ``dflash/model.py``) on transformers' Qwen3 blocks.
 
-This file is copied into every drafter folder BlockPilot writes (``config.json`` names it in ``auto_map``), so it
-depends only on torch and transformers. It loads the same tensors as z-lab's ``dflash.DFlashDraftModel`` (the
-z-lab checkpoint layout: ``layers.*``, ``fc``, ``hidden_norm``, ``norm``) and keeps its call signature:
-``model(position_ids=..., noise_embedding=..., target_hidden=..., past_key_values=..., use_cache=...)`` returns
-the normalised hidden states of the block positions, ``model.compute_logits(hidden, target_lm_head)`` scores them
-and ``model.spec_generate(target=..., input_ids=..., max_new_tokens=..., stop_token_ids=...)`` decodes greedily.
+This is BlockPilot's one drafter class. BlockPilot runs it in process (``pipeline.models.drafter.DFlashDrafter`` is
+this class plus BlockPilot's checkpoint reader and writer) and copies this file into every drafter folder it writes
+(``config.json`` names it in ``auto_map``), so ``AutoModel.from_pretrained(folder, trust_remote_code=True)`` builds
+the same model; hence it depends only on torch and transformers. It loads the same tensors as z-lab's
+``dflash.DFlashDraftModel`` (``layers.*``, ``fc``, ``hidden_norm``, ``norm``) and takes z-lab's keywords:
+``model(position_ids=..., noise_embedding=..., target_hidden=..., past_key_values=..., use_cache=...)`` returns the
+normalised hidden states of the block positions, ``model.compute_logits(hidden, target_lm_head)`` scores them and
+``model.spec_generate(target=..., input_ids=..., max_new_tokens=..., stop_token_ids=...)`` decodes greedily.
+
+Math (DFlash, Chen et al. 2026): the tapped target layers' hidden states, concatenated, are projected (``fc``) and
+normalised (``hidden_norm``) into context features; in every layer the block's queries attend to the keys/values of
+[context features ; block], non-causally on ``full_attention`` layers; a ``sliding_attention`` layer
+(``config.layer_types``) is causal unless ``config.is_causal`` says otherwise and sees only keys within
+``config.sliding_window`` positions. Each step of a layer is a method (``DFlashAttention.project``, ``queries``,
+``keys``, ``values``, ``visible``, ``attend``; ``DFlashDecoderLayer.feed_forward``), so a caller that arranges the rows
+differently (BlockPilot's replay labelling packs several blocks into one pass) runs the same code.
+
+Fused products (an option of ``forward``): ``fused`` gives, per layer, callables that compute q/k/v, and gate/up, as
+one product each, for runtimes whose concatenated product gives the separate products' bits (BlockPilot's packed CPU
+kernel, ``pipeline.models.fast_forward.FastDraft``); the context rows' queries are then computed and dropped.
+
+Rotary: ``inv_freq`` stays float32 when the model is cast (``.to(torch.bfloat16)``), as z-lab's loader keeps it; a
+bfloat16 ``inv_freq`` turns the angle at position 1,000 by up to ~1 rad.
 
 BlockPilot extension (absent from z-lab checkpoints): a draft vocabulary. With ``dflash_config.draft_vocab_size``
 = N the folder holds an int64 tensor ``draft_vocab`` [N] of target token ids, as in EAGLE-3's reduced draft head;
@@ -36,11 +53,22 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 
+def dflash_setting(config, name: str, default=None):
+    """``config.dflash_config[name]``, else the config's top-level ``name``, else ``default`` (z-lab's lookup)."""
+    value = (getattr(config, "dflash_config", None) or {}).get(name)
+    return value if value is not None else getattr(config, name, default)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of x [b, heads, n, d] at the positions of cos/sin [b, n, d]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
 def _crop_to(cache: DynamicCache, length: int) -> None:
-    """Keep the first ``length`` positions of ``cache`` (a negative ``crop`` works across transformers 4.5x and 5.x)."""
-    remove = cache.get_seq_length() - length
-    if remove >= 0:  # crop(0) still trims sliding-window layers back to their window
-        cache.crop(-remove)
+    """Keep the first ``length`` positions of ``cache`` (self-contained twin of ``pipeline.models.cache.crop_to``)."""
+    if cache.get_seq_length() >= length:  # crop(0) still trims sliding-window layers back to their window
+        cache.crop(length - cache.get_seq_length())
 
 
 def _cache_keyword(target: nn.Module) -> str:
@@ -48,26 +76,22 @@ def _cache_keyword(target: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
 
-def _visible(q_len: int, k_len: int, causal: bool, sliding_window: int | None, device) -> torch.Tensor:
-    """bool [1, 1, q_len, k_len]: which keys the last ``q_len`` of ``k_len`` positions may see (True = may attend)."""
-    query = (k_len - q_len + torch.arange(q_len, device=device))[:, None]
-    key = torch.arange(k_len, device=device)[None, :]
-    visible = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
-    if causal:
-        visible &= key <= query
-    if sliding_window is not None:
-        visible &= query - key < sliding_window
-        if not causal:
-            visible &= key - query < sliding_window
-    return visible[None, None]
+class DFlashRotaryEmbedding(Qwen3RotaryEmbedding):
+    """Qwen3's rotary embedding whose ``inv_freq`` stays float32 when the module is cast (moved, not rounded)."""
+
+    def _apply(self, fn, recurse=True):
+        kept = {name: self._buffers[name] for name in ("inv_freq", "original_inv_freq")
+                if isinstance(self._buffers.get(name), torch.Tensor) and self._buffers[name].dtype == torch.float32}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = self._buffers[name]
+            if after.dtype != torch.float32 and before.device.type != "meta":
+                self._buffers[name] = before.to(after.device)
+        return self
 
 
 class DFlashAttention(nn.Module):
-    """Block queries attend to [context features ; block] keys/values, non-causally on ``full_attention`` layers.
-
-    A ``sliding_attention`` layer (``config.layer_types``) is causal unless ``config.is_causal`` says otherwise and
-    sees only keys within ``config.sliding_window`` positions.
-    """
+    """Block queries over [context features ; block] keys/values (z-lab's ``Qwen3DFlashAttention``)."""
 
     def __init__(self, config: Qwen3Config, layer_idx: int):
         super().__init__()
@@ -87,24 +111,62 @@ class DFlashAttention(nn.Module):
         self.is_causal = layer_type == "sliding_attention" if is_causal is None else bool(is_causal)
         self.sliding_window = int(config.sliding_window) if layer_type == "sliding_attention" else None
 
-    def forward(self, hidden, context, cos, sin, attention_mask=None, past_key_values=None):
-        b, q_len, _ = hidden.shape
-        c_len = context.shape[1]
-        q = self.q_norm(self.q_proj(hidden).view(b, q_len, -1, self.head_dim)).transpose(1, 2)
-        kv_in = torch.cat([context, hidden], dim=1)
-        k = self.k_norm(self.k_proj(kv_in).view(b, c_len + q_len, -1, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(kv_in).view(b, c_len + q_len, -1, self.head_dim).transpose(1, 2)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # queries sit at the last q_len positions
-        q = q * cos[..., -q_len:, :] + rotate_half(q) * sin[..., -q_len:, :]
-        k = k * cos + rotate_half(k) * sin
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
-        if self.is_causal or self.sliding_window is not None:
-            window = _visible(q_len, k.shape[-2], self.is_causal, self.sliding_window, q.device)
-            attention_mask = window if attention_mask is None else attention_mask & window
+    def project(self, hidden: torch.Tensor, context: torch.Tensor | None, qkv=None):
+        """Raw products: q [b, q, heads*d] of the block rows ``hidden`` [b, q, H], and k, v [b, c+q, kv_heads*d] of
+        [``context`` [b, c, H] ; hidden] (``context`` None: the block rows only). ``qkv``: one product for all three
+        (x -> [q, k, v]) over every row, the context rows' queries dropped; None: ``q_proj``, ``k_proj``, ``v_proj``."""
+        kv_in = hidden if context is None else torch.cat([context, hidden], dim=1)
+        if qkv is None:
+            return self.q_proj(hidden), self.k_proj(kv_in), self.v_proj(kv_in)
+        q, k, v = qkv(kv_in)
+        return q[:, kv_in.shape[1] - hidden.shape[1]:], k, v
+
+    def queries(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Raw queries [b, n, heads*d] at the positions of cos/sin [b, n, d] -> normed, rotated [b, heads, n, d]."""
+        return _rope(self.q_norm(q.reshape(*q.shape[:2], -1, self.head_dim)).transpose(1, 2), cos, sin)
+
+    def keys(self, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Raw keys [b, n, kv_heads*d] at the positions of cos/sin [b, n, d] -> normed, rotated [b, kv_heads, n, d]."""
+        return _rope(self.k_norm(k.reshape(*k.shape[:2], -1, self.head_dim)).transpose(1, 2), cos, sin)
+
+    def values(self, v: torch.Tensor) -> torch.Tensor:
+        """Raw values [b, n, kv_heads*d] -> [b, kv_heads, n, d]."""
+        return v.reshape(*v.shape[:2], -1, self.head_dim).transpose(1, 2)
+
+    def visible(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor | None:
+        """bool [q, k]: which keys (at ``key_positions`` [k]) each query (at ``query_positions`` [q]) may see on this
+        layer (True = may attend): causal, key <= query; sliding window w, query - key < w (and, non-causal,
+        key - query < w). None on a full-attention layer, which sees every key."""
+        if not self.is_causal and self.sliding_window is None:
+            return None
+        query, key = query_positions[:, None], key_positions[None, :]
+        visible = torch.ones(query.shape[0], key.shape[1], dtype=torch.bool, device=query.device)
+        if self.is_causal:
+            visible &= key <= query
+        if self.sliding_window is not None:
+            visible &= query - key < self.sliding_window
+            if not self.is_causal:
+                visible &= key - query < self.sliding_window
+        return visible
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """q [b, heads, n, d] over k, v [b, kv_heads, keys, d] (mask bool [b|1, 1, n, keys] or None) -> o_proj: [b, n, H]."""
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1))
+
+    def forward(self, hidden, context, cos, sin, attention_mask=None, past_key_values=None, qkv=None):
+        """hidden [b, q, H] (normed); context [b, c, H]; cos/sin [b, c+q, d]; mask bool [b|1, 1, q, keys] or None."""
+        q_len = hidden.shape[1]
+        q, k, v = self.project(hidden, context, qkv)
+        q, k, v = self.queries(q, cos[:, -q_len:], sin[:, -q_len:]), self.keys(k, cos, sin), self.values(v)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        k_len = k.shape[-2]  # queries sit at the last q_len of the k_len key positions
+        window = self.visible(torch.arange(k_len - q_len, k_len, device=q.device), torch.arange(k_len, device=q.device))
+        if window is not None:
+            attention_mask = window[None, None] if attention_mask is None else attention_mask & window
+        return self.attend(q, k, v, attention_mask)
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -117,9 +179,19 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden, context, cos, sin, attention_mask=None, past_key_values=None):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), context, cos, sin, attention_mask, past_key_values)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def feed_forward(self, hidden: torch.Tensor, gate_up=None) -> torch.Tensor:
+        """``hidden + mlp(post_attention_layernorm(hidden))``; ``gate_up``: one product x -> [gate, up], or None."""
+        x = self.post_attention_layernorm(hidden)
+        if gate_up is None:
+            return hidden + self.mlp(x)
+        gate, up = gate_up(x)
+        return hidden + self.mlp.down_proj(self.mlp.act_fn(gate) * up)
+
+    def forward(self, hidden, context, cos, sin, attention_mask=None, past_key_values=None, fused=None):
+        """fused: (qkv, gate_up) one-product callables, or None (see ``DFlashDraftModel.forward``)."""
+        qkv, gate_up = fused if fused is not None else (None, None)
+        attn = self.self_attn(self.input_layernorm(hidden), context, cos, sin, attention_mask, past_key_values, qkv)
+        return self.feed_forward(hidden + attn, gate_up)
 
 
 class DFlashDraftModel(Qwen3PreTrainedModel):
@@ -129,6 +201,9 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         target_layer_ids: target decoder layers (0-based) whose outputs, concatenated, are ``target_hidden``.
         block_size: the training block size B; mask_token_id: the token at the B-1 drafted positions.
         draft_vocab: int64 [N] target token ids the drafter may propose, or None (full vocabulary).
+    Raises:
+        ValueError: from the constructor, for a config without ``dflash_config.target_layer_ids`` or without a mask
+            token id (``dflash_config.mask_token_id``, or a top-level ``mask_token_id`` as z-lab's loader reads).
     """
 
     config_class = Qwen3Config
@@ -136,21 +211,25 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     def __init__(self, config: Qwen3Config):
         super().__init__(config)
-        dflash = getattr(config, "dflash_config", None) or {}
-        if "target_layer_ids" not in dflash:
+        layer_ids = dflash_setting(config, "target_layer_ids")
+        if layer_ids is None:
             raise ValueError("a DFlash drafter config must define dflash_config.target_layer_ids")
-        self.target_layer_ids = [int(i) for i in dflash["target_layer_ids"]]
-        self.block_size = int(getattr(config, "block_size", 16))
-        self.mask_token_id = int(dflash.get("mask_token_id", 0))
+        mask_token_id = dflash_setting(config, "mask_token_id")
+        if mask_token_id is None:
+            raise ValueError("a DFlash drafter config must define dflash_config.mask_token_id (or a top-level "
+                             "mask_token_id): the token id the drafter was trained with at the drafted positions")
+        self.target_layer_ids = [int(i) for i in layer_ids]
+        self.block_size = int(dflash_setting(config, "block_size", 16))
+        self.mask_token_id = int(mask_token_id)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(config)
-        n_draft_vocab = dflash.get("draft_vocab_size")
+        self.rotary_emb = DFlashRotaryEmbedding(config)
+        n_draft_vocab = (getattr(config, "dflash_config", None) or {}).get("draft_vocab_size")
         self.draft_vocab: torch.Tensor | None
         if n_draft_vocab:
-            self.register_buffer("draft_vocab", torch.zeros(int(n_draft_vocab), dtype=torch.long))
+            self.register_buffer("draft_vocab", torch.arange(int(n_draft_vocab), dtype=torch.long))
         else:
             self.draft_vocab = None
         self.post_init()
@@ -166,35 +245,59 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
                              "tensor: remove draft_vocab_size from config.json or use the weights saved with it")
         return (model, info) if want_info else model
 
+    @property
+    def max_block_size(self) -> int:
+        """Largest inference block size accepted: twice the training block size (at least 16)."""
+        return max(16, 2 * self.block_size)
+
     def extract_context(self, hidden_states) -> torch.Tensor:
-        """Concatenate the tapped layers of a target's ``output_hidden_states`` (entry 0 = embeddings)."""
+        """Concatenate the tapped layers of a target's ``output_hidden_states`` (entry 0 = embeddings; each [b, t, H])
+        -> [b, t, len(target_layer_ids) * H]."""
         return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
 
-    def forward(self, position_ids, attention_mask=None, noise_embedding=None, target_hidden=None,
-                past_key_values=None, use_cache=False, **kwargs) -> torch.Tensor:
+    def forward(self, noise_embedding=None, target_hidden=None, position_ids=None, attention_mask=None,
+                past_key_values=None, use_cache=False, cache=None, fused=None, **kwargs) -> torch.Tensor:
         """Hidden states [b, q, H] of the block positions (final norm applied), in ``noise_embedding``'s dtype.
 
+        Call it with z-lab's keywords; BlockPilot also calls it positionally, in the order below.
+
         Args:
+            noise_embedding: [b, q, H] target input embeddings of the block (anchor + mask tokens).
+            target_hidden: [b, c, n_taps * H] context features not yet in the cache (c may be 0).
             position_ids: [b, c + q] positions of the new context features, then of the block.
             attention_mask: bool [b|1, 1, q, keys] (True = may attend) or None (all visible).
-            noise_embedding: [b, q, H] target input embeddings of the block (anchor + mask tokens).
-            target_hidden: [b, c, n_taps * H] context features not yet in ``past_key_values`` (c may be 0).
-            past_key_values: a ``DynamicCache`` of projected context keys/values; the caller crops it.
+            past_key_values: a ``DynamicCache`` of projected context keys/values (``cache``: the same, BlockPilot's
+                name); the block's are appended too, so the caller crops it back to the context.
+            fused: per layer a (qkv, gate_up) pair of one-product callables (x -> [q, k, v], x -> [gate, up]) or None:
+                the fast path of a runtime whose concatenated products equal the separate ones bit for bit.
         """
+        past_key_values = cache if past_key_values is None else past_key_values
         out_dtype = noise_embedding.dtype
         dtype = self.fc.weight.dtype
         context = self.hidden_norm(self.fc(target_hidden.to(dtype)))
         hidden = noise_embedding.to(dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)
-        for layer in self.layers:
-            hidden = layer(hidden, context, cos, sin, attention_mask, past_key_values)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, context, cos, sin, attention_mask, past_key_values, fused[i] if fused else None)
         return self.norm(hidden).to(out_dtype)
+
+    def context_keys_values(self, target_hidden: torch.Tensor, position_ids: torch.Tensor) -> list[tuple]:
+        """Per layer, the keys (rotated) and values [b, kv_heads, c, d] of context features ``target_hidden``
+        [b, c, n_taps * H] at ``position_ids`` [b, c]: what ``forward`` puts in its cache for them."""
+        context = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
+        cos, sin = self.rotary_emb(context, position_ids)
+        return [(layer.self_attn.keys(layer.self_attn.k_proj(context), cos, sin),
+                 layer.self_attn.values(layer.self_attn.v_proj(context))) for layer in self.layers]
 
     def _head(self, output_head) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(weight [V, H], bias [V] or None) of an LM head module (or a bare weight tensor)."""
         if isinstance(output_head, torch.Tensor):
             return output_head, None
         return output_head.weight, getattr(output_head, "bias", None)
+
+    def draft_head(self, lm_head: torch.Tensor) -> torch.Tensor:
+        """The LM-head rows the drafter scores: ``lm_head[draft_vocab]`` [N, H], or the full [V, H]."""
+        return lm_head if self.draft_vocab is None else lm_head[self.draft_vocab.to(lm_head.device)]
 
     def draft_logits(self, hidden: torch.Tensor, output_head) -> torch.Tensor:
         """Scores [..., N] of the draft-vocabulary rows of ``output_head`` ([..., V] without a draft vocabulary)."""
@@ -240,6 +343,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         embed, head = target.get_input_embeddings(), target.get_output_embeddings()
         target_cache, draft_cache = DynamicCache(config=target.config), DynamicCache()
         cache_kw = _cache_keyword(target)
+
         out = target(input_ids, use_cache=True, output_hidden_states=True, **{cache_kw: target_cache})
         tokens = input_ids[0].tolist() + [int(out.logits[0, -1].argmax())]
         context = self.extract_context(out.hidden_states)
