@@ -307,7 +307,7 @@ def test_batch_engine_serves_each_request_its_ar_text_and_frees_cancelled_slots(
     app = create_app(engine)
 
     async def scenario():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=120) as c:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost", timeout=120) as c:
             bodies = [{"model": "tiny", "messages": [{"role": "user", "content": texts[i % 3]}], "max_tokens": 10,
                        "return_token_ids": True, "stream": i % 2 == 1} for i in range(6)]
             served = await asyncio.gather(*(c.post("/v1/chat/completions", json=b) for b in bodies))
