@@ -30,7 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask
 
 from pipeline.models.backend import SMALLM, SMALLM_MAX_ROWS, PackedLinear
-from pipeline.models.fast_forward import _fused_linears, _rms_norm
+from pipeline.models.fast_forward import _rms_norm
 
 ROW_LIMIT = SMALLM_MAX_ROWS  # the most rows one linear call of a batched forward takes (see the module doc)
 
@@ -175,48 +175,47 @@ class BatchedForward:
         embeds = [dec.embed(b) for b in blocks]
         positions = [torch.arange(s - f.shape[1], s + b.shape[1], device=b.device)[None]
                      for b, f, s in zip(blocks, features, starts)]
-        if not self.exact_draft:
+        products = dec.fast_draft.products() if self.exact_draft else None
+        if products is None:  # off the smallm kernels: each request's draft forward alone (exact, nothing shared)
             forward = dec.fast_draft if dec.fast_draft is not None else drafter
             return [forward(e, f, p, cache=c) for e, f, p, c in zip(embeds, features, positions, caches)]
-        from pipeline.models.drafter import _apply_rotary
-
         n = len(blocks)
         sizes = [b.shape[1] for b in blocks]
         cuts = [0]
         for s in sizes:
             cuts.append(cuts[-1] + s)
-        context = [_rms_norm(drafter.hidden_norm, c[0]) for c in segment_rows(drafter.fc.forward, list(features))]
-        rope = [drafter.rotary_emb(e, p) for e, p in zip(embeds, positions)]
-        hidden = torch.cat(embeds, dim=1)
-        first = drafter.layers[0].self_attn.q_proj
-        kind = first._bp_packed.kind if type(first) is PackedLinear else None
-        fused = dec.fast_draft._fused
+        dtype = drafter.fc.weight.dtype
+        # the drafter's own layer steps (DFlashDraftModel: project/queries/keys/values/visible, feed_forward), with
+        # every product over all requests' rows at once and attention per request, as its forward runs them alone
+        context = [drafter.hidden_norm(c[0]) for c in segment_rows(drafter.fc.forward, [f.to(dtype) for f in features])]
+        rope = [drafter.rotary_emb(e.to(dtype), p) for e, p in zip(embeds, positions)]
+        hidden = torch.cat([e.to(dtype) for e in embeds], dim=1)
         for li, layer in enumerate(drafter.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv, gate_up = _fused_linears(fused, li, layer, kind)
-            x = _rms_norm(layer.input_layernorm, hidden)
+            attn = layer.self_attn
+            qkv, gate_up = products[li]
+            x = layer.input_layernorm(hidden)
             kv_in = [torch.cat([context[i], x[:, cuts[i]: cuts[i + 1]]], dim=1) for i in range(n)]
             projected = segment_rows(qkv, kv_in)
             outs = []
             for i in range(n):
                 q, k, v = projected[i]
-                c_len, q_len = context[i].shape[1], sizes[i]
-                q = q[:, c_len:]
-                q = _rms_norm(attn.q_norm, q.reshape(1, q_len, -1, attn.head_dim)).transpose(1, 2)
-                k = _rms_norm(attn.k_norm, k.reshape(1, c_len + q_len, -1, attn.head_dim)).transpose(1, 2)
-                v = v.reshape(1, c_len + q_len, -1, attn.head_dim).transpose(1, 2)
+                q_len = sizes[i]
                 cos, sin = rope[i]
-                q, k = _apply_rotary(q, k, cos, sin)
+                q = attn.queries(q[:, k.shape[1] - q_len:], cos[:, -q_len:], sin[:, -q_len:])
+                k, v = attn.keys(k, cos, sin), attn.values(v)
                 if caches[i] is not None:
                     k, v = caches[i].update(k, v, attn.layer_idx)
+                k_len = k.shape[-2]
+                mask = attn.visible(torch.arange(k_len - q_len, k_len, device=q.device), torch.arange(k_len, device=q.device))
                 out = torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, attn_mask=None, enable_gqa=attn.num_heads != attn.num_kv_heads)
+                    q, k, v, attn_mask=None if mask is None else mask[None, None],
+                    enable_gqa=attn.num_heads != attn.num_kv_heads)
                 outs.append(out.transpose(1, 2).reshape(1, q_len, -1))
             hidden = hidden + chunked(attn.o_proj.forward, torch.cat(outs, dim=1))[0]
-            x = _rms_norm(layer.post_attention_layernorm, hidden)
+            x = layer.post_attention_layernorm(hidden)
             gate, up = chunked(gate_up, x)
-            hidden = hidden + chunked(mlp.down_proj.forward, mlp.act_fn(gate) * up)[0]
-        hidden = _rms_norm(drafter.norm, hidden)
+            hidden = hidden + chunked(layer.mlp.down_proj.forward, layer.mlp.act_fn(gate) * up)[0]
+        hidden = drafter.norm(hidden).to(embeds[0].dtype)
         return [hidden[:, cuts[i]: cuts[i + 1]] for i in range(n)]
 
     @torch.inference_mode()
