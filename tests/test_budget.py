@@ -69,7 +69,7 @@ def test_cost_model_interpolates_and_round_trips():
     assert costs.step_ms(4, 0, 3) == pytest.approx(12 + 1.0)
     assert costs.step_ms(4, 16, 3, 2) == pytest.approx(12 + 1.0 + 7 + 0.25)
     assert BatchCostModel.from_dict(json.loads(json.dumps(costs.to_dict()))) == costs
-    assert SoloCosts(costs).measured_ms("verify", 4, 100) == 12.0 and SoloCosts(costs).measured_ms("draft", 8, 9) == 5.0
+    assert SoloCosts(costs).verify_ms(4, 100) == 12.0 and SoloCosts(costs).draft_ms(8, 9) == 5.0
     with pytest.raises(ValueError, match="ascending"):
         BatchCostModel([4, 1], [1.0, 2.0], [1], [1.0])
     assert monotone([3.0, 1.0, 2.0, 5.0, 4.0]) == [2.0, 2.0, 2.0, 4.5, 4.5]

@@ -40,6 +40,8 @@ EXPECTED = {
                     "logger.enabled": False},
     "bench_serve": {"run_name": "bench-serve", "bench.out": f"{DATA}/bench/serve.json", "data.limit": 5,
                     "data.set_names": ["humaneval"]},
+    "bench_batch": {"run_name": "bench-batch", "data.limit": 16, "data.set_names": ["humaneval"],
+                    "bench.concurrency": [1, 4, 8, 16], "bench.methods": ["ar", "fixed", "verify_width", "budget"]},
     "bench_step": {"run_name": "bench-step", "backends": ["auto", "smallm_f32", "eager"], "model.name": "smollm2-135m-instruct"},
     "retest": {"run_name": "main", "retest.labels_dir": f"{DATA}/labels/main", "dataset.labels_dir": f"{DATA}/labels/main",
                "retest.out": f"{DATA}/retest/main/topk", "retest.targets": ["tau", "speed"]},

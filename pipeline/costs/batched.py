@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-
 from pipeline.costs import _cached, interp, monotone  # the one curve fit and cache of pipeline.costs
 
 log = logging.getLogger(__name__)
@@ -95,14 +94,18 @@ class BatchCostModel:
 
 
 class SoloCosts:
-    """A ``LatencyModel``-like view of a ``BatchCostModel`` for one request alone (``measured_ms(kind, b, L)``), so a
-    single-request ``VerifyWidthSchedule`` can run on the same measured costs (the batched ``verify_width`` method)."""
+    """A ``CostModel``-like view of a ``BatchCostModel`` for one request alone (``draft_ms(b, L)``, ``verify_ms(rows, L)``),
+    so a single-request ``VerifyWidthSchedule`` can run on the same measured costs (the batched ``verify_width`` method).
+    The batched model is measured at one context, so ``context`` is not read."""
 
     def __init__(self, costs: BatchCostModel):
         self.costs = costs
 
-    def measured_ms(self, kind: str, b: int, context: int) -> float:
-        return self.costs.draft(b) if kind == "draft" else self.costs.verify(b)
+    def draft_ms(self, b: int, context: int) -> float:
+        return self.costs.draft(b)
+
+    def verify_ms(self, rows: int, context: int) -> float:
+        return self.costs.verify(rows)
 
 
 def measure_batch_costs(decoder, block_size: int = 8, context: int = 128, max_requests: int = 16,
