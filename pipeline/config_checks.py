@@ -72,6 +72,38 @@ def _check_decode(decode) -> None:
         check_block_size_value(decode.block_size, "decode.block_size")
 
 
+def check_device(value: Any, key: str = "model.device") -> str:
+    """``value`` as a device this PyTorch can run on (``cpu``, ``cuda``, ``cuda:<i>``, ``mps``).
+
+    Checked before any model loads: on a CPU-only PyTorch build ``model.device=cuda`` would otherwise fail only
+    after the target's weights (8 GB for Qwen3-4B) were read.
+    Raises:
+        ValueError: for a name torch does not know, a CUDA device on a build without CUDA or on a machine where no
+            GPU is visible, a CUDA index beyond the visible GPUs, or ``mps`` where MPS is unavailable; the message
+            names ``key`` and the fix (``model.device=cpu`` or a CUDA build of torch).
+    """
+    import torch
+
+    try:
+        device = torch.device(str(value))
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{key}={value!r} is not a device name: use cpu, cuda or cuda:<index>") from None
+    if device.type == "cuda":
+        if torch.version.cuda is None:
+            raise ValueError(f"{key}={value}: this PyTorch ({torch.__version__}) is a CPU-only build; set {key}=cpu "
+                             f"{'model.dtype=float32 ' if key == 'model.device' else ''}or install a CUDA build of torch "
+                             "(https://pytorch.org/get-started/locally/)")
+        if not torch.cuda.is_available():
+            raise ValueError(f"{key}={value}: PyTorch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU on this "
+                             f"machine (check nvidia-smi and CUDA_VISIBLE_DEVICES), or set {key}=cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"{key}={value}: only {torch.cuda.device_count()} GPU(s) visible; use cuda:0 .. "
+                             f"cuda:{torch.cuda.device_count() - 1}")
+    if device.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise ValueError(f"{key}={value}: MPS is not available in this PyTorch on this machine; set {key}=cpu")
+    return str(value)
+
+
 def _check_model(model) -> None:
     check_block_sizes(model.get("candidates"), "model.candidates")
     if model.get("training_block_size") is not None:
@@ -142,7 +174,8 @@ def _check_draft(cfg) -> None:
 def validate_config(cfg, stage: str) -> None:
     """Check the composed config of ``stage`` before any model or data loads.
 
-    Checks, where the groups exist: ``model.candidates`` (distinct integers >= 1), ``decode.max_new_tokens``
+    Checks, where the groups exist: ``model.device`` (one this PyTorch can run on: ``cuda`` on a CPU-only build
+    is refused before the weights load), ``model.candidates`` (distinct integers >= 1), ``decode.max_new_tokens``
     (>= 1), ``decode.temperature`` (finite, >= 0), ``decode.block_size`` (null or >= 1; 0 is not "default"),
     ``data.limit`` (null or >= 0); for ``eval``: every ``eval.methods`` entry is known and each predictor
     method has an ``eval.predictors`` entry, ``eval.split``; for ``label``: ``label.block_sizes``, ``mode``,
@@ -157,6 +190,12 @@ def validate_config(cfg, stage: str) -> None:
     """
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; one of {STAGES}")
+    if cfg.get("model") is not None and cfg.model.get("device") is not None:
+        check_device(cfg.model.device)
+    if cfg.get("model") is not None:
+        from pipeline.prompts import template_kwargs_of
+
+        template_kwargs_of(cfg.model)  # a mapping or null
     if cfg.get("model") is not None and cfg.model.get("candidates") is not None:
         _check_model(cfg.model)
     if cfg.get("decode") is not None:

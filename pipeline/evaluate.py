@@ -65,7 +65,8 @@ from pipeline.decoding.schedules import FirstChoice
 from pipeline.decoding.speculative import PromptTooLongError, RequestStats, _now
 from pipeline.decoding.conversation import decode_prompt
 from pipeline.models.loading import build_decoder
-from pipeline.prompts import Prompt, load_prompt_sets, prompt_id_of, request_id
+from pipeline.prompts import (Prompt, check_label_template_kwargs, load_prompt_sets, prompt_id_of, request_id,
+                              set_chat_template_kwargs, template_kwargs_of)
 from pipeline.tracking import init_wandb
 
 log = logging.getLogger(__name__)
@@ -201,6 +202,7 @@ def load_eval_inputs(cfg: DictConfig, methods: list[str], decoder=None) -> EvalI
     if any(m in WIDTH_METHODS for m in methods):
         load_verify_width_inputs(cfg, inputs, decoder)
     meta = inputs.label_meta
+    check_label_template_kwargs(meta, cfg.model, str(labels_dir))  # prompts of other token ids: labels of other text
     if meta:
         for key, value in (("max_new_tokens", cfg.decode.max_new_tokens), ("temperature", cfg.decode.temperature)):
             if key in meta and meta[key] != value:
@@ -612,6 +614,7 @@ def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, input
         validate_config(cfg, "eval")
     torch.manual_seed(cfg.seed)
     decoder = decoder or build_decoder(cfg.model)
+    set_chat_template_kwargs(decoder.target.tokenizer, template_kwargs_of(cfg.model))
     methods = list(cfg.eval.methods)
     inputs = inputs if inputs is not None else load_eval_inputs(cfg, methods, decoder)
     available = schedules or method_schedules(cfg, decoder, inputs)
