@@ -680,7 +680,8 @@ def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, input
         log.info("decodes run: %d, shared by methods picking the same B: %d", runner.decodes, runner.reused)
     results = {"config": OmegaConf.to_container(cfg.decode, resolve=True), "split": split,
                "shared_decodes": runner.reused if isinstance(runner, SharedDecodes) else 0,
-               "skipped": skipped, "methods": summarize_all(rows, methods, reference, boot), "per_set": {}}
+               "skipped": skipped, "methods": summarize_all(rows, methods, reference, boot), "per_set": {},
+               "forward_path": decoder.forward_path()}  # the backend that ran and whether it is batch-invariant
     for source_set in sorted({r["source_set"] for r in rows["ar"]}):
         subset = {m: [r for r in rows[m] if r["source_set"] == source_set] for m in methods}
         results["per_set"][source_set] = summarize_all(subset, methods, reference, boot)

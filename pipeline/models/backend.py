@@ -76,27 +76,97 @@ _TUNE_ROWS = (2, 3, 4, 6, 8, 12, 16, 24, 32)
 _TUNE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "blockpilot"
 
 
-@functools.lru_cache(maxsize=1)
+class KernelUnavailableError(RuntimeError, ValueError):
+    """The smallm kernel cannot run in this process (no AVX2, no compiler or ninja, a stale build lock).
+
+    Both a ``RuntimeError`` (``smallm_kernel``) and a ``ValueError`` (``resolve_backend`` with ``model.backend=smallm``);
+    the message says why and names the fix. The test suite skips tests that need the kernel when it meets one.
+    """
+
+
+LOCK_WAIT_ENV = "BLOCKPILOT_SMALLM_LOCK_WAIT_S"
+"""Seconds a ``torch_extensions`` build lock may be held before it is reported as stale (default ``LOCK_WAIT_S``)."""
+LOCK_WAIT_S = 300.0  # a build takes ~45 s; a lock older than this was left by a killed build
+_KERNEL_NAME = "blockpilot_smallm"
+_failure: str | None = None  # why the kernel could not be had in this process (remembered, warned once)
+
+
+def kernel_failure() -> str | None:
+    """Why the smallm kernel is unavailable in this process (the first failure's reason), or None when it has not
+    failed (built, loaded, or not tried yet)."""
+    return _failure
+
+
+def _fail(reason: str) -> KernelUnavailableError:
+    """Remember ``reason`` for the process, warn once, and return the error to raise."""
+    global _failure
+    if _failure is None:
+        _failure = reason
+        log.warning("%s (remembered for this process: every later use falls back without retrying the build)", reason)
+    return KernelUnavailableError(_failure)
+
+
+def _check_build_lock(build_dir: Path, limit_s: float, poll_s: float = 0.5) -> None:
+    """Wait while another process holds the build lock ``build_dir/lock`` (a build in progress), at most until the lock
+    is ``limit_s`` seconds old; torch's own wait has no limit, so a lock left by a killed build would hang forever.
+
+    Raises:
+        KernelUnavailableError: when the lock is (or becomes) older than ``limit_s``; names the path to remove.
+    """
+    lock = build_dir / "lock"
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > limit_s:
+            raise _fail(f"the smallm kernel's build lock {lock} has been held for {age:.0f} s, longer than a build takes "
+                        f"({limit_s:.0f} s, ${LOCK_WAIT_ENV}): a killed build left it. Remove it (rm {lock}) and rerun; "
+                        "meanwhile model.backend=auto falls back to onednn/eager")
+        time.sleep(poll_s)
+
+
 def smallm_kernel():
     """The compiled ``smallm`` extension (built on first use, then loaded from torch's extension cache).
 
+    A failure is remembered for the process with its reason (``kernel_failure``) and warned once: later calls raise at
+    once instead of retrying the build for every new decoder. A build lock under ``torch_extensions`` older than
+    ``$BLOCKPILOT_SMALLM_LOCK_WAIT_S`` (default 300 s) is reported with the path to remove instead of waiting forever.
+
     Raises:
-        RuntimeError: when this CPU lacks AVX2/FMA or the build fails (no C++ compiler or ninja); the
-            message names the fix (``model.backend=onednn``).
+        KernelUnavailableError (a RuntimeError): when this CPU lacks AVX2/FMA, the build fails (no C++ compiler or
+            ninja) or a stale lock blocks it; the message names the fix (``model.backend=onednn``).
     """
+    global _module
+    if _module is not None:
+        return _module
+    if _failure is not None:
+        raise KernelUnavailableError(_failure)
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
-        raise RuntimeError(f"the smallm kernel needs an AVX2 CPU (this one reports {capability}); "
-                           "use model.backend=onednn or eager")
-    from torch.utils.cpp_extension import load
+        raise _fail(f"the smallm kernel needs an AVX2 CPU (this one reports {capability}); "
+                    "use model.backend=onednn or eager")
+    from torch.utils import cpp_extension
 
     try:
+        limit = float(os.environ.get(LOCK_WAIT_ENV, LOCK_WAIT_S))
+    except ValueError:
+        raise ValueError(f"${LOCK_WAIT_ENV} must be a number of seconds, got {os.environ.get(LOCK_WAIT_ENV)!r}") from None
+    try:
+        _check_build_lock(Path(cpp_extension._get_build_directory(_KERNEL_NAME, verbose=False)), limit)
         # -fopenmp: at::parallel_for runs on torch's OpenMP threads (torch's own libgomp.so.1 is already loaded)
-        return load("blockpilot_smallm", [str(_KERNEL)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        _module = cpp_extension.load(_KERNEL_NAME, [str(_KERNEL)],
+                                     extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"],
+                                     extra_ldflags=["-fopenmp"], verbose=False)
+    except KernelUnavailableError:
+        raise
     except Exception as err:  # compiler, ninja or header problems
-        raise RuntimeError(f"could not build the smallm kernel ({err}); install a C++ compiler and ninja, "
-                           "or use model.backend=onednn") from err
+        raise _fail(f"could not build the smallm kernel ({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}); "
+                    "install a C++ compiler and ninja, or use model.backend=onednn") from err
+    return _module
+
+
+_module = None  # the loaded extension
 
 
 def backend_signature(backend: str) -> str:
@@ -226,13 +296,22 @@ def exact_crossover() -> dict[str, int]:
 
 
 def smallm_available() -> bool:
-    """True when the ``smallm`` kernel builds and loads here (the first call may take ~45 s)."""
+    """True when the ``smallm`` kernel builds and loads here (the first call may take ~45 s; a failure is warned once
+    and remembered, see ``smallm_kernel``)."""
     try:
         smallm_kernel()
         return True
-    except RuntimeError as err:
-        log.warning("%s", err)
+    except KernelUnavailableError:
         return False
+
+
+def batch_invariant(backend: str) -> bool:
+    """True when ``backend``'s forwards give each row the same bits whatever the number of rows in the call, so a
+    B-row verify computes exactly what B autoregressive steps would and float32 decoding is lossless by construction:
+    the packed CPU backends (``onednn``, ``smallm``, ``smallm_f32``; tested row by row). ``eager`` (PyTorch's GEMMs,
+    MKL or cuBLAS) picks kernels by shape, so its outputs can differ in the last bits between a verify and a step:
+    measure its exact-match rate instead (``bench_label check=true``)."""
+    return backend in PACKED
 
 
 def onednn_available() -> bool:
@@ -245,7 +324,7 @@ def resolve_backend(backend: str, device: torch.device | str, dtype: torch.dtype
 
     Raises:
         ValueError: for an unknown backend, a packed backend off the CPU or not in float32, or one that
-            cannot run on this machine.
+            cannot run on this machine (``KernelUnavailableError`` for ``smallm`` without its kernel).
     """
     if backend not in BACKENDS:
         raise ValueError(f"model.backend must be one of {list(BACKENDS)}, got {backend!r}")
@@ -263,10 +342,7 @@ def resolve_backend(backend: str, device: torch.device | str, dtype: torch.dtype
         raise ValueError("model.backend=onednn needs a PyTorch build with oneDNN (torch.backends.mkldnn); "
                          "use model.backend=eager")
     if backend in SMALLM:
-        try:
-            smallm_kernel()
-        except RuntimeError as err:
-            raise ValueError(str(err)) from err
+        smallm_kernel()  # KernelUnavailableError is a ValueError naming the fix
     return backend
 
 
@@ -493,24 +569,51 @@ class LMHead:
     49,152-row head is ~2.5x slower at 2-16 rows than the transposed product) and ``hidden @ weight.T``
     otherwise; ``onednn`` and ``smallm`` run a packed copy of the weight.
 
+    With ``float32=True`` and a bfloat16/float16 weight the logits are computed and returned in float32 (a bf16
+    product rounds logits between 16 and 32 to steps of 0.125, so a 16-row verify and 16 single steps break ties
+    differently): on CUDA one GEMM with float32 output (``torch.mm(..., out_dtype=torch.float32)``: each bf16 x bf16
+    product is exact in float32, so only the summation order differs from a float32 product), elsewhere (or where
+    that GEMM is missing) a float32 copy of the weight made once. A float32 weight is unaffected by the flag.
+
     Attributes:
         weight: [N, H] the head's rows (the target's LM head, or the drafter's draft-vocabulary rows).
         backend: ``eager`` or one of ``PACKED``.
+        float32: float32 logits from a lower-precision weight (see above).
     Raises:
         ValueError: for another backend name.
     """
 
-    def __init__(self, weight: torch.Tensor, backend: str = "eager"):
+    def __init__(self, weight: torch.Tensor, backend: str = "eager", float32: bool = False):
         if backend not in ("eager", *PACKED):
             raise ValueError(f"LMHead backend must be 'eager' or one of {list(PACKED)}, got {backend!r}")
         self.weight = weight
         self.backend = backend
+        self.float32 = bool(float32) and weight.dtype != torch.float32
         self._packed = _Packed(weight, backend) if backend in PACKED else None
+        self._weight32: torch.Tensor | None = None
+        self._mm_out_dtype = weight.device.type == "cuda"  # tried first on CUDA; off after one failure
+
+    def _float32_logits(self, flat: torch.Tensor) -> torch.Tensor:
+        """[M, H] (any float dtype) -> [M, N] float32 logits of the lower-precision weight."""
+        if self._mm_out_dtype and flat.dtype == self.weight.dtype:
+            try:
+                return torch.mm(flat, self.weight.T, out_dtype=torch.float32)
+            except (RuntimeError, TypeError) as err:  # an older torch or GPU without the float32-output GEMM
+                log.info("LMHead: no float32-output GEMM here (%s); using a float32 copy of the head", err)
+                self._mm_out_dtype = False
+        if self._weight32 is None:
+            self._weight32 = self.weight.detach().float()
+        flat = flat.float()
+        if flat.device.type == "cpu" and flat.shape[0] <= 64:
+            return (self._weight32 @ flat.T).T
+        return flat @ self._weight32.T
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
             return packed_linear(hidden, self._packed, None)
         flat = hidden.reshape(-1, hidden.shape[-1])
+        if self.float32:
+            return self._float32_logits(flat).reshape(*hidden.shape[:-1], self.weight.shape[0])
         if flat.device.type == "cpu" and flat.shape[0] <= 64:
             logits = (self.weight @ flat.T).T
         else:
