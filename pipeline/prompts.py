@@ -211,7 +211,8 @@ def check_label_template_kwargs(label_meta: dict | None, model_cfg, where: str) 
     stored = dict(label_meta.get("chat_template_kwargs") or {})
     wanted = template_kwargs_of(model_cfg)
     if stored != wanted:
-        override = "{" + ", ".join(f"{k}: {json.dumps(v)}" for k, v in stored.items()) + "}"
+        # null, not {}: Hydra merges a {} override into the preset's mapping and would keep its keys
+        override = "{" + ", ".join(f"{k}: {json.dumps(v)}" for k, v in stored.items()) + "}" if stored else "null"
         raise ValueError(f"labels in {where} were made with model.chat_template_kwargs={stored} but this run has "
                          f"{wanted}: their prompts were other token ids. Relabel (make label) with the current setting, "
                          f"or run with 'model.chat_template_kwargs={override}'")

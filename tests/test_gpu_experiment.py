@@ -19,27 +19,25 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from conftest import composed
-from pipeline.testing import QWEN3_TEMPLATE, make_tiny_target
+from pipeline.testing import QWEN3_TEMPLATE, make_tiny_target, train_tiny_drafter
 
 TEXTS = {"code": ["def add(a, b):", "Write a function that returns the sum of a list.", "0123456789 + - *"],
          "math": ["Natalia sold clips to 48 of her friends", "What is 48 + 24 ?", "then she sold half as many"]}
 MAX_NEW = 6
 
 
-def zlab_drafter(target_dir: Path, out: Path, num_layers: int = 1, seed: int = 0) -> Path:
-    """A random drafter for the target at ``target_dir`` written as z-lab ships ``Qwen3-4B-DFlash-b16``: ``config.json``
-    with z-lab's keys (transformers-4.57 style ``rope_theta``, ``block_size`` 16, ``num_target_layers``,
+def zlab_drafter(target_dir: Path, out: Path, trained_dir: Path) -> Path:
+    """The drafter trained at ``trained_dir`` (training block size 16) rewritten as z-lab ships ``Qwen3-4B-DFlash-b16``:
+    ``config.json`` with z-lab's keys (transformers-4.57 style ``rope_theta``, ``block_size`` 16, ``num_target_layers``,
     ``dflash_config`` with ``target_layer_ids`` and ``mask_token_id`` only, ``auto_map`` to its ``dflash.py``) and the
     weights in one bfloat16 ``model.safetensors`` under z-lab's tensor names (no embeddings, no LM head, no
-    ``draft_vocab``)."""
-    from pipeline.models.drafter import DFlashDrafter, make_drafter_config
+    ``draft_vocab``). Trained, not random: the verify-width calibration needs some accepted drafts."""
+    from pipeline.models.drafter import DFlashDrafter
 
     tc = AutoModelForCausalLM.from_pretrained(target_dir).config
-    layer_ids = [0, 1, 2]  # z-lab taps 5 of Qwen3-4B's 36 layers (1, 9, 17, 25, 33); the tiny target has 4
-    mask_id = tc.vocab_size - 1  # z-lab: an id of the embedding that no text produces (151669)
-    torch.manual_seed(seed)
-    drafter = DFlashDrafter(make_drafter_config(tc, num_layers=num_layers, block_size=16, target_layer_ids=layer_ids,
-                                                mask_token_id=mask_id))
+    drafter = DFlashDrafter.from_pretrained(trained_dir)
+    assert drafter.block_size == 16
+    layer_ids, mask_id, num_layers = drafter.target_layer_ids, drafter.mask_token_id, drafter.config.num_hidden_layers
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in drafter.state_dict().items() if "rotary_emb" not in k}
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
@@ -72,7 +70,8 @@ def qwen3_target(out: Path) -> Path:
 def standins(tmp_path_factory) -> dict:
     base = tmp_path_factory.mktemp("gpu-standins")
     target = qwen3_target(base / "Qwen3-4B")
-    drafter = zlab_drafter(target, base / "Qwen3-4B-DFlash-b16")
+    trained = train_tiny_drafter(target, base / "trained-b16", block_size=16, steps=40)
+    drafter = zlab_drafter(target, base / "Qwen3-4B-DFlash-b16", trained)
     sets = []
     for name, texts in TEXTS.items():
         path = base / f"{name}.jsonl"
@@ -100,11 +99,10 @@ def test_the_zlab_standin_has_zlabs_layout_and_loads(standins):
     assert all(w.dtype == torch.bfloat16 for w in weights.values()) and "draft_vocab" not in weights
     assert not any(k.startswith(("embed_tokens", "lm_head")) for k in weights)
     drafter = DFlashDrafter.from_pretrained(drafter_dir, dtype=torch.bfloat16)
-    assert drafter.block_size == 16 and drafter.draft_vocab is None and drafter.target_layer_ids == [0, 1, 2]
+    assert drafter.block_size == 16 and drafter.draft_vocab is None and drafter.target_layer_ids == [0, 2]
     assert drafter.mask_token_id == config["dflash_config"]["mask_token_id"]
 
 
-@pytest.mark.slow
 def test_the_gpu_experiment_runs_end_to_end_on_cpu_standins(standins, caplog):
     """label -> dataset (topk, full_vocab) -> train (mlp, full_vocab) -> eval of every method of the gpu experiment, then
     a few served requests: results.json has every method, prompts are built with thinking off, and outputs are what
@@ -142,8 +140,9 @@ def test_the_gpu_experiment_runs_end_to_end_on_cpu_standins(standins, caplog):
     for features in ("topk", "full_vocab"):
         with composed("dataset", gpu_overrides(s, f"features={features}")) as cfg:
             build_dataset(cfg)
-    with composed("dataset", gpu_overrides(s, "model.chat_template_kwargs={}")) as cfg:  # labels of other prompts
-        with pytest.raises(ValueError, match=r"made with model.chat_template_kwargs=\{'enable_thinking': False\}"):
+    with composed("dataset", gpu_overrides(s, "model.chat_template_kwargs=null")) as cfg:  # labels of other prompts
+        with pytest.raises(ValueError, match=r"made with model.chat_template_kwargs=\{'enable_thinking': False\} but this "
+                                             r"run has \{\}.*'model.chat_template_kwargs=\{enable_thinking: false\}'"):
             build_dataset(cfg)
     for predictor in ("mlp", "full_vocab"):
         with composed("train", gpu_overrides(s, f"predictor={predictor}", "trainer=smoke", "train.batch_size=2")) as cfg:

@@ -197,7 +197,7 @@ def test_chat_template_kwargs_config_and_label_checks(compose_config):
     check_label_template_kwargs({"target": "t"}, compose_config("label").model, "labels/x")  # made before: none
     check_label_template_kwargs({}, qwen, "labels/x")  # no meta.json: nothing to compare
     with pytest.raises(ValueError, match=r"labels in labels/x were made with model.chat_template_kwargs=\{\} but this "
-                                         r"run has \{'enable_thinking': False\}.*Relabel.*'model.chat_template_kwargs=\{\}'"):
+                                         r"run has \{'enable_thinking': False\}.*Relabel.*'model.chat_template_kwargs=null'"):
         check_label_template_kwargs({"target": "t"}, qwen, "labels/x")
     with pytest.raises(ValueError, match=r"'model.chat_template_kwargs=\{enable_thinking: false\}'"):
         check_label_template_kwargs({"chat_template_kwargs": {"enable_thinking": False}}, compose_config("label").model, "l")
