@@ -11,6 +11,7 @@ Also here: the checks of the GPU path that need no GPU (issue 24 items 7c, 7d, 7
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -254,3 +255,42 @@ def test_sampled_drafter_data_draws_on_the_models_device(tiny):
             if int(nxt) in stop:
                 break
     assert seq.tolist() == ids[0].tolist()
+
+
+# -- scripts/gpu_check.sh on the CPU (issue 24 item 3) ---------------------------------------------------------------
+@pytest.mark.slow
+def test_gpu_check_script_runs_on_the_cpu_with_the_standins(standins, tmp_path):
+    """``DEVICE=cpu``: every step of the GPU check (versions, cost curve by verify width, ar/fixed/verify_width eval with
+    exact-match rates, replay labels, bench_label check) runs on the stand-ins and writes and prints its figures."""
+    import os
+    import subprocess
+
+    from pipeline import PROJECT_ROOT
+
+    s, dest = standins, tmp_path / "check"
+    code = next(x["source"] for x in s["sets"] if x["name"] == "code")
+    data = f"data.sets=[{{name:code,source:'{code}'}}] data.limit=1"
+    env = {**os.environ, "DEVICE": "cpu", "DTYPE": "float32", "PYTHON": sys.executable, "TARGET": str(s["target"]),
+           "DRAFTER": str(s["drafter"]), "DEST": str(dest), "MAX_NEW": "6", "BENCH_PROMPTS": "1", "WIDTHS": "1,4",
+           "BLOCKS": "4", "CONTEXTS": "32", "REPEATS": "1", "LATENCY_BUCKETS": "32", "LATENCY_REPEATS": "1",
+           "BENCH_KS": "3", "CALIBRATION": str(PROJECT_ROOT / "data/drafters/smollm2-135m-instruct-dflash-b8/calibration.json"),
+           "DATA_ARGS": data, "BENCH_DATA_ARGS": data, "EXTRA": f"paths.data={tmp_path / 'data'}"}
+    result = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True,
+                            timeout=1500)
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
+    for name in ("versions.json", "cost_curve.json", "eval.json", "bench_label.json"):
+        assert (dest / name).is_file(), name
+    assert any((dest / "labels").glob("shard-*.parquet"))
+    versions = json.loads((dest / "versions.json").read_text())
+    assert versions["torch"] == torch.__version__ and versions["device"] == "cpu"
+    curve = json.loads((dest / "cost_curve.json").read_text())
+    assert set(curve["by_context"]["32"]["forward_ms"]) == {"1", "4"}
+    ev = json.loads((dest / "eval.json").read_text())
+    assert list(ev["methods"]) == ["ar", "fixed", "verify_width"] and "batch_invariant" in ev["forward_path"]
+    summary = out[out.index("== summary"):]
+    assert f"versions: torch {torch.__version__}" in summary
+    assert "context 32: forward ms by q 1:" in summary and ("-> flat" in summary or "-> rising" in summary)
+    assert "verify_width vs fixed: tokens/s" in summary and "exact match vs ar 1.0" in summary
+    assert "speculative output == B=1 output in" in summary and "label 1 prompts" in summary
+    assert "gpu_check: done in" in out
