@@ -77,7 +77,7 @@ def label(dest: Path) -> None:
     labels = read_labels(directory)
     cands = list(labels["candidates"].iloc[0])
     mean_tau = [float(sum(t[i] for t in labels["tau"]) / len(labels)) for i in range(len(cands))]
-    print(f"label {len(labels)} prompts  mean tau per B {dict(zip(cands, [round(t, 2) for t in mean_tau]))}")
+    print(f"label {len(labels)} prompts  mean tau per B {dict(zip([int(c) for c in cands], [round(t, 2) for t in mean_tau]))}")
     print(f"label_tau counts {labels['label_tau'].value_counts().sort_index().to_dict()}  "
           f"label_speed counts {labels['label_speed'].value_counts().sort_index().to_dict()}")
 
