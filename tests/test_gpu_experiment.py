@@ -288,6 +288,9 @@ def test_gpu_check_script_runs_on_the_cpu_with_the_standins(standins, tmp_path):
     assert set(curve["by_context"]["32"]["forward_ms"]) == {"1", "4"}
     ev = json.loads((dest / "eval.json").read_text())
     assert list(ev["methods"]) == ["ar", "fixed", "verify_width"] and "batch_invariant" in ev["forward_path"]
+    bench = json.loads((dest / "bench_label.json").read_text())  # the bench JSONs name the forward path too
+    assert bench["forward_path"]["batch_invariant"] is curve["forward_path"]["batch_invariant"]
+    assert 0.0 <= bench["output_agreement"] <= 1.0
     summary = out[out.index("== summary"):]
     assert f"versions: torch {torch.__version__}" in summary
     assert "context 32: forward ms by q 1:" in summary and ("-> flat" in summary or "-> rising" in summary)
