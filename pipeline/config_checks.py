@@ -15,6 +15,7 @@ from typing import Any
 STAGES = ("label", "dataset", "train", "eval", "bench_label", "draft")
 EVAL_METHODS = ("ar", "fixed", "ema", "best_fixed", "oracle", "blockpilot", "full_vocab", "verify_width", "hybrid")
 PREDICTOR_METHODS = ("blockpilot", "full_vocab")
+MODEL_STAGES = ("label", "eval", "bench_label", "draft")  # the stages that load the target on model.device
 
 
 def _is_int(value: Any) -> bool:
@@ -174,8 +175,8 @@ def _check_draft(cfg) -> None:
 def validate_config(cfg, stage: str) -> None:
     """Check the composed config of ``stage`` before any model or data loads.
 
-    Checks, where the groups exist: ``model.device`` (one this PyTorch can run on: ``cuda`` on a CPU-only build
-    is refused before the weights load), ``model.candidates`` (distinct integers >= 1), ``decode.max_new_tokens``
+    Checks, where the groups exist: ``model.device`` for the stages that load the target (``MODEL_STAGES``: one this
+    PyTorch can run on; ``cuda`` on a CPU-only build is refused before the weights load), ``model.candidates`` (distinct integers >= 1), ``decode.max_new_tokens``
     (>= 1), ``decode.temperature`` (finite, >= 0), ``decode.block_size`` (null or >= 1; 0 is not "default"),
     ``data.limit`` (null or >= 0); for ``eval``: every ``eval.methods`` entry is known and each predictor
     method has an ``eval.predictors`` entry, ``eval.split``; for ``label``: ``label.block_sizes``, ``mode``,
@@ -190,7 +191,7 @@ def validate_config(cfg, stage: str) -> None:
     """
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; one of {STAGES}")
-    if cfg.get("model") is not None and cfg.model.get("device") is not None:
+    if stage in MODEL_STAGES and cfg.get("model") is not None and cfg.model.get("device") is not None:
         check_device(cfg.model.device)
     if cfg.get("model") is not None:
         from pipeline.prompts import template_kwargs_of
