@@ -196,9 +196,10 @@ def test_cuda_device_without_cuda_is_refused_before_weights_load(compose_config,
     monkeypatch.setattr(loading, "load_target", lambda *a, **k: pytest.fail("weights must not load"))
     message = r"model.device=cuda: this PyTorch .* CPU-only build; set model.device=cpu" if torch.version.cuda is None \
         else r"model.device=cuda: PyTorch .* sees no GPU"
-    for stage, name in (("label", "label"), ("eval", "evaluate"), ("bench_label", "bench_label")):
+    for stage, name, preset in (("label", "label", "experiment=gpu"), ("eval", "evaluate", "experiment=gpu"),
+                                ("bench_label", "bench_label", "model=qwen3_4b")):
         with pytest.raises(ValueError, match=message):
-            validate_config(compose_config(name, ["experiment=gpu"]), stage)  # qwen3_4b: device cuda
+            validate_config(compose_config(name, [preset]), stage)  # qwen3_4b: device cuda
     for stage in ("dataset", "train"):  # no target loads there: the gpu run's dataset and train stages run on any machine
         validate_config(compose_config(stage, ["experiment=gpu"]), stage)
     from pipeline.labeling.runner import run_label
