@@ -18,7 +18,6 @@ import sys
 import time
 
 from pipeline import PROJECT_ROOT
-from pipeline.models import backend as backend_module
 from pipeline.models.backend import (EXACT_ROWS_ENV, SMALLM, SMALLM_MAX_ROWS, KernelUnavailableError, LMHead, PackedLinear,
                                     batch_invariant, exact_crossover, exact_format, kernel_failure, measure_crossover,
                                     module_backend, pack_smallm, resolve_backend, set_backend, smallm_available)
@@ -311,10 +310,12 @@ def test_models_loaded_under_inference_mode_run_on_the_packed_paths(tiny, backen
 @pytest.fixture
 def fresh_kernel_state(monkeypatch):
     """The kernel module's process-wide memory (loaded extension, remembered failure) emptied for one test, restored after."""
-    monkeypatch.setattr(backend_module, "_module", None)
-    monkeypatch.setattr(backend_module, "_failure", None)
+    from pipeline.models import kernel
+
+    monkeypatch.setattr(kernel, "_module", None)
+    monkeypatch.setattr(kernel, "_failure", None)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    return backend_module
+    return kernel
 
 
 def test_a_failed_kernel_build_is_remembered_with_its_reason_and_warned_once(fresh_kernel_state, monkeypatch, tmp_path, caplog):
@@ -328,12 +329,12 @@ def test_a_failed_kernel_build_is_remembered_with_its_reason_and_warned_once(fre
 
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
-    with caplog.at_level("WARNING", logger="pipeline.models.backend"):
+    with caplog.at_level("WARNING", logger="pipeline.models.kernel"):
         assert not smallm_available()
         assert resolve_backend("auto", "cpu", torch.float32) == "onednn"  # the fallback, without a second build
         for _ in range(3):
             with pytest.raises(KernelUnavailableError, match="Ninja is required"):
-                backend_module.smallm_kernel()
+                fresh_kernel_state.smallm_kernel()
         with pytest.raises(ValueError, match="could not build the smallm kernel.*model.backend=onednn"):
             resolve_backend("smallm", "cpu", torch.float32)
     assert calls == ["blockpilot_smallm"]  # built once per process, not once per decoder
@@ -347,13 +348,13 @@ def test_a_stale_build_lock_is_reported_with_the_path_to_remove(fresh_kernel_sta
 
     monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
     monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("must not wait on or take a stale lock"))
-    monkeypatch.setenv(backend_module.LOCK_WAIT_ENV, "60")
+    monkeypatch.setenv(fresh_kernel_state.LOCK_WAIT_ENV, "60")
     lock = tmp_path / "lock"
     lock.touch()
     os.utime(lock, (time.time() - 3600, time.time() - 3600))  # left by a build killed an hour ago
     t0 = time.perf_counter()
     with pytest.raises(KernelUnavailableError, match=rf"held for \d+ s.*rm {lock}"):
-        backend_module.smallm_kernel()
+        fresh_kernel_state.smallm_kernel()
     assert time.perf_counter() - t0 < 30  # reported, not waited on (torch's own wait has no limit)
     assert not smallm_available() and str(lock) in kernel_failure()
 
@@ -370,8 +371,8 @@ def test_a_fresh_build_lock_is_waited_for(fresh_kernel_state, monkeypatch, tmp_p
     lock = tmp_path / "lock"
     lock.touch()
     threading.Timer(0.5, lock.unlink).start()  # the other build finishes
-    assert backend_module.smallm_kernel() is sentinel and not lock.exists()
-    assert backend_module.smallm_kernel() is sentinel and kernel_failure() is None
+    assert fresh_kernel_state.smallm_kernel() is sentinel and not lock.exists()
+    assert fresh_kernel_state.smallm_kernel() is sentinel and kernel_failure() is None
 
 
 def test_forward_path_names_the_backend_and_whether_it_is_batch_invariant(tiny):
