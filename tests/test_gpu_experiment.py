@@ -20,7 +20,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from conftest import composed
-from pipeline.testing import QWEN3_TEMPLATE, make_tiny_target, train_tiny_drafter
+try:  # main moved pipeline/testing.py to tests/tiny_models.py
+    from tiny_models import QWEN3_TEMPLATE, make_tiny_target, train_tiny_drafter
+except ImportError:
+    from pipeline.testing import QWEN3_TEMPLATE, make_tiny_target, train_tiny_drafter
 
 TEXTS = {"code": ["def add(a, b):", "Write a function that returns the sum of a list.", "0123456789 + - *"],
          "math": ["Natalia sold clips to 48 of her friends", "What is 48 + 24 ?", "then she sold half as many"]}
