@@ -142,6 +142,7 @@ def bench_label(cfg: DictConfig, decoder=None) -> dict:
         "mean_new_tokens": mean(new_tokens),
         "temperature": config.temperature,
         "device": str(decoder.device),
+        "forward_path": decoder.forward_path(),  # the backend that ran and whether it is batch-invariant
         "dtype": str(decoder.lm_head.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         "candidates": candidates,

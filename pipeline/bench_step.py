@@ -169,7 +169,8 @@ def bench_step(cfg: DictConfig) -> dict:
                          name, kind, int(length), fig["ar_ms"], {k: round(v, 2) for k, v in fig["step_ms"].items()},
                          {k: round(v, 3) for k, v in fig["step_over_ar"].items()})
             first = by_context[str(int(cfg.contexts[0]))]
-            by_backend[name] = {**{k: first[k] for k in KEYS}, "kv_cache": kind, "by_context": by_context}
+            by_backend[name] = {**{k: first[k] for k in KEYS}, "kv_cache": kind, "by_context": by_context,
+                                "forward_path": decoder.forward_path()}
     chosen = by_kv_cache[kinds[0]][names[0]]
     return {
         "backend": names[0], "kv_cache": kinds[0], "context": int(cfg.contexts[0]), **chosen,

@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 STAGES = ("label", "dataset", "train", "eval", "bench_label", "draft")
+MODEL_STAGES = ("label", "eval", "bench_label", "draft")  # the stages that load the target on model.device
 
 
 def _is_int(value: Any) -> bool:
@@ -68,6 +69,38 @@ def _check_decode(decode) -> None:
         raise ValueError(f"decode.seed={decode.get('seed')!r}: must be an integer")
     if decode.get("block_size") is not None:
         check_block_size_value(decode.block_size, "decode.block_size")
+
+
+def check_device(value: Any, key: str = "model.device") -> str:
+    """``value`` as a device this PyTorch can run on (``cpu``, ``cuda``, ``cuda:<i>``, ``mps``).
+
+    Checked before any model loads: on a CPU-only PyTorch build ``model.device=cuda`` would otherwise fail only
+    after the target's weights (8 GB for Qwen3-4B) were read.
+    Raises:
+        ValueError: for a name torch does not know, a CUDA device on a build without CUDA or on a machine where no
+            GPU is visible, a CUDA index beyond the visible GPUs, or ``mps`` where MPS is unavailable; the message
+            names ``key`` and the fix (``model.device=cpu`` or a CUDA build of torch).
+    """
+    import torch
+
+    try:
+        device = torch.device(str(value))
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{key}={value!r} is not a device name: use cpu, cuda or cuda:<index>") from None
+    if device.type == "cuda":
+        if torch.version.cuda is None:
+            raise ValueError(f"{key}={value}: this PyTorch ({torch.__version__}) is a CPU-only build; set {key}=cpu "
+                             f"{'model.dtype=float32 ' if key == 'model.device' else ''}or install a CUDA build of torch "
+                             "(https://pytorch.org/get-started/locally/)")
+        if not torch.cuda.is_available():
+            raise ValueError(f"{key}={value}: PyTorch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU on this "
+                             f"machine (check nvidia-smi and CUDA_VISIBLE_DEVICES), or set {key}=cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"{key}={value}: only {torch.cuda.device_count()} GPU(s) visible; use cuda:0 .. "
+                             f"cuda:{torch.cuda.device_count() - 1}")
+    if device.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise ValueError(f"{key}={value}: MPS is not available in this PyTorch on this machine; set {key}=cpu")
+    return str(value)
 
 
 def _check_model(model) -> None:
@@ -146,7 +179,8 @@ def _check_draft(cfg) -> None:
 def validate_config(cfg, stage: str) -> None:
     """Check the composed config of ``stage`` before any model or data loads.
 
-    Checks, where the groups exist: ``model.candidates`` (distinct integers >= 1), ``decode.max_new_tokens``
+    Checks, where the groups exist: ``model.device`` for the stages that load the target (``MODEL_STAGES``: one this
+    PyTorch can run on; ``cuda`` on a CPU-only build is refused before the weights load), ``model.candidates`` (distinct integers >= 1), ``decode.max_new_tokens``
     (>= 1), ``decode.temperature`` (finite, >= 0), ``decode.block_size`` (null or >= 1; 0 is not "default"),
     ``data.limit`` (null or >= 0); for ``eval``: every ``eval.methods`` entry is known and each predictor
     method has a ``policy.<method>.predictor`` sub-folder, ``policy.verify_width``, ``eval.split``; for ``label``: ``label.block_sizes``, ``mode``,
@@ -161,6 +195,12 @@ def validate_config(cfg, stage: str) -> None:
     """
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; one of {STAGES}")
+    if stage in MODEL_STAGES and cfg.get("model") is not None and cfg.model.get("device") is not None:
+        check_device(cfg.model.device)
+    if cfg.get("model") is not None:
+        from pipeline.prompts import template_kwargs_of
+
+        template_kwargs_of(cfg.model)  # a mapping or null
     if cfg.get("model") is not None and cfg.model.get("candidates") is not None:
         _check_model(cfg.model)
     if cfg.get("decode") is not None:

@@ -155,29 +155,95 @@ def load_prompt_sets(sets: Iterable[dict], limit_per_set: int | None = None, see
     return prompts
 
 
-def chat_input_ids(tokenizer, turns: Sequence[str], replies: Sequence[str] = ()) -> torch.Tensor:
+TEMPLATE_KWARGS_ATTR = "blockpilot_chat_template_kwargs"
+"""The tokenizer attribute holding ``model.chat_template_kwargs`` (set by ``set_chat_template_kwargs``)."""
+
+
+def template_kwargs_of(model_cfg) -> dict:
+    """``model.chat_template_kwargs`` of a model config as a plain dict (``{}`` when absent or null).
+
+    Raises:
+        ValueError: when it is not a mapping (e.g. ``model.chat_template_kwargs=false``); names the fix.
+    """
+    value = model_cfg.get("chat_template_kwargs") if model_cfg is not None else None
+    if value is None:
+        return {}
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(value, DictConfig):
+            value = OmegaConf.to_container(value, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf is a dependency
+        pass
+    if not isinstance(value, dict):
+        raise ValueError(f"model.chat_template_kwargs={value!r}: give a mapping of chat-template variables, "
+                         "e.g. 'model.chat_template_kwargs={enable_thinking: false}' (or {} for none)")
+    return dict(value)
+
+
+def set_chat_template_kwargs(tokenizer, kwargs: dict | None) -> None:
+    """Make ``kwargs`` (``model.chat_template_kwargs``, e.g. ``{"enable_thinking": False}`` for Qwen3) the chat-template
+    variables of every prompt built from ``tokenizer`` (``chat_input_ids``, ``messages_input_ids``); kwargs given to
+    those calls (a served request's ``chat_template_kwargs``) override them key by key."""
+    setattr(tokenizer, TEMPLATE_KWARGS_ATTR, dict(kwargs or {}))
+
+
+def chat_template_kwargs(tokenizer) -> dict:
+    """The chat-template variables set on ``tokenizer`` by ``set_chat_template_kwargs`` (``{}`` when none)."""
+    return dict(getattr(tokenizer, TEMPLATE_KWARGS_ATTR, None) or {})
+
+
+def check_label_template_kwargs(label_meta: dict | None, model_cfg, where: str) -> None:
+    """Raise when labels were made with other chat-template variables than ``model.chat_template_kwargs`` now.
+
+    The prompts' token ids (and so every label) depend on them: Qwen3's template with thinking on or off asks for
+    different text. A ``meta.json`` without the key (labels made before it was recorded) counts as ``{}``.
+
+    Args:
+        label_meta: the label run's parsed ``meta.json`` (``{}``/None: nothing to check).
+        model_cfg: the stage's ``model`` config group.
+        where: the labels' directory, for the message.
+    Raises:
+        ValueError: naming both settings and the two fixes (relabel, or set the override that matches the labels).
+    """
+    if not label_meta:
+        return
+    stored = dict(label_meta.get("chat_template_kwargs") or {})
+    wanted = template_kwargs_of(model_cfg)
+    if stored != wanted:
+        # null, not {}: Hydra merges a {} override into the preset's mapping and would keep its keys
+        override = "{" + ", ".join(f"{k}: {json.dumps(v)}" for k, v in stored.items()) + "}" if stored else "null"
+        raise ValueError(f"labels in {where} were made with model.chat_template_kwargs={stored} but this run has "
+                         f"{wanted}: their prompts were other token ids. Relabel (make label) with the current setting, "
+                         f"or run with 'model.chat_template_kwargs={override}'")
+
+
+def chat_input_ids(tokenizer, turns: Sequence[str], replies: Sequence[str] = (), **template_kwargs) -> torch.Tensor:
     """Chat-templated prompt ids [1, n] for the next reply.
 
     ``turns[i]`` is the i-th user message and ``replies[i]`` the assistant's answer to it; the prompt
     asks for the reply to ``turns[len(replies)]``. Models without a chat template get the raw text.
+    ``template_kwargs``: see ``messages_input_ids``.
     """
     messages = []
     for i, turn in enumerate(turns[: len(replies) + 1]):
         messages.append({"role": "user", "content": turn})
         if i < len(replies):
             messages.append({"role": "assistant", "content": replies[i]})
-    return messages_input_ids(tokenizer, messages)
+    return messages_input_ids(tokenizer, messages, **template_kwargs)
 
 
 def messages_input_ids(tokenizer, messages: Sequence[dict], **template_kwargs) -> torch.Tensor:
     """Chat-templated prompt ids [1, n] of OpenAI-style ``messages`` (``{"role", "content"}`` dicts), asking for
-    the assistant's next reply. ``template_kwargs`` go to the chat template (e.g. ``enable_thinking``).
+    the assistant's next reply. The chat template gets the tokenizer's ``model.chat_template_kwargs``
+    (``set_chat_template_kwargs``) updated with ``template_kwargs`` (e.g. a request's ``enable_thinking``), which win.
     Models without a chat template get the contents joined by blank lines.
     """
     messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     if getattr(tokenizer, "chat_template", None):
+        kwargs = {**chat_template_kwargs(tokenizer), **template_kwargs}
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True, return_tensors="pt",
-                                            **template_kwargs)["input_ids"]
+                                            **kwargs)["input_ids"]
     else:
         ids = tokenizer("\n\n".join(m["content"] for m in messages), return_tensors="pt")["input_ids"]
     return ids.reshape(1, -1)

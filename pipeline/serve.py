@@ -34,6 +34,7 @@ def build_recorder(cfg: DictConfig, decoder):
     from pipeline import costs
     from pipeline.labeling.oracle import check_candidates
     from pipeline.labeling.store import LabelStore
+    from pipeline.prompts import template_kwargs_of
     from pipeline.serving.recorder import Recorder
 
     if decoder.drafter is None:
@@ -50,6 +51,7 @@ def build_recorder(cfg: DictConfig, decoder):
         "max_new_tokens": int(cfg.serve.max_tokens), "mode": "replay", "topk": int(cfg.label.topk),
         "store_full_logits": bool(cfg.label.store_full_logits), "sets": [str(cfg.serve.record_source_set)],
         "source": "serve",
+        "chat_template_kwargs": template_kwargs_of(cfg.model),
     }
     return Recorder(decoder, cfg.serve.record_dir, candidates, latency, meta, str(cfg.serve.record_source_set),
                     int(cfg.label.topk), bool(cfg.label.store_full_logits), str(cfg.label.lm_head),

@@ -12,13 +12,30 @@ from torch import nn
 from torch.nn import functional as F
 
 from pipeline.decoding import DecodeConfig, SpeculativeDecoder
-from pipeline.models.backend import (EXACT_ROWS_ENV, SMALLM_MAX_ROWS, LMHead, PackedLinear, exact_crossover, exact_format,
-                                    measure_crossover, module_backend, pack_smallm, resolve_backend, set_backend)
+import os
+import subprocess
+import sys
+import time
+
+from pipeline import PROJECT_ROOT
+from pipeline.models.backend import (EXACT_ROWS_ENV, SMALLM, SMALLM_MAX_ROWS, KernelUnavailableError, LMHead, PackedLinear,
+                                    batch_invariant, exact_crossover, exact_format, kernel_failure, measure_crossover,
+                                    module_backend, pack_smallm, resolve_backend, set_backend, smallm_available)
 from pipeline.models.drafter import DFlashDrafter
 from pipeline.models.target import load_target
 from pipeline.prompts import chat_input_ids
 
 PROMPTS = ["def add(a, b):", "Natalia sold clips to 48 of her friends", "The quick brown fox"]
+
+
+@pytest.fixture(autouse=True)
+def _kernel_or_skip(request):
+    """The kernel's own tests (a ``smallm``/``smallm_f32`` backend parameter, or ``smallm`` in the test's name) are
+    skipped with the build failure's reason where the kernel cannot be built (no compiler or ninja)."""
+    params = getattr(request.node, "callspec", None)
+    wants = (params is not None and params.params.get("backend") in SMALLM) or "smallm" in request.node.name
+    if wants and not smallm_available():
+        pytest.skip(f"the smallm kernel is unavailable here: {kernel_failure()}")
 
 
 @pytest.fixture
@@ -202,8 +219,13 @@ def test_lm_head_backends_agree():
 
 
 def test_resolve_backend_names_the_fix():
-    assert resolve_backend("auto", "cpu", torch.float32) == "smallm"  # the CI CPU has AVX2
-    assert resolve_backend("smallm", "cpu", torch.float32) == "smallm"
+    if smallm_available():  # the CI CPU has AVX2 and a compiler
+        assert resolve_backend("auto", "cpu", torch.float32) == "smallm"
+        assert resolve_backend("smallm", "cpu", torch.float32) == "smallm"
+    else:  # no compiler: auto falls back, and asking for the kernel names why it is missing
+        assert resolve_backend("auto", "cpu", torch.float32) == "onednn"
+        with pytest.raises(ValueError, match="smallm"):
+            resolve_backend("smallm", "cpu", torch.float32)
     assert resolve_backend("auto", "cpu", torch.bfloat16) == "eager"
     assert resolve_backend("eager", "cpu", torch.float32) == "eager"
     with pytest.raises(ValueError, match="must be one of"):
@@ -282,3 +304,138 @@ def test_models_loaded_under_inference_mode_run_on_the_packed_paths(tiny, backen
         with torch.inference_mode():
             reference = hf_greedy(source, ids, config.max_new_tokens, decoder.stop_ids)
         assert ours == reference and decoder.generate(ids, 6, config).output_ids == ours, text
+
+
+# -- kernel build failures (issue 24 item 4) ------------------------------------------------------------------------
+@pytest.fixture
+def fresh_kernel_state(monkeypatch):
+    """The kernel module's process-wide memory (loaded extension, remembered failure) emptied for one test, restored after."""
+    from pipeline.models import kernel
+
+    monkeypatch.setattr(kernel, "_module", None)
+    monkeypatch.setattr(kernel, "_failure", None)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    return kernel
+
+
+def test_a_failed_kernel_build_is_remembered_with_its_reason_and_warned_once(fresh_kernel_state, monkeypatch, tmp_path, caplog):
+    from torch.utils import cpp_extension
+
+    calls = []
+
+    def no_compiler(*args, **kwargs):
+        calls.append(args[0])
+        raise RuntimeError("Ninja is required to load C++ extensions (pip install ninja)")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    with caplog.at_level("WARNING", logger="pipeline.models.kernel"):
+        assert not smallm_available()
+        assert resolve_backend("auto", "cpu", torch.float32) == "onednn"  # the fallback, without a second build
+        for _ in range(3):
+            with pytest.raises(KernelUnavailableError, match="Ninja is required"):
+                fresh_kernel_state.smallm_kernel()
+        with pytest.raises(ValueError, match="could not build the smallm kernel.*model.backend=onednn"):
+            resolve_backend("smallm", "cpu", torch.float32)
+    assert calls == ["blockpilot_smallm"]  # built once per process, not once per decoder
+    assert "Ninja is required" in kernel_failure()
+    warnings = [r for r in caplog.records if "smallm" in r.getMessage()]
+    assert len(warnings) == 1 and "remembered" in warnings[0].getMessage()
+
+
+def test_a_stale_build_lock_is_reported_with_the_path_to_remove(fresh_kernel_state, monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: pytest.fail("must not wait on or take a stale lock"))
+    monkeypatch.setenv(fresh_kernel_state.LOCK_WAIT_ENV, "60")
+    lock = tmp_path / "lock"
+    lock.touch()
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))  # left by a build killed an hour ago
+    t0 = time.perf_counter()
+    with pytest.raises(KernelUnavailableError, match=rf"held for \d+ s.*rm {lock}"):
+        fresh_kernel_state.smallm_kernel()
+    assert time.perf_counter() - t0 < 30  # reported, not waited on (torch's own wait has no limit)
+    assert not smallm_available() and str(lock) in kernel_failure()
+
+
+def test_a_fresh_build_lock_is_waited_for(fresh_kernel_state, monkeypatch, tmp_path):
+    """A lock younger than the limit is a build in progress in another process: wait for it, then load."""
+    import threading
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    sentinel = object()
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: sentinel)
+    lock = tmp_path / "lock"
+    lock.touch()
+    threading.Timer(0.5, lock.unlink).start()  # the other build finishes
+    assert fresh_kernel_state.smallm_kernel() is sentinel and not lock.exists()
+    assert fresh_kernel_state.smallm_kernel() is sentinel and kernel_failure() is None
+
+
+def test_forward_path_names_the_backend_and_whether_it_is_batch_invariant(tiny):
+    target = tiny.target("llama")
+    eager = SpeculativeDecoder(target, backend="eager").forward_path()
+    assert eager["backend"] == "eager" and eager["batch_invariant"] is False
+    assert eager["dtype"] == "float32" and eager["device"] == "cpu"
+    onednn = SpeculativeDecoder(target, backend="onednn").forward_path()
+    assert onednn["backend"] == "onednn" and onednn["batch_invariant"] is True  # test_packed_linear_..._batch_invariant
+    set_backend(target.model, "eager")
+    assert batch_invariant("smallm") and batch_invariant("smallm_f32") and not batch_invariant("eager")
+
+
+@pytest.mark.slow
+def test_the_suite_passes_where_no_compiler_can_be_found(tmp_path):
+    """A machine without a C++ compiler or ninja (simulated: PATH and CXX point nowhere, an empty torch_extensions):
+    the backend and bench tests and a losslessness test pass, the kernel's own tests are skipped with the reason."""
+    nowhere = tmp_path / "no-bin"
+    nowhere.mkdir()
+    env = {**os.environ, "PATH": str(nowhere), "CXX": str(nowhere / "c++"), "CC": str(nowhere / "cc"),
+           "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions"), "PYTHONPATH": str(PROJECT_ROOT)}
+    env.pop("CI", None)
+    selection = ["tests/test_backend.py", "tests/test_bench_step.py",
+                 "tests/test_fast_forward.py::test_fast_forward_is_bit_identical_to_transformers",
+                 "tests/test_decoding.py::test_lossless_for_every_block_size_with_a_trained_drafter"]
+    chosen = ("smallm_streams or resolve_backend or b1_equals or packed_backends_are_lossless or forward_path or bench_step "
+              "or fast_forward or lossless_for_every")  # the kernel's own tests, the fallback's and the losslessness tests
+    result = subprocess.run([sys.executable, "-m", "pytest", *selection, "-q", "-rs", "-p", "no:cacheprovider",
+                             "-k", f"({chosen}) and not no_compiler", "-x"],
+                            cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    tail = result.stdout[-4000:] + result.stderr[-2000:]
+    assert result.returncode == 0, tail
+    assert " passed" in result.stdout and " skipped" in result.stdout, tail
+    assert "smallm kernel is unavailable" in result.stdout and "could not build the smallm kernel" in result.stdout, tail
+
+
+# -- float32 head logits for bf16 models (issue 24 item 7a) ---------------------------------------------------------
+def test_bf16_heads_compute_float32_logits_equal_to_a_float32_product(tiny):
+    """A bf16 target and drafter (the gpu experiment's dtype): the decoder's target and draft heads return the float32
+    product of the bf16 weight and hidden states, not that product rounded to bf16 (whose grid is 0.125 wide for
+    logits in [16, 32), so near-ties broke differently between a verify and single steps)."""
+    target = load_target(str(tiny.target_dir("qwen3")), dtype="bfloat16")
+    drafter = DFlashDrafter.from_pretrained(tiny.drafter_dir("qwen3"), dtype=torch.bfloat16)
+    decoder = SpeculativeDecoder(target, drafter)
+    weight = decoder.lm_head
+    assert weight.dtype == torch.bfloat16
+    hidden = (torch.randn(16, weight.shape[1], generator=torch.Generator().manual_seed(0)) * 6).bfloat16()
+    reference = (weight.float() @ hidden.float().T).T  # independent: float32 operands, float32 result
+    before = (weight @ hidden.T).T  # what the heads computed before: a bf16 product, then .float()
+    for head in (decoder.head, decoder.drafter_head):
+        logits = head(hidden)
+        assert logits.dtype == torch.float32 and torch.equal(logits, reference)
+    assert before.dtype == torch.bfloat16 and not torch.equal(before.float(), reference)
+    on_grid = lambda x: float((x == x.bfloat16().float()).float().mean())  # noqa: E731
+    assert on_grid(before.float()) == 1.0 and on_grid(reference) < 0.5  # the float32 logits keep their low bits
+    # through the decoder: prefill logits are float32 off bf16's grid, and decoding runs at every B
+    ids = chat_input_ids(target.tokenizer, [PROMPTS[0]])
+    config = DecodeConfig(max_new_tokens=12)
+    prefill = decoder.prefill(ids, config)
+    assert prefill.last_logits.dtype == torch.float32 and on_grid(prefill.last_logits) < 0.5
+    outputs = {B: decoder.generate(ids, B, config).output_ids for B in (1, 4)}
+    assert all(len(o) == 12 or o[-1] in decoder.stop_ids for o in outputs.values())
+    # LMHead's float32 flag leaves a float32 head bit for bit as it was
+    w32 = torch.randn(50, 16)
+    assert LMHead(w32, float32=True).float32 is False
+    assert torch.equal(LMHead(w32, float32=True)(hidden.float()[:, :16]), LMHead(w32)(hidden.float()[:, :16]))

@@ -8,7 +8,10 @@ import os
 import subprocess
 import sys
 
+import torch
+
 from pipeline import PROJECT_ROOT
+from pipeline.models.backend import batch_invariant, resolve_backend
 
 
 def test_bench_step_cli_writes_the_documented_keys(tiny, tmp_path):
@@ -24,10 +27,14 @@ def test_bench_step_cli_writes_the_documented_keys(tiny, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(out.read_text())
     keys = ("ar_ms", "forward_ms", "drafter_ms", "step_ms", "step_over_ar")
-    assert data["backend"] == "smallm" and set(data["by_backend"]) == {"smallm", "eager"}
+    auto = resolve_backend("auto", "cpu", torch.float32)  # smallm where the kernel builds, else the fallback
+    assert data["backend"] == auto and set(data["by_backend"]) == {auto, "eager"}
+    for name, fig in data["by_backend"].items():  # the forward path that ran, and whether it is batch-invariant
+        assert fig["forward_path"]["backend"].split(":")[0] == name
+        assert fig["forward_path"]["batch_invariant"] is batch_invariant(name)
     assert data["kv_cache"] == "dynamic" and set(data["by_kv_cache"]) == {"dynamic", "preallocated"}
     assert data["by_kv_cache"]["dynamic"] == data["by_backend"]  # by_backend: the first KV cache's
-    assert all(set(per) == {"smallm", "eager"} for per in data["by_kv_cache"].values())
+    assert all(set(per) == {auto, "eager"} for per in data["by_kv_cache"].values())
     assert all(fig["kv_cache"] == kind for kind, per in data["by_kv_cache"].items() for fig in per.values())
     for per in [data, *data["by_backend"].values(), *data["by_kv_cache"]["preallocated"].values()]:
         assert set(per["by_context"]) == {"16", "40"}
@@ -37,7 +44,7 @@ def test_bench_step_cli_writes_the_documented_keys(tiny, tmp_path):
             assert set(fig["drafter_ms"]) == set(fig["step_ms"]) == set(fig["step_over_ar"]) == {"2", "8"}
             assert fig["ar_ms"] > 0 and all(v > 0 for v in fig["step_ms"].values())
             assert fig["step_over_ar"]["8"] == fig["step_ms"]["8"] / fig["ar_ms"]
-    assert data["by_backend"]["smallm"]["ar_ms"] == data["ar_ms"]  # the top level is the first context of the first backend
+    assert data["by_backend"][auto]["ar_ms"] == data["ar_ms"]  # the top level is the first context of the first backend
     table = out.with_suffix(".md").read_text()
     assert table.startswith("| backend | context | ar_ms") and table.count("\n") == 2 + 8  # 2 caches x 2 backends x 2 L
     assert table.splitlines()[0].endswith("| kv_cache |") and table.count("| preallocated |") == 4

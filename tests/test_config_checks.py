@@ -92,7 +92,7 @@ def test_every_stage_config_passes_as_shipped(compose_config):
     for stage, name in (("eval", "evaluate"), ("label", "label"), ("bench_label", "bench_label"), ("dataset", "dataset"),
                         ("train", "train"), ("draft", "draft")):
         validate_config(compose_config(name), stage)
-    validate_config(compose_config("evaluate", ["model=qwen3_4b", "decode.temperature=0.7",
+    validate_config(compose_config("evaluate", ["model=qwen3_4b", "model.device=cpu", "decode.temperature=0.7",
                                                 "eval.methods=[ar,fixed,best_fixed,blockpilot,full_vocab,ema,oracle]"]), "eval")
 
 

@@ -161,3 +161,43 @@ def test_a_truncated_jsonl_line_names_the_file_and_line(tmp_path, bad_line):
     path = write_jsonl(tmp_path / "cut.jsonl", [{"id": "p0", "turns": ["fine"]}, "", bad_line])
     with pytest.raises(ValueError, match=r"cut.jsonl:3: not valid JSON .*fix or remove that line"):
         load_prompt_set(path)
+
+
+# -- model.chat_template_kwargs (issue 24 item 2) -------------------------------------------------------------------
+def test_chat_template_kwargs_are_the_default_and_a_request_still_wins():
+    from pipeline.prompts import chat_template_kwargs, messages_input_ids, set_chat_template_kwargs
+    from tiny_models import QWEN3_TEMPLATE
+
+    tok = make_tiny_tokenizer(chat_template=QWEN3_TEMPLATE)
+    text = lambda ids: tok.decode(ids[0])  # noqa: E731
+    thinking = text(chat_input_ids(tok, ["hi"]))  # the template's default: thinking on, no empty think block
+    assert thinking.endswith("<|im_start|>assistant\n") and "<think>" not in thinking
+    set_chat_template_kwargs(tok, {"enable_thinking": False})  # model.chat_template_kwargs of the qwen3_4b preset
+    assert chat_template_kwargs(tok) == {"enable_thinking": False}
+    off = text(chat_input_ids(tok, ["hi"]))
+    assert off == thinking + "<think>\n\n</think>\n\n"
+    assert text(chat_input_ids(tok, ["hi", "again"], ["yes"])).endswith("again<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    messages = [{"role": "user", "content": "hi"}]
+    assert text(messages_input_ids(tok, messages)) == off
+    assert text(messages_input_ids(tok, messages, enable_thinking=True)) == thinking  # a request's own kwargs win
+    set_chat_template_kwargs(tok, {})
+    assert text(chat_input_ids(tok, ["hi"])) == thinking
+
+
+def test_chat_template_kwargs_config_and_label_checks(compose_config):
+    from pipeline.config_checks import validate_config
+    from pipeline.prompts import check_label_template_kwargs, template_kwargs_of
+
+    qwen = compose_config("label", ["model=qwen3_4b", "model.device=cpu"]).model
+    assert template_kwargs_of(qwen) == {"enable_thinking": False}
+    assert template_kwargs_of(compose_config("label").model) == {}  # smollm2: the template's own default
+    with pytest.raises(ValueError, match=r"model.chat_template_kwargs=False: give a mapping"):
+        validate_config(compose_config("label", ["model.chat_template_kwargs=false"]), "label")
+    check_label_template_kwargs({"chat_template_kwargs": {"enable_thinking": False}}, qwen, "labels/x")
+    check_label_template_kwargs({"target": "t"}, compose_config("label").model, "labels/x")  # made before: none
+    check_label_template_kwargs({}, qwen, "labels/x")  # no meta.json: nothing to compare
+    with pytest.raises(ValueError, match=r"labels in labels/x were made with model.chat_template_kwargs=\{\} but this "
+                                         r"run has \{'enable_thinking': False\}.*Relabel.*'model.chat_template_kwargs=null'"):
+        check_label_template_kwargs({"target": "t"}, qwen, "labels/x")
+    with pytest.raises(ValueError, match=r"'model.chat_template_kwargs=\{enable_thinking: false\}'"):
+        check_label_template_kwargs({"chat_template_kwargs": {"enable_thinking": False}}, compose_config("label").model, "l")

@@ -20,6 +20,14 @@ CHATML_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+QWEN3_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}"
+)
+"""ChatML with Qwen3's ``enable_thinking`` switch: ``enable_thinking=False`` appends an empty think block to the
+generation prompt, as Qwen3's own template does (thinking on is the default)."""
+
 _CORPUS = [
     "def add(a, b):\n    return a + b\n",
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
@@ -28,8 +36,9 @@ _CORPUS = [
 ]
 
 
-def make_tiny_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained on a few lines, with ChatML specials and template."""
+def make_tiny_tokenizer(vocab_size: int = 320, chat_template: str = CHATML_TEMPLATE) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on a few lines, with ChatML specials and ``chat_template`` (ChatML; or
+    ``QWEN3_TEMPLATE``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -41,13 +50,13 @@ def make_tiny_tokenizer(vocab_size: int = 320) -> PreTrainedTokenizerFast:
     tok.train_from_iterator(_CORPUS * 4, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    bos_token="<|im_start|>", unk_token="<|endoftext|>")
-    fast.chat_template = CHATML_TEMPLATE
+    fast.chat_template = chat_template
     return fast
 
 
 def make_tiny_target(directory: str | Path, arch: str = "llama", hidden_size: int = 64, num_layers: int = 4,
                      seed: int = 0, init_std: float = 0.08, max_positions: int = 512, sliding_window: int = 8,
-                     softcap: float = 2.0, head_bias_std: float = 1.0) -> Path:
+                     softcap: float = 2.0, head_bias_std: float = 1.0, chat_template: str = CHATML_TEMPLATE) -> Path:
     """Write a tiny random causal LM and its tokenizer to ``directory``.
 
     Args:
@@ -55,11 +64,12 @@ def make_tiny_target(directory: str | Path, arch: str = "llama", hidden_size: in
             (alternating sliding-window layers of ``sliding_window`` positions, ``final_logit_softcapping=softcap``).
         init_std: larger than the default, for peaked next-token distributions: greedy outputs repeat often and
             drafts get accepted.
+        chat_template: the tokenizer's template (ChatML; ``QWEN3_TEMPLATE`` for Qwen3's ``enable_thinking`` switch).
     Raises:
         ValueError: for another ``arch``.
     """
     directory = Path(directory)
-    tokenizer = make_tiny_tokenizer()
+    tokenizer = make_tiny_tokenizer(chat_template=chat_template)
     common = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                   num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=hidden_size // 4, max_position_embeddings=max_positions, initializer_range=init_std,

@@ -1,5 +1,5 @@
 """The cost of one batched decode step (``BatchCostModel``), measured once per machine, models and forward path, and
-cached like the single-request latency model (``pipeline.labeling.latency``). Module-level imports are the standard
+cached like the single-request latency model (``pipeline.costs``). Module-level imports are the standard
 library and numpy only (the cost layer sits below the policies; the measurement imports torch and the models lazily).
 
 ``measure_batch_costs`` prefills ``max_requests`` random prompts of ``context`` tokens, then times (the least of

@@ -194,11 +194,12 @@ class SpeculativeDecoder:
         set_backend(self.base, self.backend)
         if drafter is not None:
             set_backend(drafter, self.backend)
-        # [..., H] -> [..., V] target logits as the model computes them (bias, scaling, softcapping)
-        self.head = logit_head(target.model).with_backend(self.backend)
+        # [..., H] -> [..., V] target logits as the model computes them (bias, scaling, softcapping), in float32 for a
+        # bf16/fp16 model (a bf16 product rounds logits to bf16's grid: ties a verify and single steps break differently)
+        self.head = logit_head(target.model).with_backend(self.backend, float32=True)
         self.fast = fast_forward_for(self.base, fast_forward, self.backend)
         self.fast_draft = fast_draft_for(drafter, fast_forward, self.backend)
-        self.drafter_head = LMHead(self.draft_head, self.backend) if drafter is not None else None
+        self.drafter_head = LMHead(self.draft_head, self.backend, float32=True) if drafter is not None else None
         self.max_context = int(getattr(target.model.config, "max_position_embeddings", 1 << 30))
         self.stop_ids = set(target.stop_token_ids())
 
@@ -207,12 +208,22 @@ class SpeculativeDecoder:
         return self.model.device
 
     def forward_path(self) -> dict:
-        """What this decoder's timings depend on beyond the models: the backend (with a hash of its kernel and
-        formats), the lean target and draft forwards, the KV cache. Cache keys of timed results include it."""
-        from pipeline.models.backend import backend_signature
+        """What this decoder's timings and exactness depend on beyond the models: the backend (with a hash of its kernel
+        and formats), the lean target and draft forwards, the KV cache, and ``batch_invariant``: whether each row's
+        result is the same bits whatever the rows sharing the call (``pipeline.models.backend.batch_invariant``), on
+        which float32 losslessness (every B's output = autoregressive) rests. Where False, speculative outputs can
+        differ from autoregressive ones by near-ties: report the exact-match rate (``bench_label check=true``).
+        ``kernel_failure``: why ``smallm`` was not used, when ``auto`` fell back because its build failed. Cache keys
+        of timed results include it; results.json and the bench JSONs record it."""
+        from pipeline.models.backend import backend_signature, batch_invariant, kernel_failure
 
-        return {"backend": backend_signature(self.backend), "fast_forward": self.fast is not None,
-                "fast_draft": self.fast_draft is not None, "kv_cache": self.kv_cache}
+        path = {"backend": backend_signature(self.backend), "fast_forward": self.fast is not None,
+                "fast_draft": self.fast_draft is not None, "kv_cache": self.kv_cache,
+                "batch_invariant": batch_invariant(self.backend) and self.device.type == "cpu",
+                "dtype": str(self.model.dtype).removeprefix("torch."), "device": str(self.device)}
+        if kernel_failure() is not None:
+            path["kernel_failure"] = kernel_failure()
+        return path
 
     # ---------------------------------------------------------------------------------------------
     def check_block_size(self, block_size: int) -> None:

@@ -52,7 +52,8 @@ def generate_batch(
         layer_ids: target decoder layers to tap (0-based).
         with_features: False returns ``features=None`` (token-only data, no hidden states kept).
         temperature: 0 takes the argmax; > 0 samples from softmax(logits / temperature) (full vocabulary,
-            no top-k/top-p), drawing on ``generator`` (CPU) so a shard is reproducible.
+            no top-k/top-p), drawing on ``generator`` so a shard is reproducible; a CPU generator with a model
+            on another device seeds a generator there once, and every draw stays on the device.
         with_final: append the target's final hidden state (after its final norm) as H more feature columns.
     Returns:
         per sequence ``(tokens [n_i + r_i], features [n_i + r_i, n_taps*H (+ H)] bf16 or None)``; responses
@@ -66,6 +67,11 @@ def generate_batch(
     device = model.device
     stop = torch.tensor(target.stop_token_ids(), device=device)
     head = logit_head(model)  # bias, scaling, softcapping as the model's forward applies them
+    if generator is not None and generator.device != device:
+        # draw on the model's device (no [S, V] probability copy to the host per step), from a device generator
+        # seeded by the given one: reproducible, and a CPU run (generator on the CPU) draws exactly as before
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        generator = torch.Generator(device=device).manual_seed(seed)
     s, width = len(prompt_ids), max(len(p) for p in prompt_ids)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     ids = torch.full((s, width), pad, dtype=torch.long, device=device)
@@ -87,8 +93,8 @@ def generate_batch(
             tapped = torch.cat(taps, dim=-1).to(torch.bfloat16)
         logits = head(out.last_hidden_state[:, -1])
         if temperature > 0:
-            probs = torch.softmax(logits.float() / temperature, dim=-1).cpu()
-            nxt = torch.multinomial(probs, 1, generator=generator).flatten().to(device)
+            probs = torch.softmax(logits.float() / temperature, dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=generator).flatten()
         else:
             nxt = logits.argmax(-1)
         finished = torch.isin(nxt, stop) | (step == max_new_tokens - 1)

@@ -78,6 +78,9 @@ def train_drafter(cfg: DictConfig) -> Path:
     torch.set_float32_matmul_precision(str(cfg.draft.get("float32_matmul_precision", "highest")))
     t_start = time.time()
     target = load_target(cfg.model.target, dtype=cfg.model.dtype, device=cfg.model.device)
+    from pipeline.prompts import set_chat_template_kwargs, template_kwargs_of
+
+    set_chat_template_kwargs(target.tokenizer, template_kwargs_of(cfg.model))  # the replies the drafter learns from
     dcfg = cfg.draft
     features_mode = dcfg.get("features", "cached")
     if features_mode not in ("cached", "online"):

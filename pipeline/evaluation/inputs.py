@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeline.policy import registry
 from pipeline.policy.registry import METHODS, PerPrompt, PolicyInputs  # noqa: F401  (PerPrompt: re-exported)
-from pipeline.prompts import Prompt, load_prompt_sets, prompt_id_of
+from pipeline.prompts import Prompt, check_label_template_kwargs, load_prompt_sets, prompt_id_of
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ def load_eval_inputs(cfg: DictConfig, methods: list[str], decoder=None) -> EvalI
     if any(m in WIDTH_METHODS for m in methods):
         load_verify_width_inputs(cfg, inputs, decoder)
     meta = inputs.label_meta
+    check_label_template_kwargs(meta, cfg.model, str(labels_dir))  # prompts of other token ids: labels of other text
     if meta:
         for key, value in (("max_new_tokens", cfg.decode.max_new_tokens), ("temperature", cfg.decode.temperature)):
             if key in meta and meta[key] != value:

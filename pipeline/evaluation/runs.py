@@ -30,7 +30,7 @@ from pipeline.evaluation.resume import RowLog, row_settings
 from pipeline.evaluation.stats import speed_gains, summarize_all
 from pipeline.decoding.build import build_decoder
 from pipeline.policy.registry import METHODS, PerPrompt
-from pipeline.prompts import Prompt
+from pipeline.prompts import Prompt, set_chat_template_kwargs, template_kwargs_of
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +153,7 @@ def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, input
         check_prompts(cfg)  # before the model loads (main checks them itself before W&B)
     torch.manual_seed(cfg.seed)
     decoder = decoder or build_decoder(cfg.model)
+    set_chat_template_kwargs(decoder.target.tokenizer, template_kwargs_of(cfg.model))
     methods = list(cfg.eval.methods)
     inputs = inputs if inputs is not None else load_eval_inputs(cfg, methods, decoder)
     if "ar" not in methods:
@@ -226,7 +227,8 @@ def collect_results(cfg: DictConfig, methods: list[str], prompts: list[Prompt], 
 
     results = {"config": OmegaConf.to_container(cfg.decode, resolve=True), "split": split,
                "shared_decodes": runner.reused, "provenance": provenance(cfg),
-               "skipped": skipped, "methods": summarize_all(rows, methods, reference, boot, shares), "per_set": {}}
+               "skipped": skipped, "methods": summarize_all(rows, methods, reference, boot, shares), "per_set": {},
+               "forward_path": decoder.forward_path()}  # the backend that ran and whether it is batch-invariant
     for source_set in sorted({r["source_set"] for r in rows["ar"]}):
         subset = {m: [r for r in rows[m] if r["source_set"] == source_set] for m in methods}
         results["per_set"][source_set] = summarize_all(subset, methods, reference, boot, shares)

@@ -51,7 +51,7 @@ def pick_scores(sampler: PositionKeyedSampler, logits: torch.Tensor, positions: 
     """
     if sampler.temperature == 0:
         return logits
-    noise = torch.stack([sampler.gumbel(p) for p in positions]).to(logits.device)
+    noise = sampler.noise(positions, logits.device)  # made on logits' device (no per-step host copy)
     if vocab_ids is not None:
         noise = noise[:, vocab_ids]
     return logits.float() / sampler.temperature + noise
@@ -331,7 +331,7 @@ def _shortlist_rejects(h: torch.Tensor, y_index: list[int], trace: Trace, y: tor
     ids = torch.cat([y[index][:, None], trace.shortlist[index]], dim=1)  # [R, 1 + k], y first
     scores = torch.bmm(head[ids], h[:, :, None])[..., 0].float()
     if trace.sampler.temperature > 0:
-        noise = torch.stack([trace.sampler.gumbel(i + n) for i in y_index]).to(scores.device)
+        noise = trace.sampler.noise([i + n for i in y_index], scores.device)
         scores = scores / trace.sampler.temperature + noise.gather(1, ids)
     beats = (scores[:, 1:] > scores[:, :1]) | ((scores[:, 1:] == scores[:, :1]) & (ids[:, 1:] < ids[:, :1]))
     return beats.any(dim=1).tolist()

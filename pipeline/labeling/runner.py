@@ -34,8 +34,7 @@ from pipeline.decoding.speculative import DecodeConfig, PromptTooLongError, Spec
 from pipeline.labeling.oracle import LabelSettings, check_candidates, label_prompt
 from pipeline.labeling.store import LabelStore
 from pipeline.decoding.build import build_decoder
-from pipeline.models.loading import resolve_path
-from pipeline.prompts import Prompt, chat_input_ids, load_prompt_sets, request_id
+from pipeline.prompts import Prompt, chat_input_ids, load_prompt_sets, request_id, set_chat_template_kwargs, template_kwargs_of
 from pipeline.tracking import init_wandb
 
 log = logging.getLogger(__name__)
@@ -107,6 +106,7 @@ def run_meta(cfg: DictConfig, settings: LabelSettings, decoder: SpeculativeDecod
         "store_full_logits": settings.store_full_logits,
         "latency_model": None,
         "sets": [str(s["name"]) for s in cfg.data.sets],
+        "chat_template_kwargs": template_kwargs_of(cfg.model),
     }
 
 
@@ -137,6 +137,7 @@ def run_label(cfg: DictConfig, decoder: SpeculativeDecoder | None = None,
         if int(os.environ.get("WORLD_SIZE", 1)) > 1 and str(model_cfg.device) == "cuda":
             model_cfg = OmegaConf.merge(model_cfg, {"device": f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"})
         decoder = build_decoder(model_cfg)
+    set_chat_template_kwargs(decoder.target.tokenizer, template_kwargs_of(cfg.model))  # as recorded in meta.json
     settings = settings_from_cfg(cfg, decoder)
     prompts = load_prompt_sets(cfg.data.sets, cfg.data.limit, cfg.data.seed, cfg.data.get("offset", 0))
     prompts = shard_prompts(prompts, shard, num_shards)

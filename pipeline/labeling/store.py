@@ -94,7 +94,7 @@ OPTIONAL_COLUMNS = ("conf_block", "conf_column", "conf_p", "conf_ok")
 
 # meta.json keys that must agree between workers writing the same directory
 META_KEYS = ("target", "drafter", "training_block_size", "candidates", "temperature", "repeats", "seed",
-             "max_new_tokens", "mode", "topk", "store_full_logits")
+             "max_new_tokens", "mode", "topk", "store_full_logits", "chat_template_kwargs")
 
 
 def read_shard(file: str | Path, columns: list[str] | None = None) -> pa.Table:
@@ -243,7 +243,10 @@ class LabelStore:
 
 def check_meta_compatible(stored: dict, wanted: dict, where: str) -> None:
     """Raise ``ValueError`` when two metas differ on a key of ``META_KEYS``."""
-    diff = {k: (stored.get(k), wanted.get(k)) for k in META_KEYS if stored.get(k) != wanted.get(k)}
+    def value(meta: dict, k: str):  # labels made before chat_template_kwargs was recorded used none
+        return (meta.get(k) or {}) if k == "chat_template_kwargs" else meta.get(k)
+
+    diff = {k: (value(stored, k), value(wanted, k)) for k in META_KEYS if value(stored, k) != value(wanted, k)}
     if diff:
         details = "; ".join(f"{k}: stored {a!r} vs now {b!r}" for k, (a, b) in diff.items())
         raise ValueError(

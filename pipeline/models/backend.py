@@ -9,7 +9,7 @@ the call. The backends:
 - ``onednn``: each weight reordered once into oneDNN's blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight``, the layout inductor's freezing pass uses) and run with
   ``torch.ops.mkldnn._linear_pointwise``.
-- ``smallm``: this project's AVX2 kernel (``kernels/smallm.cpp``, compiled on first use with
+- ``smallm``: this project's AVX2 kernel (``kernels/smallm.cpp``, compiled on first use by ``pipeline.models.kernel`` with
   ``torch.utils.cpp_extension``, ~45 s once, cached under ``~/.cache/torch_extensions``): weights
   packed in 16-column panels that are streamed once per call for all rows (up to ``SMALLM_MAX_ROWS``;
   larger inputs, such as a prefill, take PyTorch's GEMM). Every output is one sequential FMA chain over
@@ -55,6 +55,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pipeline.models.kernel import (LOCK_WAIT_ENV, LOCK_WAIT_S, SMALLM_SOURCE as _KERNEL, KernelUnavailableError,  # noqa: F401
+                                    kernel_failure, smallm_kernel)
+
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "eager", "onednn", "smallm", "smallm_f32")
@@ -67,7 +70,6 @@ _GROUP = 32  # the q4/q8 block length along K
 # (kernels/smallm.cpp: fused_rows); wider calls expand each group of 32 k into an L1 buffer first. Both give the same bits.
 FUSED_MAX_ROWS = 4
 SMALLM_MAX_ROWS = 32  # smallm runs inputs of up to this many rows; more go to PyTorch's GEMM
-_KERNEL = Path(__file__).with_name("kernels") / "smallm.cpp"
 # Calls of more rows than a format's crossover use float32 panels kept beside the exact form (same bits). Where the
 # crossover lies depends on the CPU: on a 2-core AMD EPYC (Zen 3 class, 2026-12-01) float32 panels won from 4 rows,
 # on a Zen 4 one the exact forms won at every width up to 24. ``exact_crossover`` measures it once per machine.
@@ -76,27 +78,6 @@ _TUNE_ROWS = (2, 3, 4, 6, 8, 12, 16, 24, 32)
 _TUNE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "blockpilot"
 
 
-@functools.lru_cache(maxsize=1)
-def smallm_kernel():
-    """The compiled ``smallm`` extension (built on first use, then loaded from torch's extension cache).
-
-    Raises:
-        RuntimeError: when this CPU lacks AVX2/FMA or the build fails (no C++ compiler or ninja); the
-            message names the fix (``model.backend=onednn``).
-    """
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX2", "AVX512"):
-        raise RuntimeError(f"the smallm kernel needs an AVX2 CPU (this one reports {capability}); "
-                           "use model.backend=onednn or eager")
-    from torch.utils.cpp_extension import load
-
-    try:
-        # -fopenmp: at::parallel_for runs on torch's OpenMP threads (torch's own libgomp.so.1 is already loaded)
-        return load("blockpilot_smallm", [str(_KERNEL)], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as err:  # compiler, ninja or header problems
-        raise RuntimeError(f"could not build the smallm kernel ({err}); install a C++ compiler and ninja, "
-                           "or use model.backend=onednn") from err
 
 
 def backend_signature(backend: str) -> str:
@@ -226,13 +207,22 @@ def exact_crossover() -> dict[str, int]:
 
 
 def smallm_available() -> bool:
-    """True when the ``smallm`` kernel builds and loads here (the first call may take ~45 s)."""
+    """True when the ``smallm`` kernel builds and loads here (the first call may take ~45 s; a failure is warned once
+    and remembered, see ``smallm_kernel``)."""
     try:
         smallm_kernel()
         return True
-    except RuntimeError as err:
-        log.warning("%s", err)
+    except KernelUnavailableError:
         return False
+
+
+def batch_invariant(backend: str) -> bool:
+    """True when ``backend``'s forwards give each row the same bits whatever the number of rows in the call, so a
+    B-row verify computes exactly what B autoregressive steps would and float32 decoding is lossless by construction:
+    the packed CPU backends (``onednn``, ``smallm``, ``smallm_f32``; tested row by row). ``eager`` (PyTorch's GEMMs,
+    MKL or cuBLAS) picks kernels by shape, so its outputs can differ in the last bits between a verify and a step:
+    measure its exact-match rate instead (``bench_label check=true``)."""
+    return backend in PACKED
 
 
 def onednn_available() -> bool:
@@ -245,7 +235,7 @@ def resolve_backend(backend: str, device: torch.device | str, dtype: torch.dtype
 
     Raises:
         ValueError: for an unknown backend, a packed backend off the CPU or not in float32, or one that
-            cannot run on this machine.
+            cannot run on this machine (``KernelUnavailableError`` for ``smallm`` without its kernel).
     """
     if backend not in BACKENDS:
         raise ValueError(f"model.backend must be one of {list(BACKENDS)}, got {backend!r}")
@@ -263,10 +253,7 @@ def resolve_backend(backend: str, device: torch.device | str, dtype: torch.dtype
         raise ValueError("model.backend=onednn needs a PyTorch build with oneDNN (torch.backends.mkldnn); "
                          "use model.backend=eager")
     if backend in SMALLM:
-        try:
-            smallm_kernel()
-        except RuntimeError as err:
-            raise ValueError(str(err)) from err
+        smallm_kernel()  # KernelUnavailableError is a ValueError naming the fix
     return backend
 
 
@@ -493,24 +480,51 @@ class LMHead:
     49,152-row head is ~2.5x slower at 2-16 rows than the transposed product) and ``hidden @ weight.T``
     otherwise; ``onednn`` and ``smallm`` run a packed copy of the weight.
 
+    With ``float32=True`` and a bfloat16/float16 weight the logits are computed and returned in float32 (a bf16
+    product rounds logits between 16 and 32 to steps of 0.125, so a 16-row verify and 16 single steps break ties
+    differently): on CUDA one GEMM with float32 output (``torch.mm(..., out_dtype=torch.float32)``: each bf16 x bf16
+    product is exact in float32, so only the summation order differs from a float32 product), elsewhere (or where
+    that GEMM is missing) a float32 copy of the weight made once. A float32 weight is unaffected by the flag.
+
     Attributes:
         weight: [N, H] the head's rows (the target's LM head, or the drafter's draft-vocabulary rows).
         backend: ``eager`` or one of ``PACKED``.
+        float32: float32 logits from a lower-precision weight (see above).
     Raises:
         ValueError: for another backend name.
     """
 
-    def __init__(self, weight: torch.Tensor, backend: str = "eager"):
+    def __init__(self, weight: torch.Tensor, backend: str = "eager", float32: bool = False):
         if backend not in ("eager", *PACKED):
             raise ValueError(f"LMHead backend must be 'eager' or one of {list(PACKED)}, got {backend!r}")
         self.weight = weight
         self.backend = backend
+        self.float32 = bool(float32) and weight.dtype != torch.float32
         self._packed = _Packed(weight, backend) if backend in PACKED else None
+        self._weight32: torch.Tensor | None = None
+        self._mm_out_dtype = weight.device.type == "cuda"  # tried first on CUDA; off after one failure
+
+    def _float32_logits(self, flat: torch.Tensor) -> torch.Tensor:
+        """[M, H] (any float dtype) -> [M, N] float32 logits of the lower-precision weight."""
+        if self._mm_out_dtype and flat.dtype == self.weight.dtype:
+            try:
+                return torch.mm(flat, self.weight.T, out_dtype=torch.float32)
+            except (RuntimeError, TypeError) as err:  # an older torch or GPU without the float32-output GEMM
+                log.info("LMHead: no float32-output GEMM here (%s); using a float32 copy of the head", err)
+                self._mm_out_dtype = False
+        if self._weight32 is None:
+            self._weight32 = self.weight.detach().float()
+        flat = flat.float()
+        if flat.device.type == "cpu" and flat.shape[0] <= 64:
+            return (self._weight32 @ flat.T).T
+        return flat @ self._weight32.T
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
             return packed_linear(hidden, self._packed, None)
         flat = hidden.reshape(-1, hidden.shape[-1])
+        if self.float32:
+            return self._float32_logits(flat).reshape(*hidden.shape[:-1], self.weight.shape[0])
         if flat.device.type == "cpu" and flat.shape[0] <= 64:
             logits = (self.weight @ flat.T).T
         else:

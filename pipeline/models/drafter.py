@@ -274,9 +274,10 @@ def check_compatible(drafter: DFlashDrafter, target_config: PretrainedConfig, ta
 def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Logits ``hidden @ weight.T`` on the eager path: hidden [..., H], weight [V, H] -> [..., V].
 
-    A one-off ``LMHead(weight)`` (``pipeline.models.backend``); decoders keep their own heads.
+    A one-off ``LMHead(weight, float32=True)`` (``pipeline.models.backend``: float32 logits of a bf16 head, as the
+    decoder computes them); decoders keep their own heads.
     """
-    return LMHead(weight)(hidden)
+    return LMHead(weight, float32=True)(hidden)  # float32 logits for a bf16 head, as the decoder computes them
 
 
 def num_parameters(module: nn.Module) -> int:

@@ -224,13 +224,15 @@ class LogitHead:
     scale: float = 1.0
     softcap: float | None = None
     backend: str = "eager"  # the product's path (pipeline.models.backend): eager | onednn | smallm
+    float32: bool = False  # float32 logits from a bf16/fp16 head (LMHead's float32)
 
     def __post_init__(self) -> None:
-        self._product = LMHead(self.weight, self.backend)
+        self._product = LMHead(self.weight, self.backend, self.float32)
 
-    def with_backend(self, backend: str) -> "LogitHead":
-        """The same head with its ``hidden @ weight.T`` on ``backend`` (``eager``, ``onednn`` or ``smallm``)."""
-        return dataclasses.replace(self, backend=backend)
+    def with_backend(self, backend: str, float32: bool | None = None) -> "LogitHead":
+        """The same head with its ``hidden @ weight.T`` on ``backend`` (``eager``, ``onednn`` or ``smallm``), and with
+        float32 logits when ``float32`` (None keeps the setting)."""
+        return dataclasses.replace(self, backend=backend, float32=self.float32 if float32 is None else float32)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [..., V] (``hidden``'s dtype) of hidden states [..., H], as the model's forward computes them."""

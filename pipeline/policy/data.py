@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 
 from pipeline.policy.features import Featurizer, FeatureSpec
 from pipeline.labeling.store import read_label_table
-from pipeline.prompts import prompt_id_of
+from pipeline.prompts import check_label_template_kwargs, prompt_id_of
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +197,7 @@ def build_dataset(cfg: DictConfig) -> Path:
 
     dcfg = cfg.dataset
     df, meta = read_label_table(dcfg.labels_dir)
+    check_label_template_kwargs(meta, cfg.get("model"), str(dcfg.labels_dir))
     candidates = label_candidates(df, meta)
     vocab = sorted(df["vocab_size"].astype(int).unique())
     if len(vocab) != 1:
