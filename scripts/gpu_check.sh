@@ -72,8 +72,8 @@ step cost_curve "$PY" -m pipeline.bench_step "${COMMON[@]}" run_name=gpu-check '
     "contexts=[$CONTEXTS]" "widths=[$WIDTHS]" "block_sizes=[$BLOCKS]" repeats="$REPEATS" warmup=2 \
     out="$DEST/cost_curve.json"
 
-VW=(eval.verify_width.latency.context_buckets="[$LATENCY_BUCKETS]" eval.verify_width.latency.repeats="$LATENCY_REPEATS"
-    ${CALIBRATION:+eval.verify_width.calibration="$CALIBRATION"})
+VW=(policy.verify_width.latency.context_buckets="[$LATENCY_BUCKETS]" policy.verify_width.latency.repeats="$LATENCY_REPEATS"
+    ${CALIBRATION:+policy.verify_width.calibration="$CALIBRATION"})
 step eval "$PY" -m pipeline.evaluate "${COMMON[@]}" "${LOG_OFF[@]}" "${DATA[@]}" decode.max_new_tokens="$MAX_NEW" \
     'eval.methods=[ar,fixed,verify_width]' eval.report=false eval.split=all "${VW[@]}" eval.out="$DEST/eval.json"
 

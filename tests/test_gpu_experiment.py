@@ -110,14 +110,17 @@ def test_the_gpu_experiment_runs_end_to_end_on_cpu_standins(standins, caplog):
     autoregressive decoding gives."""
     from fastapi.testclient import TestClient
 
-    from pipeline.dataset import build_dataset, read_label_table
-    from pipeline.evaluate import evaluate, load_eval_inputs, write_json
+    from pipeline.evaluation.inputs import load_eval_inputs
+    from pipeline.evaluation.report import write_json
+    from pipeline.evaluation.runs import evaluate
+    from pipeline.labeling.store import read_label_table
+    from pipeline.policy.data import build_dataset
     from pipeline.labeling.runner import run_label
     from pipeline.decoding.build import build_decoder
     from pipeline.prompts import chat_input_ids
     from pipeline.serve import build_engine
     from pipeline.serving.app import create_app
-    from pipeline.train import train_predictor
+    from pipeline.policy.training import train_predictor
 
     s = standins
     small_latency = ["label.latency.context_buckets=[32]", "label.latency.repeats=1"]
@@ -149,8 +152,8 @@ def test_the_gpu_experiment_runs_end_to_end_on_cpu_standins(standins, caplog):
         with composed("train", gpu_overrides(s, f"predictor={predictor}", "trainer=smoke", "train.batch_size=2")) as cfg:
             train_predictor(cfg)
 
-    eval_extra = ["eval.warmup=false", "eval.report=false", "eval.verify_width.latency.context_buckets=[32]",
-                  "eval.verify_width.latency.repeats=1", "eval.bootstrap.samples=20"]
+    eval_extra = ["eval.warmup=false", "eval.report=false", "policy.verify_width.latency.context_buckets=[32]",
+                  "policy.verify_width.latency.repeats=1", "eval.bootstrap.samples=20"]
     with composed("evaluate", gpu_overrides(s, *eval_extra)) as cfg:
         decoder = build_decoder(cfg.model)
         results = evaluate(cfg, decoder, inputs=load_eval_inputs(cfg, methods, decoder))
@@ -168,7 +171,7 @@ def test_the_gpu_experiment_runs_end_to_end_on_cpu_standins(standins, caplog):
     with composed("serve", [serve[2], *serve[:2], *serve[3:]]) as cfg:
         engine = build_engine(cfg)
     ar = build_decoder(cfg.model)
-    with TestClient(create_app(engine)) as client:
+    with TestClient(create_app(engine), base_url="http://localhost") as client:
         for text, kwargs in ((TEXTS["code"][0], None), (TEXTS["math"][1], None), (TEXTS["math"][1], {"enable_thinking": True})):
             body = {"model": engine.model_name, "messages": [{"role": "user", "content": text}], "max_tokens": MAX_NEW}
             if kwargs is not None:
