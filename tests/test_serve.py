@@ -292,7 +292,7 @@ def serve_overrides(tiny, record_dir: Path, latency: Path, *extra: str) -> list[
     return [f"model.target={tiny.target_dir('llama')}", f"model.drafter={tiny.drafter_dir('llama', 'trained')}",
             f"model.name={MODEL}", "serve.record=true", f"serve.record_dir={record_dir}", f"serve.latency_path={latency}",
             "serve.record_flush_every=2", f"label.block_sizes={CANDIDATES}".replace(" ", ""), "label.topk=16",
-            "serve.default_max_tokens=24", *extra]
+            "serve.default_max_tokens=24", "serve.policy=fixed", *extra]
 
 
 def test_recorded_requests_are_the_label_stages_rows_and_feed_the_dataset_stage(tiny, trained_decoder, tmp_path):

@@ -501,7 +501,7 @@ def test_sigterm_during_a_recorded_decode_leaves_every_label_shard_readable(tiny
 @pytest.mark.slow
 def test_200_sequential_requests_keep_resident_memory_within_5_percent(tiny, tmp_path, capsys):
     overrides = [f"model.target={tiny.target_dir('llama')}", f"model.drafter={tiny.drafter_dir('llama', 'trained')}",
-                 f"model.name={MODEL}", "serve.default_max_tokens=16"]
+                 f"model.name={MODEL}", "serve.default_max_tokens=16", "serve.policy=fixed"]
     with serve_process(tmp_path, overrides) as (proc, url), httpx.Client(base_url=url, timeout=120) as client:
         rss = {}
         for i in range(200):

@@ -127,7 +127,7 @@ def test_slurm_array_shards_equal_one_worker(slurm_cluster, label_setup, trained
 def test_scancel_one_shard_then_rerun_relabels_only_what_it_had_not_written(slurm_cluster, label_setup, tmp_path):
     """``scancel`` one array task mid-shard; rerunning the same multirun leaves every written shard file as it was
     and writes exactly the cancelled shard's missing requests (each request once in the directory)."""
-    texts = [f"{text} (variant {k})" for k in range(12) for text in TEXTS]  # 60 prompts, 30 per shard
+    texts = [f"{text} (variant {k})" for k in range(60) for text in TEXTS]  # 300 prompts, 150 per shard
     prompts = write_prompts(tmp_path / "many.jsonl", texts)
     out = tmp_path / "slurm"
     # one file per request, 64 new tokens: shard 1 takes far longer than a cancel takes to land (~1-8 s here)
