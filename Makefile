@@ -8,7 +8,7 @@
 #                                 shipped one in data/drafters/ came from scripts/gpu_draft.sh (one GPU, 6 min)
 #   make label|dataset|train|eval one stage; Hydra overrides go in ARGS="key=value ..."
 #   make bench-label              labelling speed benchmark
-#   make demo                     ~1 min: one prompt per benchmark set with ar, fixed B and ema; prints tokens/s, speedups,
+#   make demo                     ~1 min: one prompt per benchmark set with ar, fixed B and verify_width; prints tokens/s, speedups,
 #                                 writes data/eval/demo/results.md and logs to W&B like make eval
 #   make serve                    OpenAI-compatible server on 127.0.0.1:8000 (ARGS="serve.policy=blockpilot serve.record=true ...")
 #   make notebook                 execute copies of notebooks/*.ipynb into data/notebooks/<run>/ (on the run's results)
