@@ -25,11 +25,10 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 
 from pipeline.costs.batched import BatchCostModel, SoloCosts  # noqa: F401  (re-exported: the cost model sits below)
-from pipeline.policy.verify_width import AcceptanceCalibration, expected_tokens, step_acceptances
+from pipeline.policy.verify_width import AcceptanceCalibration, expected_tokens, labelled_steps
 
 METHODS = ("ar", "fixed", "verify_width", "budget")
 
@@ -253,18 +252,7 @@ def batched_foresight_bound(labels, costs: BatchCostModel, block_size: int, conc
         ValueError: when no request has replay samples at ``block_size``.
     """
     b = int(block_size)
-    work = []
-    for _, row in labels.iterrows():
-        if ids is not None and str(row["id"]) not in ids:
-            continue
-        candidates = [int(c) for c in row["candidates"]]
-        if b not in candidates or row.get("conf_block") is None:
-            continue
-        keep = np.asarray(row["conf_block"]) == b
-        if not keep.any():
-            continue
-        steps = step_acceptances(np.asarray(row["conf_column"])[keep], np.asarray(row["conf_ok"])[keep])
-        work.append((int(row["new_tokens"][candidates.index(b)]), steps))
+    work = [(n, steps) for _, n, steps in labelled_steps(labels, b, ids)]
     if not work:
         raise ValueError(f"no labelled request has verify-width samples at B={b}: label with B={b} among the candidates "
                          "and label.record_confidence=true")

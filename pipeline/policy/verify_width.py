@@ -413,6 +413,23 @@ def step_acceptances(columns: Sequence[int], accepted: Sequence[bool]) -> list[i
     return steps
 
 
+def labelled_steps(labels, block_size: int, ids: set[str] | None = None):
+    """Yield ``(row, new tokens, steps)`` for every label row (of ``ids``, when given) with replay samples at
+    ``block_size``: ``steps`` are its B steps' acceptances as ``step_acceptances`` reads them back."""
+    b = int(block_size)
+    for _, row in labels.iterrows():
+        if ids is not None and str(row["id"]) not in ids:
+            continue
+        candidates = [int(c) for c in row["candidates"]]
+        if b not in candidates or row.get("conf_block") is None:
+            continue
+        keep = np.asarray(row["conf_block"]) == b
+        if not keep.any():
+            continue
+        steps = step_acceptances(np.asarray(row["conf_column"])[keep], np.asarray(row["conf_ok"])[keep])
+        yield row, int(row["new_tokens"][candidates.index(b)]), steps
+
+
 def foresight_bound(labels, costs: CostModel, block_size: int, ids: set[str] | None = None) -> dict:
     """Modelled speedups over ``ar`` of ``fixed`` and of a verify width chosen with foresight, per set and overall.
 
@@ -435,17 +452,7 @@ def foresight_bound(labels, costs: CostModel, block_size: int, ids: set[str] | N
     """
     b = int(block_size)
     totals: dict[str, np.ndarray] = {}
-    for _, row in labels.iterrows():
-        if ids is not None and str(row["id"]) not in ids:
-            continue
-        candidates = [int(c) for c in row["candidates"]]
-        if b not in candidates or row.get("conf_block") is None:
-            continue
-        keep = np.asarray(row["conf_block"]) == b
-        if not keep.any():
-            continue
-        steps = step_acceptances(np.asarray(row["conf_column"])[keep], np.asarray(row["conf_ok"])[keep])
-        n = int(row["new_tokens"][candidates.index(b)])
+    for row, n, steps in labelled_steps(labels, b, ids):
         start = int(row["prompt_tokens"])
         prefill = costs.prefill_ms(start) + costs.noise_ms * n  # sampling noise per token (0 when timed at T=0)
         ar = prefill + sum(costs.verify_ms(1, start + i) for i in range(n - 1))
