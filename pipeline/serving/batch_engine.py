@@ -27,21 +27,12 @@ import time
 
 from pipeline.decoding.batched import BatchedDecoder
 from pipeline.decoding.schedules import FirstChoice, FixedSchedule
-from pipeline.decoding.speculative import RequestStats, SpeculativeDecoder
-from pipeline.serving import engine as _engine
-from pipeline.serving.engine import Completion, Engine, Job, Policy, QueueFull
+from pipeline.decoding.speculative import SpeculativeDecoder
+from pipeline.serving.engine import Completion, Engine, Job, JobCancelled, Policy, QueueFull
 from pipeline.serving.schemas import DecodeInfo
 from pipeline.serving.text import TextStream
 
 log = logging.getLogger(__name__)
-_HAS_JOB_CANCELLED = hasattr(_engine, "JobCancelled")  # newer engines answer a job cancelled while waiting with it
-
-
-class _NotRaised(Exception):
-    """Stands in for ``JobCancelled`` with an engine that has none (never raised)."""
-
-
-_JobCancelled = getattr(_engine, "JobCancelled", _NotRaised)
 
 
 class _Entry:
@@ -126,8 +117,8 @@ class BatchEngine(Engine):
         except asyncio.CancelledError:
             job.cancelled.set()  # the caller went away: the scheduler frees the slot at the next step boundary
             raise
-        except _JobCancelled:
-            self.aborted = getattr(self, "aborted", 0) + 1
+        except JobCancelled:
+            self.aborted += 1
             raise
         except Exception:
             self.failed += 1
@@ -136,7 +127,7 @@ class BatchEngine(Engine):
             self.in_flight -= 1
             self._admitted.pop(id(job), None)
         if completion.finish_reason == "abort":
-            self.aborted = getattr(self, "aborted", 0) + 1
+            self.aborted += 1
         self.served += 1
         return completion
 
@@ -186,13 +177,8 @@ class BatchEngine(Engine):
         """End requests whose client went away: waiting ones are answered at once, running ones leave the batch."""
         for entry in [e for e in self._pending if e.job.cancelled.is_set()]:
             self._pending.remove(entry)
-            if _HAS_JOB_CANCELLED:  # the batch-1 Engine's answer to a job cancelled before its decode started
-                self._reject(entry, _JobCancelled(f"request {entry.job.request_id} was cancelled before its decode started"))
-                continue
-            stats = RequestStats(prompt_tokens=int(entry.job.input_ids.shape[-1]))
-            info = DecodeInfo(policy=self.policy.name, block_size=0, block_sizes=[], tau=0.0, steps=0, prefill_ms=0.0,
-                              schedule_ms=0.0, decode_ms=0.0, queue_ms=(time.perf_counter() - entry.job.submitted) * 1e3)
-            entry.loop.call_soon_threadsafe(_settle, entry.future, Completion("", "abort", [], stats, info), None)
+            # the batch-1 Engine's answer to a job cancelled before its decode started
+            self._reject(entry, JobCancelled(f"request {entry.job.request_id} was cancelled before its decode started"))
         for key, entry in list(self._running.items()):
             if entry.job.cancelled.is_set() and not entry.request.done:
                 self.batch.cancel(entry.request)
