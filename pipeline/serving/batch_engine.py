@@ -70,7 +70,6 @@ class BatchEngine(Engine):
         self.waiting_limit = int(max_queue)
         self.max_queue = self.waiting_limit + self.max_batch - 1  # the app's check: in_flight >= 1 + max_queue
         self.budget = budget
-        self._admitted: dict[int, Job] = {}  # admitted and not answered, by id(job)
         self.batch = BatchedDecoder(decoder, budget.allocate if budget is not None else None,
                                     budget.plan if budget is not None else None)
         self._inbox: queue.Queue[_Entry | None] = queue.Queue()
@@ -106,38 +105,18 @@ class BatchEngine(Engine):
         """
         if self.in_flight >= 1 + self.max_queue:
             raise QueueFull(f"the queue is full ({self.waiting_limit} waiting + {self.max_batch} running); retry later")
-        self.in_flight += 1
-        self._admitted[id(job)] = job
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._idle.clear()
-        self._inbox.put(_Entry(job, future, loop))
-        try:
-            completion = await asyncio.shield(future)
-        except asyncio.CancelledError:
-            job.cancelled.set()  # the caller went away: the scheduler frees the slot at the next step boundary
-            raise
-        except JobCancelled:
-            self.aborted += 1
-            raise
-        except Exception:
-            self.failed += 1
-            raise
-        finally:
-            self.in_flight -= 1
-            self._admitted.pop(id(job), None)
-        if completion.finish_reason == "abort":
-            self.aborted += 1
-        self.served += 1
+        with self._admitted(job):
+            loop = asyncio.get_running_loop()
+            future = loop.create_future()
+            self._idle.clear()
+            self._inbox.put(_Entry(job, future, loop))
+            try:
+                completion = await asyncio.shield(future)
+            except asyncio.CancelledError:
+                job.cancelled.set()  # the caller went away: the scheduler frees the slot at the next step boundary
+                raise
+        self._answered(completion)
         return completion
-
-    def cancel_all(self) -> int:
-        """Cancel every admitted request (shutdown): waiting ones end unstarted, running ones leave the batch at the next
-        step boundary. Returns how many were cancelled."""
-        jobs = list(self._admitted.values())
-        for job in jobs:
-            job.cancelled.set()
-        return len(jobs)
 
     # -- the scheduler thread -----------------------------------------------------------------------
     def _loop(self) -> None:

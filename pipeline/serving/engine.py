@@ -17,20 +17,20 @@ from the prefill logits), ``ema`` (per-step adaptive B over ``model.candidates``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-from pipeline.decoding import DecodeConfig, EMASchedule, FixedSchedule
+from pipeline.decoding import DecodeConfig, FixedSchedule
 from pipeline.decoding.schedules import FirstChoice
-from pipeline.decoding.speculative import RequestStats, SpeculativeDecoder, _now
+from pipeline.decoding.speculative import RequestStats, SpeculativeDecoder
 from pipeline.policy.registry import SERVABLE
 from pipeline.serving.recorder import Recorder, Served
 from pipeline.serving.schemas import DecodeInfo, RequestError
@@ -204,23 +204,9 @@ class Engine:
         """
         if self.in_flight >= 1 + self.max_queue:
             raise QueueFull(f"the queue is full ({self.max_queue} waiting + 1 running); retry later")
-        self.in_flight += 1
-        self._jobs[id(job)] = job
-        loop = asyncio.get_running_loop()
-        try:
-            completion, served = await loop.run_in_executor(self.executor, self._generate, job)
-        except JobCancelled:
-            self.aborted += 1
-            raise
-        except Exception:
-            self.failed += 1
-            raise
-        finally:
-            self.in_flight -= 1
-            self._jobs.pop(id(job), None)
-        if completion.finish_reason == "abort":
-            self.aborted += 1
-        self.served += 1
+        with self._admitted(job):
+            completion, served = await asyncio.get_running_loop().run_in_executor(self.executor, self._generate, job)
+        self._answered(completion)
         if served is not None:
             self.executor.submit(self.recorder.record, served)
         return completion
@@ -275,6 +261,30 @@ class Engine:
             served = Served(job.request_id, kept, list(stats.output_ids), job.config, halted, list(stats.taus),
                             list(stats.block_sizes), stats.decode_ms)
         return completion, served
+
+    @contextlib.contextmanager
+    def _admitted(self, job: Job):
+        """One admitted job's bookkeeping (event loop thread): in flight and cancellable (``cancel_all``) while inside;
+        counted as aborted (``JobCancelled``) or failed (any other exception) when it raises out."""
+        self.in_flight += 1
+        self._jobs[id(job)] = job
+        try:
+            yield
+        except JobCancelled:
+            self.aborted += 1
+            raise
+        except Exception:
+            self.failed += 1
+            raise
+        finally:
+            self.in_flight -= 1
+            self._jobs.pop(id(job), None)
+
+    def _answered(self, completion: Completion) -> None:
+        """Count a finished job (an ``abort`` finish also as aborted)."""
+        if completion.finish_reason == "abort":
+            self.aborted += 1
+        self.served += 1
 
     def cancel_all(self) -> int:
         """Set ``cancelled`` on every admitted job (shutdown): waiting ones are dropped, the running one ends after its
