@@ -228,7 +228,8 @@ class BatchedDecoder:
         emitted = 0
         for i, r in enumerate(reqs):
             before = r.stats.new_tokens
-            new = self._accept(r, verified[i], outs[i], widths[i], confidences[i])
+            r.state.last_width, r.state.last_confidence = widths[i], confidences[i]
+            new, _ = dec.accept(r.state, verified[i], *outs[i], r.sampler)
             self._record(r, new, sizes[i], now)
             emitted += r.stats.new_tokens - before
             if r.done:
@@ -237,30 +238,10 @@ class BatchedDecoder:
         self.step_log.append(((now - t_step) * 1e3, emitted))
         return finished
 
-    def _accept(self, r: BatchRequest, block: torch.Tensor, out, k: int, confidence) -> list[int]:
-        """``SpeculativeDecoder.step``'s acceptance, rollback and state update for one request."""
-        state = r.state
-        logits, new_features = out
-        state.last_width, state.last_confidence = k, confidence
-        target_tokens = r.sampler.pick(logits, state.start + 1)
-        matches = (block[0, 1:] == target_tokens[:-1]).int()
-        accepted = int(matches.cumprod(0).sum()) if k > 0 else 0
-        new = block[0, 1: accepted + 1].tolist() + [int(target_tokens[accepted])]
-        crop_to(state.cache, state.start + accepted + 1)
-        if state.draft_cache is not None:
-            state.features = torch.cat([state.features, new_features[:, : accepted + 1]], dim=1)
-        state.start += accepted + 1
-        state.pending = new[-1]
-        return new
-
     def _record(self, r: BatchRequest, new: list[int], b: int, now: float) -> None:
         """``SpeculativeDecoder.decode``'s per-step bookkeeping for one request (stop tokens, stats, schedule)."""
         stats = r.stats
-        for i, token in enumerate(new):
-            if token in self.decoder.stop_ids:
-                new = new[: i + 1]
-                stats.stopped = True
-                break
+        new, stats.stopped = self.decoder.cut_at_stop(new)
         stats.output_ids.extend(new)
         r.token_times.extend([now] * len(new))
         stats.taus.append(len(new))

@@ -331,16 +331,35 @@ class SpeculativeDecoder:
         state.last_width, state.last_confidence = k, confidence
         block = block[:, : k + 1]
         logits, new_features = self.target_forward(block, state.cache, state.start, want_features=use_drafter)
+        return self.accept(state, block, logits, new_features, sampler)
+
+    def accept(self, state: DecodeState, block: torch.Tensor, logits: torch.Tensor, new_features: torch.Tensor | None,
+               sampler: PositionKeyedSampler) -> tuple[list[int], int]:
+        """After the target's verify of ``block`` [1, k+1] (pending token + k drafts): keep the longest matching prefix
+        plus the bonus token, roll the target cache back, keep the accepted positions' features, advance ``state``.
+
+        Args:
+            logits: [k+1, V] float32 target logits of the block's positions; new_features: [1, k+1, n_taps*H] or None.
+        Returns:
+            (new tokens in order, accepted drafts among them).
+        """
         target_tokens = sampler.pick(logits, state.start + 1)  # token i is the target's choice at start+1+i
         matches = (block[0, 1:] == target_tokens[:-1]).int()
-        accepted = int(matches.cumprod(0).sum()) if k > 0 else 0
+        accepted = int(matches.cumprod(0).sum()) if block.shape[1] > 1 else 0
         new = block[0, 1 : accepted + 1].tolist() + [int(target_tokens[accepted])]
         crop_to(state.cache, state.start + accepted + 1)
-        if use_drafter:
+        if state.draft_cache is not None:
             state.features = torch.cat([state.features, new_features[:, : accepted + 1]], dim=1)
         state.start += accepted + 1
         state.pending = new[-1]
         return new, accepted
+
+    def cut_at_stop(self, new: list[int]) -> tuple[list[int], bool]:
+        """``new`` up to and including its first stop token, and whether it had one."""
+        for i, token in enumerate(new):
+            if token in self.stop_ids:
+                return new[: i + 1], True
+        return new, False
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, config: DecodeConfig, want_features: bool = True) -> PrefillResult:
@@ -401,11 +420,7 @@ class SpeculativeDecoder:
             self.check_block_size(block_size)
             b = min(block_size, config.max_new_tokens - stats.new_tokens)
             new, _ = self.step(state, b, sampler, choose_width)
-            for i, token in enumerate(new):
-                if token in self.stop_ids:
-                    new = new[: i + 1]
-                    stats.stopped = True
-                    break
+            new, stats.stopped = self.cut_at_stop(new)
             stats.output_ids.extend(new)
             stats.taus.append(len(new))
             stats.block_sizes.append(b)
