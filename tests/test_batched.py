@@ -87,6 +87,46 @@ def test_smallm_rows_invariant(fmt):
     assert ROW_LIMIT == SMALLM_MAX_ROWS
 
 
+@needs_smallm
+def test_kernel_attention_rows_invariant_and_equal_to_sdpa():
+    """``attend``: each row's output is the same bits alone, in its request's verify, or among other requests' rows
+    (up to 40 rows, past ROW_LIMIT), whatever the cache's layout (a strided preallocated view), with GQA; and it is
+    causal attention: equal to PyTorch's SDPA with the causal mask to float32 rounding."""
+    from pipeline.models.kernel import smallm_kernel
+
+    attend = smallm_kernel().attend
+    g = torch.Generator().manual_seed(5)
+    hq, hkv, d = 6, 2, 64
+    lengths, rows = [9, 50, 23, 31, 2], [4, 16, 1, 17, 2]  # cache lengths after the new rows; 40 query rows
+    keys = [torch.randn(hkv, n, d, generator=g) for n in lengths]
+    values = [torch.randn(hkv, n, d, generator=g) for n in lengths]
+    q = torch.randn(sum(rows), hq, d, generator=g)
+    together = attend(q, keys, values, rows, 0.125)
+    assert together.shape == (sum(rows), hq * d)
+    start = 0
+    for k, v, r in zip(keys, values, rows):
+        qi = q[start: start + r]
+        alone = attend(qi, [k], [v], [r], 0.125)
+        assert torch.equal(alone, together[start: start + r])
+        for j in range(r):  # each row alone over the keys it may see
+            assert torch.equal(attend(qi[j: j + 1], [k[:, : k.shape[1] - r + j + 1]], [v[:, : k.shape[1] - r + j + 1]],
+                                      [1], 0.125), alone[j: j + 1])
+        buffer = torch.zeros(hkv, k.shape[1] + 7, d)  # a preallocated layout: the filled part of a larger buffer
+        buffer[:, : k.shape[1]] = k
+        assert torch.equal(attend(qi, [buffer[:, : k.shape[1]]], [v], [r], 0.125), alone)
+        n = k.shape[1]
+        mask = torch.ones(r, n, dtype=torch.bool).tril(diagonal=n - r)
+        ref = torch.nn.functional.scaled_dot_product_attention(qi.transpose(0, 1), k.repeat_interleave(hq // hkv, 0),
+                                                               v.repeat_interleave(hq // hkv, 0), attn_mask=mask,
+                                                               scale=0.125)
+        torch.testing.assert_close(alone, ref.transpose(0, 1).reshape(r, -1), rtol=1e-5, atol=1e-5)
+        start += r
+    with pytest.raises(RuntimeError, match="rows do not add up"):
+        attend(q, keys, values, [rows[0] - 1, *rows[1:]], 0.125)
+    with pytest.raises(RuntimeError, match="more query rows than keys"):
+        attend(q[:3], [keys[4]], [values[4]], [3], 0.125)
+
+
 def _contexts(decoder, lengths, seed=0):
     """Caches and features of prompts of the given lengths (random ids), prefilled alone."""
     g = torch.Generator().manual_seed(seed)

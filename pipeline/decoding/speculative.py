@@ -198,6 +198,10 @@ class SpeculativeDecoder:
         # bf16/fp16 model (a bf16 product rounds logits to bf16's grid: ties a verify and single steps break differently)
         self.head = logit_head(target.model).with_backend(self.backend, float32=True)
         self.fast = fast_forward_for(self.base, fast_forward, self.backend)
+        if kv_cache in ("auto", None) and self.fast is not None and self.fast.attention == "kernel":
+            # the kernel's attention reads the cache through its strides, so a preallocated cache gives the same bits
+            # as a concatenated one and saves copying the whole cache every step (a batched step: every request's)
+            self.kv_cache = "preallocated"
         self.fast_draft = fast_draft_for(drafter, fast_forward, self.backend)
         self.drafter_head = LMHead(self.draft_head, self.backend, float32=True) if drafter is not None else None
         self.max_context = int(getattr(target.model.config, "max_position_embeddings", 1 << 30))
@@ -218,6 +222,7 @@ class SpeculativeDecoder:
         from pipeline.models.backend import backend_signature, batch_invariant, kernel_failure
 
         path = {"backend": backend_signature(self.backend), "fast_forward": self.fast is not None,
+                "attention": self.fast.attention if self.fast is not None else "sdpa",
                 "fast_draft": self.fast_draft is not None, "kv_cache": self.kv_cache,
                 "batch_invariant": batch_invariant(self.backend) and self.device.type == "cpu",
                 "dtype": str(self.model.dtype).removeprefix("torch."), "device": str(self.device)}

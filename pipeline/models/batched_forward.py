@@ -31,6 +31,7 @@ from transformers.masking_utils import create_causal_mask
 
 from pipeline.models.backend import SMALLM, SMALLM_MAX_ROWS, PackedLinear
 from pipeline.models.fast_forward import _rms_norm
+from pipeline.models.kernel import smallm_kernel
 
 ROW_LIMIT = SMALLM_MAX_ROWS  # the most rows one linear call of a batched forward takes (see the module doc)
 
@@ -113,13 +114,18 @@ class BatchedForward:
         for s in sizes:
             cuts.append(cuts[-1] + s)
         h = base.embed_tokens(torch.cat([ids[i] for i in batch], dim=1))
+        kernel = fast.attention == "kernel"
         masks, rope = [], []
         for j, i in enumerate(batch):
             positions = torch.arange(starts[i], starts[i] + sizes[j], device=h.device)[None]
             hj = h[:, cuts[j]: cuts[j + 1]]
-            masks.append(create_causal_mask(config=base.config, inputs_embeds=hj, attention_mask=None, cache=caches[i],
-                                            position_ids=positions))
+            if not kernel:
+                masks.append(create_causal_mask(config=base.config, inputs_embeds=hj, attention_mask=None,
+                                                cache=caches[i], position_ids=positions))
             rope.append(base.rotary_emb(hj, position_ids=positions))
+        if kernel:  # every request's cos/sin side by side: the rotation is element-wise, so per row as alone
+            cos_all, sin_all = (torch.cat([r[0] for r in rope], dim=1), torch.cat([r[1] for r in rope], dim=1))
+            attend = smallm_kernel().attend
         keep = any(want_features[i] for i in batch)
         states = [h] if keep else None
         first = base.layers[0].self_attn.q_proj
@@ -129,20 +135,23 @@ class BatchedForward:
             attn = layer.self_attn
             x = _rms_norm(layer.input_layernorm, h)
             q_all, k_all, v_all = chunked(qkv, x)
-            outs = []
-            for j, i in enumerate(batch):
-                a, b = cuts[j], cuts[j + 1]
-                shape = (1, b - a, -1, attn.head_dim)
-                q, k, v = q_all[:, a:b].view(shape), k_all[:, a:b].view(shape), v_all[:, a:b].view(shape)
+            if kernel:  # one rotation and one attention call over every request's rows
+                rows = cuts[-1]
+                shape = (1, rows, -1, attn.head_dim)
+                q, k, v = q_all.view(shape), k_all.view(shape), v_all.view(shape)
                 if getattr(attn, "q_norm", None) is not None:
                     q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
-                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-                cos, sin = rope[j]
-                q, k = fast.rotary(q, k, cos, sin)
-                k, v = caches[i].update(k, v, attn.layer_idx)
-                out, _ = sdpa_attention_forward(attn, q, k, v, masks[j], dropout=0.0, scaling=attn.scaling)
-                outs.append(out.reshape(1, b - a, -1).contiguous())
-            h = h + chunked(o_proj, torch.cat(outs, dim=1))[0]
+                q, k = fast.rotary(q.transpose(1, 2), k.transpose(1, 2), cos_all, sin_all)
+                v = v.transpose(1, 2)
+                keys, values = [], []
+                for j, i in enumerate(batch):
+                    kj, vj = caches[i].update(k[:, :, cuts[j]: cuts[j + 1]], v[:, :, cuts[j]: cuts[j + 1]], attn.layer_idx)
+                    keys.append(kj[0])
+                    values.append(vj[0])
+                out = attend(q[0].transpose(0, 1), keys, values, sizes, attn.scaling)[None]
+            else:
+                out = self._attention_per_request(attn, q_all, k_all, v_all, cuts, batch, rope, caches, masks)
+            h = h + chunked(o_proj, out)[0]
             x = _rms_norm(layer.post_attention_layernorm, h)
             gate, up = chunked(gate_up, x)
             h = h + chunked(down_proj, layer.mlp.act_fn(gate) * up)[0]
@@ -157,6 +166,29 @@ class BatchedForward:
             a, b = cuts[j], cuts[j + 1]
             results[i] = (logits[a:b], features[:, a:b] if want_features[i] else None)
         return results
+
+    def _attention_per_request(self, attn, q_all, k_all, v_all, cuts, batch, rope, caches, masks) -> torch.Tensor:
+        """The attention of one layer (transformers' SDPA), each request's rows alone over its own cache, as its
+        ``FastForward`` with ``attention="sdpa"`` runs them.
+
+        Returns:
+            [1, R, Hq*D]: every request's attention output rows, concatenated in ``batch`` order.
+        """
+        fast = self.decoder.fast
+        outs = []
+        for j, i in enumerate(batch):
+            a, b = cuts[j], cuts[j + 1]
+            shape = (1, b - a, -1, attn.head_dim)
+            q, k, v = q_all[:, a:b].view(shape), k_all[:, a:b].view(shape), v_all[:, a:b].view(shape)
+            if getattr(attn, "q_norm", None) is not None:
+                q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            cos, sin = rope[j]
+            q, k = fast.rotary(q, k, cos, sin)
+            k, v = caches[i].update(k, v, attn.layer_idx)
+            out, _ = sdpa_attention_forward(attn, q, k, v, masks[j], dropout=0.0, scaling=attn.scaling)
+            outs.append(out.reshape(1, b - a, -1).contiguous())
+        return torch.cat(outs, dim=1)
 
     # -------------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -9,6 +9,12 @@ concatenated product equals the separate ones bit for bit). It uses transformers
 decide numerics: the model's rotary embedding and ``apply_rotary_pos_emb``, ``create_causal_mask``, the
 KV cache's ``update`` and ``sdpa_attention_forward``.
 
+With ``attention="kernel"`` (what a decoder on the smallm backend in float32 takes) the attention is instead the smallm
+kernel's ``attend``: causal attention of each query row over its request's cache as one fixed computation per row,
+so a row's output is bit-identical whether it runs alone, in a verify or in a batched step of many requests
+(``pipeline.models.batched_forward``). Its logits then differ from transformers' SDPA by rounding (about 1e-6);
+decodes still equal transformers' ``generate`` token for token (``tests/test_backend.py``).
+
 Supported: decoder layers of the Llama, Mistral, Qwen2 and Qwen3 families (RMSNorm, SiLU gated MLP,
 optional q/k norms and biases) with SDPA attention and no sliding window. ``FastForward.supports`` says
 whether a model qualifies; anything else keeps transformers' forward. Tests check the logits, the hidden
@@ -29,7 +35,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask
 
 from pipeline.models.backend import EXACT_FORMATS, PACKED, SMALLM, PackedLinear, pack_smallm, weight_version
+from pipeline.models.kernel import smallm_kernel
 
+ATTENTIONS = ("sdpa", "kernel")  # transformers' SDPA (bit-identical to its forward) | the smallm kernel's ``attend``
 LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 
@@ -83,15 +91,22 @@ class FastForward:
     """The lean forward of ``base`` (a transformers base model: ``embed_tokens``, ``layers``, ``norm``,
     ``rotary_emb``), for inference.
 
+    Args:
+        attention: ``sdpa`` (transformers' ``sdpa_attention_forward``: bit-identical to its forward) or ``kernel``
+            (the smallm kernel's ``attend``: float32, each row's output independent of the other rows of the call).
     Raises:
-        ValueError: from the constructor when ``base`` is not supported (``supports`` says why).
+        ValueError: from the constructor when ``base`` is not supported (``supports`` says why), or for another
+            ``attention``.
     """
 
-    def __init__(self, base: nn.Module):
+    def __init__(self, base: nn.Module, attention: str = "sdpa"):
         reason = self.unsupported(base)
         if reason:
             raise ValueError(f"FastForward does not support this model: {reason}")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {list(ATTENTIONS)}, got {attention!r}")
         self.base = base
+        self.attention = attention
         layer = base.layers[0]
         self.rotary = sys.modules[type(layer).__module__].apply_rotary_pos_emb
         self._fused: dict[tuple, tuple] = {}
@@ -160,8 +175,9 @@ class FastForward:
         first = base.layers[0].self_attn.q_proj
         kind = first._bp_packed.kind if type(first) is PackedLinear else None
         h = base.embed_tokens(ids)
-        mask = create_causal_mask(config=base.config, inputs_embeds=h, attention_mask=None, cache=cache,
-                                  position_ids=positions)
+        kernel = self.attention == "kernel"
+        mask = None if kernel else create_causal_mask(config=base.config, inputs_embeds=h, attention_mask=None,
+                                                      cache=cache, position_ids=positions)
         cos, sin = base.rotary_emb(h, position_ids=positions)
         states = [h] if output_hidden_states else None
         q_len = ids.shape[1]
@@ -177,7 +193,10 @@ class FastForward:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q, k = self.rotary(q, k, cos, sin)
             k, v = cache.update(k, v, attn.layer_idx)
-            out, _ = sdpa_attention_forward(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)
+            if kernel:
+                out = smallm_kernel().attend(q[0].transpose(0, 1), [k[0]], [v[0]], [q_len], attn.scaling)
+            else:
+                out, _ = sdpa_attention_forward(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)
             h = h + o_proj(out.reshape(1, q_len, -1).contiguous())
             x = _rms_norm(layer.post_attention_layernorm, h)
             gate, up = gate_up(x)
@@ -199,10 +218,11 @@ def fast_forward_for(base: nn.Module, setting: bool | str | None, backend: str) 
     Raises:
         ValueError: for True on an unsupported target (naming why), or another setting.
     """
+    attention = "kernel" if backend in SMALLM and base.dtype == torch.float32 else "sdpa"
     if setting in ("auto", None):
-        return FastForward(base) if backend in PACKED and FastForward.supports(base) else None
+        return FastForward(base, attention) if backend in PACKED and FastForward.supports(base) else None
     if setting is True or setting == "true":
-        return FastForward(base)
+        return FastForward(base, attention)
     if setting is False or setting == "false":
         return None
     raise ValueError(f"model.fast_forward must be auto, true or false, got {setting!r}")

@@ -21,6 +21,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 namespace {
@@ -399,9 +400,107 @@ torch::Tensor unpack_exact(int64_t fmt, torch::Tensor q, torch::Tensor d, torch:
   return w;
 }
 
+
+// ---------------------------------------------------------------------------------------------------------------
+// Causal attention of many requests' query rows over each request's own KV cache, one call for a whole batch.
+//
+// q [R, Hq, D] float32: the rows of N requests, request i's r_i rows consecutive (rows[i] = r_i); keys[i], values[i]
+// [Hkv, L_i, D] float32 (any strides, the last dim contiguous): request i's cache after its new rows were appended,
+// so request i's row j (position L_i - r_i + j) sees keys 0 .. L_i - r_i + j. Query head h reads kv head
+// h / (Hq / Hkv). Returns [R, Hq * D] (the heads of a row side by side, as the o projection reads them).
+//
+// Each (row, head) output is a fixed computation of that row's own inputs: every score is one FMA chain over D in
+// 8-wide lanes summed in a fixed order, the softmax max and sum run sequentially over the visible keys, and the
+// output is one FMA chain per lane over the keys. So a row's result is bit-identical whatever other rows or
+// requests share the call (a decoding step alone, a verify, a batched step of many requests).
+namespace {
+
+inline float hsum8(__m256 v) {
+  alignas(32) float t[8];
+  _mm256_store_ps(t, v);
+  return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+}
+
+// One query row of one head: out[D] = softmax(scale * q . K[0..n)) @ V[0..n).
+void attend_row(const float* __restrict q, const float* __restrict k, int64_t ks, const float* __restrict v,
+                int64_t vs, int64_t n, int64_t D, float scale, float* __restrict scores, float* __restrict out) {
+  const int64_t lanes = D / 8 * 8;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* kt = k + t * ks;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < lanes; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kt + d), acc);
+    float s = hsum8(acc);
+    for (int64_t d = lanes; d < D; ++d) s += q[d] * kt[d];
+    scores[t] = s * scale;
+  }
+  float m = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) m = std::max(m, scores[t]);
+  float sum = 0.f;
+  for (int64_t t = 0; t < n; ++t) {
+    const float e = std::exp(scores[t] - m);
+    scores[t] = e;
+    sum += e;
+  }
+  for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* vt = v + t * vs;
+    const __m256 p = _mm256_set1_ps(scores[t]);
+    for (int64_t d = 0; d < lanes; d += 8)
+      _mm256_storeu_ps(out + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + d), _mm256_loadu_ps(out + d)));
+    for (int64_t d = lanes; d < D; ++d) out[d] += scores[t] * vt[d];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+}
+
+}  // namespace
+
+torch::Tensor attend(torch::Tensor q, std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values,
+                     std::vector<int64_t> rows, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "attend: q must be float32 [R, Hq, D]");
+  const int64_t N = static_cast<int64_t>(rows.size());
+  TORCH_CHECK(static_cast<int64_t>(keys.size()) == N && static_cast<int64_t>(values.size()) == N,
+              "attend: one keys and one values tensor per request");
+  q = q.contiguous();
+  const int64_t R = q.size(0), Hq = q.size(1), D = q.size(2);
+  std::vector<int64_t> req_of(R), first(N + 1, 0);
+  for (int64_t i = 0; i < N; ++i) {
+    const auto& k = keys[i];
+    const auto& v = values[i];
+    TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32,
+                "attend: keys and values must be float32 [Hkv, L, D]");
+    TORCH_CHECK(k.size(2) == D && v.size(2) == D && k.stride(2) == 1 && v.stride(2) == 1 && k.size(0) == v.size(0) &&
+                k.size(1) == v.size(1) && Hq % k.size(0) == 0, "attend: keys/values do not match q");
+    TORCH_CHECK(rows[i] >= 0 && rows[i] <= k.size(1), "attend: a request has more query rows than keys");
+    first[i + 1] = first[i] + rows[i];
+  }
+  TORCH_CHECK(first[N] == R, "attend: rows do not add up to q's rows");
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t r = first[i]; r < first[i + 1]; ++r) req_of[r] = i;
+  auto out = torch::empty({R, Hq * D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, R * Hq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t r = w / Hq, h = w % Hq, i = req_of[r];
+      const auto& k = keys[i];
+      const auto& v = values[i];
+      const int64_t L = k.size(1), group = Hq / k.size(0), kh = h / group;
+      const int64_t n = L - rows[i] + (r - first[i]) + 1;
+      if (static_cast<int64_t>(scores.size()) < n) scores.resize(n);
+      attend_row(qp + (r * Hq + h) * D, k.data_ptr<float>() + kh * k.stride(0), k.stride(1),
+                 v.data_ptr<float>() + kh * v.stride(0), v.stride(1), n, D, sc, scores.data(), op + r * Hq * D + h * D);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack W [N, K] into [ceil(N/16), K, 16] panels");
   m.def("linear", &linear, "y = x @ W^T (+ bias) from packed panels");
   m.def("linear_exact", &linear_exact, "y = x @ W^T (+ bias) from bf16 / q8 / q4 panels expanded exactly");
+  m.def("attend", &attend, "causal attention of many requests' rows over their own caches, each row bit-identical alone or batched");
   m.def("unpack_exact", &unpack_exact, "the float32 weight that linear_exact computes with");
 }
