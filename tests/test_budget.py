@@ -81,7 +81,7 @@ class _Req:
 
 def test_budget_policy_skips_the_drafter_after_an_unpaid_step():
     calibration = AcceptanceCalibration([0.0] * 4, [1.0] * 4)  # a_j = p_j
-    policy = BudgetPolicy(calibration, _linear_costs(base=10.0, per_row=4.0), max_skip=4)
+    policy = BudgetPolicy(calibration, _linear_costs(base=10.0, per_row=4.0), max_skip=4, gate=False)
     good, bad = _Req(), _Req()
     assert policy.plan([good, bad], [4, 4]) == [4, 4]
     widths = policy.allocate([good, bad], [torch.tensor([0.999, 0.999, 0.999]), torch.tensor([0.01, 0.01, 0.01])])
@@ -93,6 +93,25 @@ def test_budget_policy_skips_the_drafter_after_an_unpaid_step():
     assert [policy.plan([good, bad], [4, 4])[1] for _ in range(3)] == [1, 1, 4]
     with pytest.raises(ValueError, match="max_skip"):
         BudgetPolicy(calibration, _linear_costs(), max_skip=-1)
+
+
+def test_budget_gate_drafts_only_where_drafting_pays():
+    """Before drafting, the gate leaves out a request whose prior acceptance does not repay the drafter's cost (here
+    4 ms per drafted row), keeps one whose does, probes requests without a prior, and re-probes after max_skip."""
+    calibration = AcceptanceCalibration([0.0] * 4, [1.0] * 4)  # a_j = p_j
+    costs = BatchCostModel([1, 64], [11.0, 74.0], [1, 64], [4.0, 256.0])  # verify 10 + 1/row; draft 4/row
+    policy = BudgetPolicy(calibration, costs, max_skip=3)
+    good, bad, new = _Req(), _Req(), _Req()
+    assert policy.plan([good, bad], [4, 4]) == [4, 4]  # no priors yet: both probe
+    policy.allocate([good, bad], [torch.tensor([0.999] * 3), torch.tensor([0.05] * 3)])
+    assert good.budget_prior.tolist() == pytest.approx([0.999] * 3)
+    bad.budget_skip = [0, 0]  # only the gate decides below
+    assert policy.plan([good, bad, new], [4, 4, 4]) == [4, 1, 4]  # the new request probes
+    assert [policy.plan([good, bad], [4, 4])[1] for _ in range(3)] == [1, 1, 4]  # left out 3 steps: a probe
+    # where drafting is free, every request with any chance drafts
+    free = BudgetPolicy(calibration, BatchCostModel([1, 64], [10.0, 10.0], [1, 64], [0.0, 0.0]), max_skip=3)
+    bad.budget_left_out = 0
+    assert free.plan([good, bad], [4, 4]) == [4, 4]
 
 
 def test_batched_methods():

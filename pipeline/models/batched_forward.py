@@ -4,9 +4,12 @@ to the forward that request's decoder would run alone.
 A batched decode step (``pipeline.decoding.batched``) concatenates the token rows of N requests: request i brings
 q_i rows (a verify of k_i drafts: k_i + 1 rows; a plain step: 1 row) at its own positions over its own KV cache.
 The linear layers (the fused q/k/v, o, the fused gate/up, down, the LM head; the drafter's fc, q/k/v, o, gate/up,
-down and its head) run ONCE over the concatenated rows; everything that mixes rows of one request (attention with
-RoPE at its positions over its own cache, with the causal mask its own forward would build) runs per request;
-row-wise operations (RMSNorm, SiLU, residual adds, the embedding lookup) run on the concatenation.
+down and its head) run ONCE over the concatenated rows; row-wise operations (RMSNorm, SiLU, residual adds, the
+embedding lookup, the rotary rotation at each row's position) run on the concatenation. The target's attention is ONE
+call of the smallm kernel's ``attend`` for all requests (each row over its own request's cache, causal, a fixed
+computation per row: the decoder's solo steps use the same kernel, ``FastForward(attention="kernel")``); only the
+cache appends and the drafter's attention run per request. Where the target's forward uses transformers' SDPA instead
+(``attention="sdpa"``), its attention runs per request with the causal mask its own forward would build.
 
 Why it is exact: on the ``smallm`` kernels every output is one sequential FMA chain over K, so a row's result does not
 depend on the other rows of its call, at any row count (``tests/test_batched.py::test_smallm_rows_invariant``

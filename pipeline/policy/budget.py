@@ -13,7 +13,9 @@ largest increments over all requests (taken in each request's order: a greedy ex
 the best of those N_d * (b-1) + 1 prefixes, exactly the optimum (``tests/test_budget.py`` brute-forces small cases).
 
 A request whose drafts do not pay gets k_i = 0 (a plain step) and, through ``BudgetPolicy.plan``, skips the drafter for
-the next 1, 2, 4, ... ``max_skip`` steps before it looks again (the rule ``VerifyWidthSchedule`` uses alone).
+the next 1, 2, 4, ... ``max_skip`` steps before it looks again (the rule ``VerifyWidthSchedule`` uses alone). Before the
+drafter runs, ``plan`` also gates drafting on each request's prior acceptance: a request drafts only when the modelled
+step with its draft (drafter rows and per-request cost included) yields more tokens per ms than without it.
 
 Batched methods (``batched_method``): ``ar`` (B = 1 for all), ``fixed`` (k = B - 1 for all), ``verify_width`` (each
 request's k chosen alone by its ``VerifyWidthSchedule`` on the single-request costs), ``budget`` (joint, this module).
@@ -98,27 +100,41 @@ def _skip_state(request) -> list[int]:
 
 
 class BudgetPolicy:
-    """The ``budget`` method for ``BatchedDecoder``: ``plan`` (skip the drafter for requests whose drafts did not pay)
-    and ``allocate`` (the joint widths), one object passed as both ``planner`` and ``allocator``.
+    """The ``budget`` method for ``BatchedDecoder``: ``plan`` (which requests draft this step) and ``allocate`` (the
+    joint widths), one object passed as both ``planner`` and ``allocator``.
+
+    ``allocate`` chooses the widths after the step's drafter forward, whose cost is then spent. ``plan`` decides before
+    it which requests draft at all, so that a draft that would not repay its drafter cost is not made: each request
+    keeps a prior of its drafts' acceptance (the mean of its last drafted steps' calibrated acceptances, per column),
+    and the step drafts the requests, best prior first, up to the count whose modelled step (``allocate`` on the priors
+    over the drafting requests, ``BatchCostModel.step_ms`` with their drafted rows) yields the most tokens per ms. A
+    request without a prior drafts (a probe); one left out ``max_skip`` steps in a row drafts again to refresh its
+    prior. After a step that gave a request k = 0 it also skips the drafter for the next 1, 2, 4, ... ``max_skip``
+    steps (the rule ``VerifyWidthSchedule`` uses alone).
 
     Args:
         calibration: the drafts' acceptance calibration; costs: this machine's ``BatchCostModel``.
         skip_drafts: skip the drafter after a step that gave a request k = 0; max_skip: the longest skip run (steps).
+        gate: decide before drafting which requests draft (False: every request not skipping drafts).
     Attributes:
-        widths: every k it chose, in order.
+        widths: every k it chose, in order; drafted: per planned step, how many requests drafted.
+    Raises:
+        ValueError: for max_skip < 0.
     """
 
     def __init__(self, calibration: AcceptanceCalibration, costs: BatchCostModel, skip_drafts: bool = True,
-                 max_skip: int = 8):
+                 max_skip: int = 8, gate: bool = True):
         if int(max_skip) < 0:
             raise ValueError(f"max_skip must be >= 0, got {max_skip}")
         self.calibration, self.costs = calibration, costs
-        self.skip_drafts, self.max_skip = bool(skip_drafts), int(max_skip)
+        self.skip_drafts, self.max_skip, self.gate = bool(skip_drafts), int(max_skip), bool(gate)
         self._plain = 0
         self.widths: list[int] = []
+        self.drafted: list[int] = []
 
     def plan(self, requests: Sequence, sizes: Sequence[int]) -> list[int]:
-        """The block size of each request this step: its own, or 1 while it skips the drafter."""
+        """The block size of each request this step: its own, or 1 (no drafter) while it skips or the gate leaves it
+        out (see the class doc)."""
         out = []
         for r, b in zip(requests, sizes):
             run = _skip_state(r)
@@ -127,23 +143,71 @@ class BudgetPolicy:
                 out.append(1)
             else:
                 out.append(int(b))
+        if self.gate:
+            out = self._gate(requests, out)
         self._plain = sum(1 for b in out if b <= 1)
+        self.drafted.append(len(out) - self._plain)
         return out
 
     __call__ = plan  # the planner hook
 
+    def _gate(self, requests: Sequence, sizes: list[int]) -> list[int]:
+        """Leave out of drafting the requests whose drafts, by their priors, do not repay the drafter's cost."""
+        n = len(requests)
+        probes, ranked = [], []
+        for i, (r, b) in enumerate(zip(requests, sizes)):
+            if b <= 1:
+                continue
+            prior = r.__dict__.get("budget_prior")
+            left_out = r.__dict__.get("budget_left_out", 0)
+            if prior is None or left_out >= self.max_skip:
+                probes.append(i)
+            else:
+                ranked.append((float(prior[0]) if len(prior) else 0.0, i, prior[: b - 1]))
+        if not ranked:
+            return sizes
+        ranked.sort(key=lambda t: (-t[0], t[1]))
+        fill = [torch.full((sizes[i] - 1,), 0.5, dtype=torch.float64) for i in probes]  # no prior yet: a coin
+        best_m, best = 0, -1.0
+        for m in range(len(ranked) + 1):
+            drafting = probes + [i for _, i, _ in ranked[:m]]
+            if not drafting:
+                rate = n / self.costs.step_ms(n, 0, n, 0)
+            else:
+                acceptance = fill + [p for _, _, p in ranked[:m]]
+                _, rate = allocate(acceptance, self.costs, n - len(drafting), sum(sizes[i] for i in drafting))
+            if rate > best + 1e-12:
+                best_m, best = m, rate
+        out = list(sizes)
+        for rank, (_, i, _) in enumerate(ranked):
+            r = requests[i]
+            if rank < best_m:
+                r.__dict__["budget_left_out"] = 0
+            else:
+                out[i] = 1
+                r.__dict__["budget_left_out"] = r.__dict__.get("budget_left_out", 0) + 1
+        for i in probes:
+            requests[i].__dict__["budget_left_out"] = 0
+        return out
+
     def allocate(self, requests: Sequence, confidences: Sequence[torch.Tensor]) -> list[int]:
-        """The joint widths of the step's drafting requests (``allocate`` on the calibrated acceptances)."""
+        """The joint widths of the step's drafting requests (``allocate`` on the calibrated acceptances); updates each
+        request's prior of its drafts' acceptance."""
         acceptance = [self.calibration.predict(c) if c is not None and len(c) else torch.zeros(0) for c in confidences]
         drafted = sum(len(a) + 1 for a in acceptance)
         widths, _ = allocate(acceptance, self.costs, self._plain, drafted)
-        for r, k in zip(requests, widths):
+        for r, k, a in zip(requests, widths, acceptance):
             run = _skip_state(r)
             if k > 0:
                 run[0] = 0
             elif self.skip_drafts:
                 run[0] = min(max(1, 2 * run[0]), self.max_skip)
                 run[1] = run[0]
+            a = torch.as_tensor(a, dtype=torch.float64).reshape(-1)
+            prior = r.__dict__.get("budget_prior")
+            if prior is not None and len(prior) == len(a):
+                a = 0.5 * prior + 0.5 * a
+            r.__dict__["budget_prior"] = a
         self.widths.extend(widths)
         return widths
 
