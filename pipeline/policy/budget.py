@@ -22,6 +22,7 @@ request's k chosen alone by its ``VerifyWidthSchedule`` on the single-request co
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Callable, Sequence
 
@@ -31,6 +32,7 @@ from pipeline.costs.batched import BatchCostModel, SoloCosts  # noqa: F401  (re-
 from pipeline.policy.verify_width import AcceptanceCalibration, expected_tokens, labelled_steps
 
 METHODS = ("ar", "fixed", "verify_width", "budget")
+WIDTHS_KEPT = 100_000  # BudgetPolicy.widths: the most recent choices kept
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -105,7 +107,7 @@ class BudgetPolicy:
         calibration: the drafts' acceptance calibration; costs: this machine's ``BatchCostModel``.
         skip_drafts: skip the drafter after a step that gave a request k = 0; max_skip: the longest skip run (steps).
     Attributes:
-        widths: every k it chose, in order.
+        widths: the last ``WIDTHS_KEPT`` k it chose, in order (bounded: a server runs one policy for days).
     """
 
     def __init__(self, calibration: AcceptanceCalibration, costs: BatchCostModel, skip_drafts: bool = True,
@@ -115,7 +117,7 @@ class BudgetPolicy:
         self.calibration, self.costs = calibration, costs
         self.skip_drafts, self.max_skip = bool(skip_drafts), int(max_skip)
         self._plain = 0
-        self.widths: list[int] = []
+        self.widths: collections.deque[int] = collections.deque(maxlen=WIDTHS_KEPT)
 
     def plan(self, requests: Sequence, sizes: Sequence[int]) -> list[int]:
         """The block size of each request this step: its own, or 1 while it skips the drafter."""
