@@ -183,10 +183,9 @@ def main(cfg: DictConfig) -> None:
     import uvicorn
 
     from pipeline.decoding import DecodeConfig
+    from pipeline.config_checks import validate_config
     from pipeline.prompts import messages_input_ids
     from pipeline.serving.app import create_app
-
-    from pipeline.config_checks import validate_config
 
     validate_config(cfg, "serve")  # before any model loads (build_engine checks again: it is also called alone)
     if cfg.serve.get("num_threads"):
