@@ -25,7 +25,10 @@ chosen with foresight, per concurrency, on the same cost model): how much of the
 The JSON has ``batch1_ar_tokens_per_s``, ``by_concurrency["<c>"]["<method>"]`` for the first arrival pattern (burst by
 default) and ``by_arrivals["<pattern>"]`` for each; a Markdown table is written beside it, and a W&B run logs the
 figures. The batched cost model that ``verify_width`` and ``budget`` read is measured once per machine
-(``pipeline.costs.batched``). Timings need a quiet machine: other processes on the cores inflate every figure.
+(``pipeline.costs.batched.batch_costs_of``); its settings ``bench.costs.*`` default to ``policy.budget.costs.*``, and
+``bench.calibration`` / ``bench.max_skip`` to ``policy.verify_width.calibration`` / ``max_skip``
+(``conf/policy/default.yaml``), the settings the server's ``serve.policy=budget`` reads, so both build the same
+``BudgetPolicy``. Timings need a quiet machine: other processes on the cores inflate every figure.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-STAGES = ("label", "dataset", "train", "eval", "bench_label", "draft")
-MODEL_STAGES = ("label", "eval", "bench_label", "draft")  # the stages that load the target on model.device
+STAGES = ("label", "dataset", "train", "eval", "bench_label", "draft", "serve")
+MODEL_STAGES = ("label", "eval", "bench_label", "draft", "serve")  # the stages that load the target on model.device
 
 
 def _is_int(value: Any) -> bool:
@@ -113,11 +113,14 @@ def _check_eval(cfg) -> None:
     methods = cfg.eval.get("methods")
     if not methods or isinstance(methods, str):
         raise ValueError(f"eval.methods={methods!r}: give a list, e.g. 'eval.methods=[ar,fixed]'")
-    from pipeline.policy.registry import METHODS
+    from pipeline.policy.registry import BATCHED, BATCHED_ONLY, EVALUABLE, METHODS
 
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
-        raise ValueError(f"unknown eval.methods {unknown}; choose from {list(METHODS)}")
+        raise ValueError(f"unknown eval.methods {unknown}; choose from {list(EVALUABLE)}")
+    batched = [m for m in methods if m in BATCHED]
+    if batched:
+        raise ValueError(f"eval.methods {batched} cannot be evaluated here: {BATCHED_ONLY}")
     _check_policy(cfg)
     split = str(cfg.eval.get("split", "auto") or "all")
     if split not in ("auto", "all", "train", "validation", "test"):
@@ -138,6 +141,36 @@ def _check_policy(cfg) -> None:
         raise ValueError(f"policy.verify_width.objective={vw.objective!r}: choose rate or marginal")
     if vw.get("max_skip") is not None and int(vw.max_skip) < 0:
         raise ValueError(f"policy.verify_width.max_skip={vw.max_skip}: give 0 (never skip drafts) or more steps")
+
+
+def _check_serve(cfg) -> None:
+    """``serve.policy`` (servable; ``budget`` only with ``serve.max_batch > 1`` and a valid ``policy.budget.costs``),
+    ``serve.max_batch`` (>= 1), ``serve.record`` (batch 1 only), and the policies' options."""
+    from pipeline.policy.registry import BATCHED, METHODS, SERVABLE
+
+    serve = cfg.serve
+    policy = str(serve.get("policy"))
+    if policy not in METHODS:
+        raise ValueError(f"unknown serve.policy {policy!r}; choose from {list(SERVABLE)}")
+    if METHODS[policy].servable is not None:
+        raise ValueError(f"serve.policy={policy} cannot be served: {METHODS[policy].servable}; serve one of {list(SERVABLE)}")
+    max_batch = serve.get("max_batch", 1)
+    max_batch = 1 if max_batch is None else max_batch
+    if not _is_int(max_batch) or max_batch < 1:
+        raise ValueError(f"serve.max_batch={max_batch!r}: the most requests decoding together, an integer >= 1 "
+                         "(1: one at a time; e.g. serve.max_batch=8 for continuous batching)")
+    if policy in BATCHED:
+        if max_batch < 2:
+            raise ValueError(f"serve.policy={policy} chooses the verify widths of the requests sharing a batched step "
+                             f"jointly, and serve.max_batch={max_batch} runs one request at a time: set serve.max_batch=8 "
+                             "(continuous batching), or serve serve.policy=verify_width at batch 1")
+        from pipeline.costs.batched import check_batch_cost_settings
+
+        check_batch_cost_settings(((cfg.get("policy") or {}).get("budget") or {}).get("costs"), "policy.budget.costs")
+    if serve.get("record") and max_batch > 1:
+        raise ValueError(f"serve.record=true is not supported with serve.max_batch={max_batch} (the recorder replays "
+                         "each request alone after it): record with serve.max_batch=1, or set serve.record=false")
+    _check_policy(cfg)
 
 
 def _check_label(cfg) -> None:
@@ -185,7 +218,9 @@ def validate_config(cfg, stage: str) -> None:
     ``data.limit`` (null or >= 0); for ``eval``: every ``eval.methods`` entry is known and each predictor
     method has a ``policy.<method>.predictor`` sub-folder, ``policy.verify_width``, ``eval.split``; for ``label``: ``label.block_sizes``, ``mode``,
     ``turns``, ``lm_head``; for ``draft``: ``draft.loss``, each set's ``temperature`` and a ``source: self``
-    set's ``limit``, ``draft.checkpoint_every``.
+    set's ``limit``, ``draft.checkpoint_every``; for ``serve``: ``serve.policy`` (servable; ``budget`` only with
+    ``serve.max_batch > 1``: the message names ``serve.max_batch=8``), ``serve.max_batch``, ``serve.record`` (batch 1
+    only), ``policy.budget.costs`` (for budget) and the policies' options.
 
     Args:
         cfg: the stage's composed ``DictConfig``.
@@ -214,3 +249,5 @@ def validate_config(cfg, stage: str) -> None:
         _check_label(cfg)
     if stage == "draft" and cfg.get("draft") is not None:
         _check_draft(cfg)
+    if stage == "serve" and cfg.get("serve") is not None:
+        _check_serve(cfg)

@@ -1,8 +1,10 @@
-"""``serve``: an OpenAI-compatible server over the speculative decoder (FastAPI + uvicorn, batch 1).
+"""``serve``: an OpenAI-compatible server over the speculative decoder (FastAPI + uvicorn; batch 1, or continuous
+batching with ``serve.max_batch > 1``).
 
     make serve                                                  # python -m pipeline.serve: the embedded default
     python -m pipeline.serve serve.policy=blockpilot run_name=main   # B per request from `make train`'s predictor
     make serve RUN=quick ARGS="serve.policy=verify_width"            # the run of `make all EXPERIMENT=quick`
+    python -m pipeline.serve serve.max_batch=8 serve.policy=budget  # 8 requests per step, their verify widths jointly
     python -m pipeline.serve serve.record=true                  # also label served requests -> data/labels/served
 
     curl -s 127.0.0.1:8000/v1/chat/completions -H 'content-type: application/json' \\
@@ -59,27 +61,33 @@ def build_recorder(cfg: DictConfig, decoder):
 
 
 def build_engine(cfg: DictConfig, decoder=None):
-    """The serving ``Engine`` of ``cfg`` (``conf/serve.yaml``): decoder (default ``build_decoder(cfg.model)``),
-    policy (``policy_inputs`` + ``build_policy``, the registry the eval stage builds from), recorder.
+    """The serving engine of ``cfg`` (``conf/serve.yaml``): decoder (default ``build_decoder(cfg.model)``), policy
+    (``policy_inputs`` + ``build_policy``, the registry the eval stage builds from), recorder; an ``Engine`` (batch 1)
+    or, with ``serve.max_batch > 1``, a ``BatchEngine`` (continuous batching; ``serve.policy=budget``'s
+    ``BudgetPolicy`` chooses every step's verify widths).
 
     Raises:
+        ValueError: for a bad config (``validate_config(cfg, "serve")``, before any model loads: e.g.
+            ``serve.policy=budget`` with ``serve.max_batch=1``).
         ValueError / FileNotFoundError: for a policy or recorder that cannot run (see ``build_policy``, ``build_recorder``).
     """
+    from pipeline.config_checks import validate_config
     from pipeline.decoding.build import build_decoder
     from pipeline.models.loading import resolve_path
+    from pipeline.serving.batch_engine import BatchEngine
     from pipeline.serving.engine import Engine, build_policy
 
+    validate_config(cfg, "serve")
     s = cfg.serve
     decoder = decoder or build_decoder(cfg.model)
     predictor_dir = resolve_path(str(s.predictor_dir)) if s.get("predictor_dir") else None
     options = policy_options(cfg)
     policy = build_policy(str(s.policy), decoder, s.get("block_size"), predictor_dir, list(cfg.model.candidates), options,
                           policy_inputs(cfg, decoder), run_hint(cfg))
-    from pipeline.serving.batch_engine import BatchEngine  # serve.max_batch > 1: continuous batching
-
-    engine = Engine(decoder, policy, str(s.model_name), int(s.max_queue), int(s.default_max_tokens), int(s.max_tokens),
-                    int(cfg.decode.seed), build_recorder(cfg, decoder), float(cfg.decode.temperature))
-    return BatchEngine.from_engine(engine, int(s.get("max_batch") or 1))
+    settings = (decoder, policy, str(s.model_name), int(s.max_queue), int(s.default_max_tokens), int(s.max_tokens),
+                int(cfg.decode.seed), build_recorder(cfg, decoder), float(cfg.decode.temperature))
+    max_batch = int(s.get("max_batch") or 1)
+    return BatchEngine(*settings, max_batch=max_batch) if max_batch > 1 else Engine(*settings)
 
 
 def serve_options(cfg: DictConfig):
@@ -132,7 +140,9 @@ def policy_inputs(cfg: DictConfig, decoder):
     best_fixed: the run's labels and splits (``serve.labels_dir``, ``serve.features_dir``); verify_width / hybrid: the
     calibration (``policy.verify_width.calibration``, else ``predictors/<run_name>/verify_width``, else the drafter
     folder's) and this machine's latency model (measured at startup for widths up to B and the candidates, or reused
-    from the cache the label and eval stages share).
+    from the cache the label and eval stages share); budget: the same calibration and the batched step cost model
+    (``policy.budget.costs``, for blocks of B and up to ``serve.max_batch`` requests: measured once per machine and
+    cached, as ``pipeline.bench_batch`` obtains it).
 
     Raises:
         FileNotFoundError: without labels, splits or a calibration (names the stage to run).
@@ -151,11 +161,19 @@ def policy_inputs(cfg: DictConfig, decoder):
 
         inputs.labels, inputs.label_meta = read_label_table(cfg.serve.labels_dir)
         inputs.splits = split_prompt_ids(cfg.serve.features_dir)
+    options = policy_options(cfg)
+    b = registry.verify_width_block_size(options, decoder, cfg.serve.get("block_size"))
     if registry.CALIBRATION in method.needs:
-        options = policy_options(cfg)
-        b = registry.verify_width_block_size(options, decoder, cfg.serve.get("block_size"))
         registry.load_verify_width(inputs, decoder, options, Path(cfg.paths.data) / "predictors" / str(cfg.run_name) / "verify_width",
-                                   cfg.model.get("drafter"), [*cfg.model.candidates, b], cfg)
+                                   cfg.model.get("drafter"), [*cfg.model.candidates, b],
+                                   cfg if registry.COSTS in method.needs else None)
+    if registry.BATCH_COSTS in method.needs:
+        try:
+            decoder.check_block_size(b)
+        except ValueError as err:
+            raise ValueError(f"serve.policy={cfg.serve.policy} drafts at B={b} (policy.verify_width.block_size, else "
+                             f"serve.block_size, else the drafter's training B): {err}") from err
+        registry.load_batch_costs(inputs, decoder, options, cfg.model, b, int(cfg.serve.get("max_batch") or 1), int(cfg.seed))
     return inputs
 
 
@@ -165,9 +183,11 @@ def main(cfg: DictConfig) -> None:
     import uvicorn
 
     from pipeline.decoding import DecodeConfig
+    from pipeline.config_checks import validate_config
     from pipeline.prompts import messages_input_ids
     from pipeline.serving.app import create_app
 
+    validate_config(cfg, "serve")  # before any model loads (build_engine checks again: it is also called alone)
     if cfg.serve.get("num_threads"):
         torch.set_num_threads(int(cfg.serve.num_threads))
     options = serve_options(cfg)  # checked before any model loads

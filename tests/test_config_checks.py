@@ -63,6 +63,7 @@ def test_block_size_beyond_the_drafter_fails_before_any_decode(compose_config, t
     ("decode.temperature=inf", r"decode.temperature=inf: the temperature must be a finite number >= 0"),
     ("eval.methods=[ar,beam]", r"unknown eval.methods \['beam'\]; choose from"),
     ("eval.split=dev", r"eval.split must be auto, all, train, validation or test; got 'dev'"),
+    ("eval.methods=[ar,budget]", r"eval.methods \['budget'\] cannot be evaluated here: .*python -m pipeline.bench_batch"),
 ])
 def test_eval_config_is_checked_before_any_model_loads(override, message, compose_config, tiny, tmp_path, no_model_load):
     """Item 12 (and 7): each of these used to pass silently or fail only after loading the target (and decoding)."""
@@ -90,10 +91,35 @@ def test_label_config_is_checked_before_the_model_loads(override, message, compo
 
 def test_every_stage_config_passes_as_shipped(compose_config):
     for stage, name in (("eval", "evaluate"), ("label", "label"), ("bench_label", "bench_label"), ("dataset", "dataset"),
-                        ("train", "train"), ("draft", "draft")):
+                        ("train", "train"), ("draft", "draft"), ("serve", "serve")):
         validate_config(compose_config(name), stage)
+    validate_config(compose_config("serve", ["serve.policy=budget", "serve.max_batch=8"]), "serve")
     validate_config(compose_config("evaluate", ["model=qwen3_4b", "model.device=cpu", "decode.temperature=0.7",
                                                 "eval.methods=[ar,fixed,best_fixed,blockpilot,full_vocab,ema,oracle]"]), "eval")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["serve.policy=budget"], r"serve.policy=budget chooses the verify widths .* serve.max_batch=1 runs one request at a "
+                              r"time: set serve.max_batch=8"),
+    (["serve.policy=budget", "serve.max_batch=8", "policy.budget.costs.rows=[]"], r"policy.budget.costs.rows=\[\]"),
+    (["serve.policy=budget", "serve.max_batch=8", "policy.budget.costs.repeats=0"], r"policy.budget.costs.repeats=0"),
+    (["serve.max_batch=0"], r"serve.max_batch=0: .* an integer >= 1"),
+    (["serve.max_batch=4", "serve.record=true"], r"serve.record=true is not supported with serve.max_batch=4"),
+    (["serve.policy=beam"], r"unknown serve.policy 'beam'; choose from \[.*'budget'\]"),
+    (["serve.policy=oracle"], r"serve.policy=oracle cannot be served"),
+    (["policy.verify_width.objective=speed"], r"policy.verify_width.objective='speed'"),
+])
+def test_serve_config_is_checked_before_the_model_loads(overrides, message, compose_config, tiny, monkeypatch):
+    from pipeline.serve import build_engine
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the config was checked")
+
+    monkeypatch.setattr("pipeline.decoding.build.build_decoder", refuse)
+    cfg = compose_config("serve", [f"model.target={tiny.target_dir('llama')}", f"model.drafter={tiny.drafter_dir('llama')}",
+                                   *overrides])
+    with pytest.raises(ValueError, match=message):
+        build_engine(cfg)
 
 
 @pytest.mark.parametrize("temperature", [math.nan, math.inf, -math.inf])

@@ -20,6 +20,9 @@ from pipeline.policy.registry import METHODS, PerPrompt  # noqa: E402
 from pipeline.prompts import Prompt  # noqa: E402
 
 CONF = str(PROJECT_ROOT / "conf")
+# budget's batched step cost model, timed small (seconds) and cached in the run's data folder
+BUDGET = ["serve.max_batch=2", "policy.budget.costs.rows=[1,4,8]", "policy.budget.costs.repeats=1",
+          "policy.budget.costs.context=16"]
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +66,26 @@ def test_every_method_builds_the_same_schedule_through_eval_and_serve(run, tiny)
     decoder = tiny.decoder("llama", "trained")
     cfg = eval_config(run)
     eval_factories = method_schedules(cfg, decoder, load_eval_inputs(cfg, ALL_METHODS, decoder))
-    assert sorted(eval_factories) == sorted(METHODS) == sorted(ALL_METHODS)  # every method, with every input loaded
+    # every method the eval stage runs, with every input loaded; budget is the one batched-only method
+    assert sorted(eval_factories) == sorted(registry.EVALUABLE) == sorted(ALL_METHODS)
+    assert registry.BATCHED == ("budget",) and sorted(METHODS) == sorted(ALL_METHODS + ["budget"])
     vocab = decoder.lm_head.shape[0]
     served = []
     for name, method in METHODS.items():
+        if method.batched:  # served with continuous batching only; its texts are tested in test_serve.py
+            with pytest.raises(ValueError, match="set serve.max_batch=8"):
+                build_engine(serve_config(run, name), decoder)
+            engine = build_engine(serve_config(run, name, *BUDGET), decoder)
+            try:
+                assert engine.policy.name == name and engine.max_batch == 2
+                assert engine.budget is engine.policy.budget and engine.budget.calibration is not None
+                assert trace(engine.policy.make(), vocab) == trace(eval_factories["fixed"](), vocab)  # drafts at the fixed B
+            finally:
+                engine.close()
+            with pytest.raises(ValueError, match="eval.methods entry 'budget' cannot be evaluated here.*bench_batch"):
+                registry.build(name, registry.Context(decoder))
+            served.append(name)
+            continue
         made = eval_factories[name]
         if method.servable is not None:
             with pytest.raises(ValueError, match=f"serve.policy={name} cannot be served"):

@@ -288,6 +288,58 @@ def test_verify_width_policy_serves_the_ar_text_and_needs_its_inputs(tiny_run, t
         build_policy("verify_width", trained_decoder, 8)
 
 
+def test_budget_policy_serves_the_ar_texts_with_widths_chosen_jointly(tiny, tiny_run, trained_decoder, tmp_path,
+                                                                     monkeypatch):
+    """serve.policy=budget through build_engine: the BudgetPolicy of bench_batch (the run's verify-width calibration,
+    this machine's batched step costs measured once and cached), lossless at T=0; refused at batch 1 before loading."""
+    import asyncio
+
+    import httpx
+
+    from pipeline.policy.budget import BudgetPolicy
+    from pipeline.serving.batch_engine import BatchEngine
+
+    overrides = [f"paths.data={tiny_run['data']}", f"run_name={RUN}", f"model.target={tiny.target_dir('llama')}",
+                 f"model.drafter={tiny.drafter_dir('llama', 'trained')}", f"model.name={MODEL}", "serve.policy=budget",
+                 "serve.warmup=false", "policy.budget.costs.rows=[1,4,8,16]", "policy.budget.costs.repeats=1",
+                 "policy.budget.costs.context=16", f"policy.budget.costs.cache={tmp_path / 'costs'}"]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the config was checked")
+
+    monkeypatch.setattr("pipeline.decoding.build.build_decoder", refuse)
+    with composed("serve", overrides) as cfg, pytest.raises(ValueError, match=r"serve.max_batch=1 .*set serve.max_batch=8"):
+        build_engine(cfg)
+    with composed("serve", [*overrides, "serve.max_batch=4"]) as cfg:
+        engine = build_engine(cfg, decoder=trained_decoder)
+    assert isinstance(engine, BatchEngine) and isinstance(engine.budget, BudgetPolicy) and engine.max_batch == 4
+    assert engine.budget.skip_drafts and engine.budget.max_skip == 8  # policy.verify_width's skip rule
+    assert [p.name for p in (tmp_path / "costs").glob("batch-costs-*.json")]  # measured once, cached for the next start
+    app = create_app(engine)
+    texts = PROMPTS + ["Write a function that returns the product of two numbers.", "0123456789 + - * /"]
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost", timeout=120) as c:
+            bodies = [{"model": MODEL, "messages": [{"role": "user", "content": texts[i % len(texts)]}], "max_tokens": 20,
+                       "temperature": 0, "return_token_ids": True, "stream": i % 2 == 1,
+                       "stream_options": {"include_usage": True}} for i in range(8)]
+            return await asyncio.gather(*(c.post("/v1/chat/completions", json=b) for b in bodies))
+
+    try:
+        responses = asyncio.run(scenario())
+        assert max(v[2] for v in engine.batch.rows) > 1  # requests shared steps
+        widths = list(engine.budget.widths)
+        assert widths and min(widths) >= 0 and max(widths) <= 7
+    finally:
+        engine.close()
+    for i, response in enumerate(responses):
+        assert response.status_code == 200, response.text
+        info = (sse_events(response.text)[-1] if i % 2 else response.json())["blockpilot"]
+        assert info["policy"] == "budget" and info["block_size"] == 8
+        assert info["token_ids"] == ar_reference(trained_decoder, texts[i % len(texts)], 20)
+    assert engine.served == 8 and engine.failed == 0
+
+
 def serve_overrides(tiny, record_dir: Path, latency: Path, *extra: str) -> list[str]:
     return [f"model.target={tiny.target_dir('llama')}", f"model.drafter={tiny.drafter_dir('llama', 'trained')}",
             f"model.name={MODEL}", "serve.record=true", f"serve.record_dir={record_dir}", f"serve.latency_path={latency}",

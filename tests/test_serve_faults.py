@@ -2,7 +2,8 @@
 
 In-process (FastAPI TestClient / httpx ASGI transport): OpenAI error bodies for every error, body and prompt limits,
 the API key, the Host-header guard, refused request chat templates and unsupported fields, 64-bit seeds, tokenisation
-off the event loop. A real uvicorn server in a thread: clients that go away (streaming or not) stop their decode.
+off the event loop. A real uvicorn server in a thread: clients that go away (streaming or not) stop their decode, also 10 of 50 concurrent
+streamed clients of a continuous-batching server.
 A real ``python -m pipeline.serve`` subprocess: SIGTERM while recording leaves readable label shards; resident memory
 over 200 requests.
 """
@@ -30,7 +31,7 @@ from fastapi.testclient import TestClient
 from conftest import composed
 from test_serve import CANDIDATES, MODEL, PROMPTS, ar_reference, engine_for, serve_overrides
 from pipeline import PROJECT_ROOT
-from pipeline.decoding import SpeculativeDecoder
+from pipeline.decoding import DecodeConfig, SpeculativeDecoder
 from pipeline.labeling.store import read_labels, read_shard
 from pipeline.serve import serve_options
 from pipeline.serving.app import ServeOptions, create_app
@@ -416,6 +417,77 @@ def test_a_request_whose_client_left_while_queued_is_dropped(tiny):
             assert len(slow.results) == 1 and engine.aborted == 1  # the queued request never decoded
     finally:
         engine.close()
+
+
+CLIENTS, LEAVING, SHORT, LONG = 50, 10, 12, 400  # every 5th client leaves; a leaver would otherwise decode 400 tokens
+
+
+def test_fifty_streamed_clients_on_a_batching_server_ten_of_them_leaving_mid_stream(tiny):
+    """A real uvicorn server over a ``BatchEngine`` (8 requests per step, fixed B = 8): 50 concurrent streamed chat
+    completions; 10 clients close their connection after their first text chunk. The other 40 get exactly the text of
+    their batch-1 ``ar`` decode, nobody gets a 5xx, the leavers' decodes end as ``abort`` at once, and afterwards
+    ``/health`` shows nothing running or waiting."""
+    from pipeline.prompts import messages_input_ids
+    from pipeline.serving.batch_engine import BatchEngine
+
+    decoder = tiny.decoder("llama", "trained")
+    decoder.stop_ids = set()  # every decode runs to max_tokens: a leaver is still decoding when it goes
+    tokenizer = decoder.target.tokenizer
+    texts = PROMPTS + ["Write a function that returns the product of two numbers.", "0123456789 + - * /"]
+    references = {t: decoder.generate(messages_input_ids(tokenizer, [{"role": "user", "content": t}]), 1,
+                                      DecodeConfig(SHORT)).output_ids for t in texts}
+    engine = BatchEngine(decoder, build_policy("fixed", decoder), MODEL, max_queue=CLIENTS, default_max_tokens=SHORT,
+                         max_tokens=LONG, max_batch=8)
+
+    async def client(port: int, i: int) -> dict:
+        leaves = i % (CLIENTS // LEAVING) == 0
+        body = {"model": MODEL, "messages": [{"role": "user", "content": texts[i % len(texts)]}], "stream": True,
+                "max_tokens": LONG if leaves else SHORT, "return_token_ids": True,
+                "stream_options": {"include_usage": True}}
+        out = {"leaves": leaves, "text": "", "chunks": []}
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as c:  # one connection each
+            async with c.stream("POST", CHAT, json=body) as response:
+                out["status"] = response.status_code
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    out["chunks"].append(chunk)
+                    out["text"] += (chunk["choices"][0]["delta"].get("content") or "") if chunk["choices"] else ""
+                    if leaves and out["text"]:
+                        break  # the client goes away mid-stream: leaving the blocks closes its connection
+        return out
+
+    async def clients(port: int) -> list[dict]:
+        return await asyncio.gather(*(client(port, i) for i in range(CLIENTS)))
+
+    try:
+        with live_server(create_app(engine)) as port:
+            start = time.monotonic()
+            results = asyncio.run(clients(port))
+            wait_for(lambda: engine.in_flight == 0, "every slot to be freed", 60)
+            elapsed = time.monotonic() - start
+            health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()
+    finally:
+        engine.close()
+    assert [r["status"] for r in results] == [200] * CLIENTS  # no 5xx (nor 503: 8 running + 42 waiting fit)
+    stayed = [(i, r) for i, r in enumerate(results) if not r["leaves"]]
+    assert len(stayed) == CLIENTS - LEAVING
+    for i, r in stayed:
+        reference = references[texts[i % len(texts)]]
+        final = r["chunks"][-1]
+        assert final["blockpilot"]["token_ids"] == reference, i
+        assert r["text"] == tokenizer.decode(reference, skip_special_tokens=True), i
+        assert [c for c in r["chunks"] if c["choices"] and c["choices"][0]["finish_reason"]][-1]["choices"][0][
+            "finish_reason"] == "length"
+    assert all(r["text"] and not any(c.get("usage") for c in r["chunks"]) for r in results if r["leaves"])
+    assert engine.aborted == LEAVING and engine.failed == 0 and engine.served == CLIENTS
+    assert health["in_flight"] == health["running"] == health["waiting"] == 0
+    assert health["aborted"] == LEAVING and health["failed"] == 0
+    assert not engine.batch.active and max(v[2] for v in engine.batch.rows) == 8  # full batches, all slots free now
+    decoded = sum(n for _, n in engine.batch.step_log)  # tokens of every batched step (prefill tokens aside)
+    assert decoded < (CLIENTS - LEAVING) * SHORT + LEAVING * LONG // 4, decoded  # the leavers stopped early
+    print(f"\n{CLIENTS} streamed clients on max_batch=8, {LEAVING} leaving: {elapsed:.1f} s, {decoded} tokens decoded")
 
 
 # -- item 5: a real `python -m pipeline.serve`: SIGTERM while recording, memory over 200 requests --------------------

@@ -242,3 +242,51 @@ def measure_batch_costs_cached(decoder, block_size: int = 8, context: int = 128,
            "forward": decoder.forward_path(), **args}
     return BatchCostModel.from_dict(_cached(cache_dir, "batch-costs", key, "batch_costs",
                                             lambda: measure_batch_costs(decoder, **args).to_dict()))
+
+
+def check_batch_cost_settings(settings, setting: str = "policy.budget.costs") -> list[int]:
+    """Check a batched cost model's config block (``{context, rows, repeats, cache}``) before any model loads; returns
+    its rows.
+
+    Raises:
+        ValueError: for a missing block, empty or non-positive ``rows``, or ``context`` / ``repeats`` below 1, naming
+            ``setting``.
+    """
+    if settings is None:
+        raise ValueError(f"{setting} is missing: give {{context, rows, repeats, cache}} (conf/policy/default.yaml "
+                         "policy.budget.costs)")
+    try:
+        rows = [int(r) for r in (settings.get("rows") or [])]
+    except (TypeError, ValueError):
+        rows = []
+    if not rows or min(rows) < 1:
+        raise ValueError(f"{setting}.rows={settings.get('rows')!r}: give the total verified rows to time, "
+                         "e.g. [1, 2, 4, 8, 16, 32, 64]")
+    for key in ("context", "repeats"):
+        value = settings.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{setting}.{key}={value!r}: must be an integer >= 1")
+    return rows
+
+
+def batch_costs_of(decoder, settings, model, block_size: int, max_requests: int, seed: int = 0,
+                   setting: str = "policy.budget.costs") -> BatchCostModel:
+    """This machine's ``BatchCostModel`` from a config block: the one way the server's ``budget`` policy and
+    ``pipeline.bench_batch`` obtain it (``measure_batch_costs_cached``, keyed by the target and drafter).
+
+    Args:
+        settings: ``{context, rows, repeats, cache}`` (``policy.budget.costs``, or ``bench.costs`` which defaults to it);
+            ``cache`` null measures afresh.
+        model: the ``model`` config (its ``target`` and ``drafter`` key the cache).
+        block_size: B of the timed draft blocks; max_requests: the most requests timed together (``serve.max_batch``,
+            the benchmark's largest concurrency).
+        setting: the block's name, for messages.
+    Raises:
+        ValueError: for an empty ``rows``, ``context`` or ``repeats`` below 1 (naming ``setting``), or as
+            ``measure_batch_costs``.
+    """
+    rows = check_batch_cost_settings(settings, setting)
+    return measure_batch_costs_cached(
+        decoder, block_size=int(block_size), context=int(settings["context"]), max_requests=int(max_requests), rows=rows,
+        repeats=int(settings["repeats"]), seed=int(seed), cache_dir=settings.get("cache"),
+        identity={"target": str(model.get("target")), "drafter": str(model.get("drafter"))})

@@ -26,7 +26,8 @@ def check_bench_config(cfg: DictConfig) -> None:
 
     Raises:
         ValueError: for an empty or non-positive concurrency list, an unknown method or arrival pattern, a
-            non-positive rate, max_new_tokens or bootstrap count, or a negative temperature; each names the key.
+            non-positive rate, max_new_tokens or bootstrap count, a negative temperature, or (for verify_width and
+            budget) a bad ``bench.costs`` block; each names the key.
     """
     from pipeline.policy.budget import METHODS
 
@@ -52,6 +53,10 @@ def check_bench_config(cfg: DictConfig) -> None:
         raise ValueError(f"bench.requests must be >= 1 or null (every prompt), got {b.requests}")
     if b.split not in (None, "train", "validation", "test"):
         raise ValueError(f"bench.split must be null, train, validation or test, got {b.split!r}")
+    if any(m in ("verify_width", "budget") for m in b.methods):
+        from pipeline.costs.batched import check_batch_cost_settings
+
+        check_batch_cost_settings(b.get("costs"), "bench.costs")
 
 
 def percentile(values, q: float) -> float:
@@ -126,7 +131,7 @@ def bench_batch(cfg: DictConfig) -> dict:
         FileNotFoundError: for ``verify_width`` / ``budget`` without a calibration.
     """
     check_bench_config(cfg)
-    from pipeline.costs.batched import measure_batch_costs_cached
+    from pipeline.costs.batched import batch_costs_of
     from pipeline.decoding import DecodeConfig
     from pipeline.decoding.batched import BatchedDecoder, decode_all
     from pipeline.models.batched_forward import BatchedForward
@@ -149,10 +154,8 @@ def bench_batch(cfg: DictConfig) -> dict:
     if any(m in ("verify_width", "budget") for m in methods):
         calibration = load_calibration(find_calibration(b.calibration, Path(cfg.paths.data) / "predictors" / str(cfg.run_name)
                                                         / "verify_width", cfg.model.drafter))
-        costs = measure_batch_costs_cached(
-            decoder, block_size=block_size, context=int(b.costs.context), max_requests=max(int(c) for c in b.concurrency),
-            rows=[int(r) for r in b.costs.rows], repeats=int(b.costs.repeats), seed=int(cfg.seed),
-            cache_dir=b.costs.get("cache"), identity={"target": str(cfg.model.target), "drafter": str(cfg.model.drafter)})
+        costs = batch_costs_of(decoder, b.costs, cfg.model, block_size, max(int(c) for c in b.concurrency),
+                               int(cfg.seed), "bench.costs")
     prompts = load_bench_prompts(cfg, tokenizer)
     configs = [DecodeConfig(int(b.max_new_tokens), float(b.temperature), int(cfg.seed) + i) for i in range(len(prompts))]
     if b.warmup:

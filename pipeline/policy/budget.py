@@ -24,6 +24,7 @@ request's k chosen alone by its ``VerifyWidthSchedule`` on the single-request co
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Callable, Sequence
 
@@ -33,6 +34,7 @@ from pipeline.costs.batched import BatchCostModel, SoloCosts  # noqa: F401  (re-
 from pipeline.policy.verify_width import AcceptanceCalibration, expected_tokens, labelled_steps
 
 METHODS = ("ar", "fixed", "verify_width", "budget")
+WIDTHS_KEPT = 100_000  # BudgetPolicy.widths: the most recent choices kept
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -117,7 +119,8 @@ class BudgetPolicy:
         skip_drafts: skip the drafter after a step that gave a request k = 0; max_skip: the longest skip run (steps).
         gate: decide before drafting which requests draft (False: every request not skipping drafts).
     Attributes:
-        widths: every k it chose, in order; drafted: per planned step, how many requests drafted.
+        widths: the last ``WIDTHS_KEPT`` k it chose, in order (bounded: a server runs one policy for days);
+        drafted: per planned step (the last ``WIDTHS_KEPT``), how many requests drafted.
     Raises:
         ValueError: for max_skip < 0.
     """
@@ -129,8 +132,8 @@ class BudgetPolicy:
         self.calibration, self.costs = calibration, costs
         self.skip_drafts, self.max_skip, self.gate = bool(skip_drafts), int(max_skip), bool(gate)
         self._plain = 0
-        self.widths: list[int] = []
-        self.drafted: list[int] = []
+        self.widths: collections.deque[int] = collections.deque(maxlen=WIDTHS_KEPT)
+        self.drafted: collections.deque[int] = collections.deque(maxlen=WIDTHS_KEPT)
 
     def plan(self, requests: Sequence, sizes: Sequence[int]) -> list[int]:
         """The block size of each request this step: its own, or 1 (no drafter) while it skips or the gate leaves it

@@ -13,11 +13,16 @@ Methods (``METHODS``):
     the sub-folder of the run's predictors);
   * ``verify_width``: drafts at B, verifies the k drafts that pay each step (a calibration + this machine's cost model;
     ``policy.verify_width``); ``hybrid``: the same with blockpilot's B;
+  * ``budget``: every batched step's verify widths chosen jointly over the requests sharing it
+    (``pipeline.policy.budget.BudgetPolicy``: verify_width's calibration, B and skip rule + the batched step cost model,
+    ``policy.budget.costs``); only a batched decoder runs it: the server with ``serve.max_batch > 1`` (serve only: the
+    eval stage decodes one request at a time; ``pipeline.bench_batch`` benchmarks it);
   * ``hf_generate`` / ``hf_prompt_lookup``: transformers' own ``generate`` on the same target (greedy at T=0, sampled
     above), plain or with prompt-lookup decoding (``pipeline.policy.baselines``; eval only: the server streams from the
     speculative decoder).
 
-A factory is a zero-argument callable returning a fresh schedule, or a ``PerPrompt`` (it needs the request).
+A factory is a zero-argument callable returning a fresh schedule, a ``PerPrompt`` (it needs the request), or a
+``JointWidths`` (a schedule per request plus the batch-level policy that chooses their widths together).
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 LABELS, SPLITS, PREDICTOR, CALIBRATION, COSTS, REQUEST = "labels", "splits", "predictor", "calibration", "costs", "request"
+BATCH_COSTS = "batch_costs"
+BATCHED_ONLY = ("it chooses the verify widths of every batched step jointly, and the eval stage decodes one request at a "
+                "time: benchmark it with python -m pipeline.bench_batch 'bench.methods=[ar,verify_width,budget]', serve it "
+                "with serve.policy=budget serve.max_batch=8")
 
 
 class PerPrompt:
@@ -46,6 +55,21 @@ class PerPrompt:
         return lambda: self.fn(prompt, next(turn))
 
 
+class JointWidths:
+    """The factory of a method whose requests' verify widths one batch-level policy chooses together (``budget``).
+
+    Called, it returns a fresh per-request schedule (the B each request drafts); ``policy`` is the planner and
+    allocator the ``pipeline.decoding.batched.BatchedDecoder`` calls every step (a ``BudgetPolicy``). Only a batched
+    decoder runs it (``pipeline.serving.batch_engine.BatchEngine``).
+    """
+
+    def __init__(self, make: Callable[[], object], policy):
+        self.make, self.policy = make, policy
+
+    def __call__(self):
+        return self.make()
+
+
 @dataclass
 class PolicyInputs:
     """What the label-based, predictor and verify-width methods need (each None/empty when not needed).
@@ -54,7 +78,8 @@ class PolicyInputs:
         labels: label rows (``pipeline.labeling.store.read_label_table``); label_meta: its ``meta.json``;
         splits: ``{split: prompt ids}`` from the feature DatasetDict; predictors: ``{method: Predictor}``;
         calibration / calibration_path / latency: the verify-width policy's acceptance calibration (and where it was
-        read) and this machine's ``LatencyModel`` (step costs by width and context, ms).
+        read) and this machine's ``LatencyModel`` (step costs by width and context, ms);
+        batch_costs: this machine's ``BatchCostModel`` (a batched step's cost, ms; ``budget``).
     """
 
     labels: object = None
@@ -64,6 +89,7 @@ class PolicyInputs:
     calibration: object = None
     calibration_path: str | None = None
     latency: object = None
+    batch_costs: object = None
 
     @property
     def candidates(self) -> list[int] | None:
@@ -233,6 +259,21 @@ def _verify_width(hybrid: bool):
     return build
 
 
+def _budget(ctx: Context):
+    from pipeline.decoding import FixedSchedule
+    from pipeline.policy.budget import BudgetPolicy
+
+    ctx.fixed_block_size  # a configured fixed B the drafter cannot draft fails here, named
+    b = verify_width_block_size(ctx.options, ctx.decoder, ctx.block_size)
+    ctx.decoder.check_block_size(b)
+    if b < 2:
+        raise ValueError(f"budget drafts blocks of B >= 2, got B={b}: set policy.verify_width.block_size (or the fixed B)")
+    policy = BudgetPolicy(ctx.inputs.calibration, ctx.inputs.batch_costs,
+                          skip_drafts=bool(ctx.option("verify_width", "skip_drafts", True)),
+                          max_skip=int(ctx.option("verify_width", "max_skip", 8)))
+    return JointWidths(lambda: FixedSchedule(b), policy)
+
+
 def _hf(prompt_lookup: bool):
     def build(ctx: Context):
         from pipeline.policy.baselines import TransformersGenerate
@@ -253,13 +294,16 @@ class Method:
     Attributes:
         name: the method's name (``eval.methods`` entry, ``serve.policy``).
         needs: inputs it reads: ``labels``, ``splits``, ``predictor`` (of ``predictor``), ``calibration``, ``costs``
-            (the latency model), ``request`` (it needs the request itself: eval only).
+            (the latency model), ``batch_costs`` (the batched step cost model), ``request`` (it needs the request
+            itself: eval only).
         build: ``Context -> factory``; raises ValueError when the decoder cannot run it.
         predictor: the method whose trained predictor it reads (``policy.<predictor>.predictor`` sub-folder).
         gain_share: whether the oracle gain share means anything for it (a per-request B choice).
         per_step: whether B changes after every step (the report's B column says so).
         servable: whether the server can run it (None: yes; else why not).
         label_split: whether it is scored on the dataset's test split (``eval.split=auto``).
+        batched: whether only a batched decoder runs it (its factory is a ``JointWidths``; not the eval stage, and the
+            server only with ``serve.max_batch > 1``).
     """
 
     name: str
@@ -270,6 +314,7 @@ class Method:
     per_step: bool = False
     servable: str | None = None
     label_split: bool = False
+    batched: bool = False
 
 
 _EVAL_ONLY_HF = "transformers' generate runs outside the server's speculative decoder; compare it in the eval stage"
@@ -285,17 +330,20 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("verify_width", frozenset({CALIBRATION, COSTS}), _verify_width(False), gain_share=False),
     Method("hybrid", frozenset({PREDICTOR, CALIBRATION, COSTS}), _verify_width(True), predictor="blockpilot",
            gain_share=False, label_split=True),
+    Method("budget", frozenset({CALIBRATION, BATCH_COSTS}), _budget, gain_share=False, batched=True),
     Method("hf_generate", frozenset(), _hf(False), gain_share=False, servable=_EVAL_ONLY_HF),
     Method("hf_prompt_lookup", frozenset(), _hf(True), gain_share=False, servable=_EVAL_ONLY_HF),
 )}
 SERVABLE = tuple(name for name, m in METHODS.items() if m.servable is None)
+EVALUABLE = tuple(name for name, m in METHODS.items() if not m.batched)  # what the eval stage can run
+BATCHED = tuple(name for name, m in METHODS.items() if m.batched)  # served only with serve.max_batch > 1
 
 
 def missing_inputs(method: Method, inputs: PolicyInputs) -> list[str]:
     """The inputs ``method`` needs that ``inputs`` lacks (names from ``Method.needs``)."""
     have = {LABELS: inputs.labels is not None, SPLITS: inputs.splits is not None and inputs.labels is not None,
             PREDICTOR: method.predictor in inputs.predictors, CALIBRATION: inputs.calibration is not None,
-            COSTS: inputs.latency is not None, REQUEST: True}
+            COSTS: inputs.latency is not None, BATCH_COSTS: inputs.batch_costs is not None, REQUEST: True}
     return sorted(n for n in method.needs if not have[n])
 
 
@@ -303,8 +351,8 @@ def build(name: str, ctx: Context):
     """The schedule factory of method ``name``.
 
     Raises:
-        ValueError: for an unknown method, one the server cannot run (``ctx.where == "serve"``), missing inputs
-            (names them), or a B the decoder cannot draft.
+        ValueError: for an unknown method, one the server cannot run (``ctx.where == "serve"``), a batched method in
+            the eval stage, missing inputs (names them), or a B the decoder cannot draft.
     """
     method = METHODS.get(name)
     if method is None:
@@ -312,6 +360,8 @@ def build(name: str, ctx: Context):
         raise ValueError(f"unknown {key} entry {name!r}; choose from {list(SERVABLE if ctx.where == 'serve' else METHODS)}")
     if ctx.where == "serve" and method.servable is not None:
         raise ValueError(f"serve.policy={name} cannot be served: {method.servable}; serve one of {list(SERVABLE)}")
+    if ctx.where == "eval" and method.batched:
+        raise ValueError(f"eval.methods entry {name!r} cannot be evaluated here: {BATCHED_ONLY}")
     missing = missing_inputs(method, ctx.inputs)
     if missing:
         raise ValueError(f"method {name!r} needs {', '.join(missing)}, which were not loaded (load_inputs)")
@@ -319,9 +369,10 @@ def build(name: str, ctx: Context):
 
 
 def available(ctx: Context) -> dict:
-    """Factories of every method whose inputs ``ctx.inputs`` holds (the eval stage's default set)."""
+    """Factories of every method whose inputs ``ctx.inputs`` holds (the eval stage's default set: no batched method)."""
     return {name: build(name, ctx) for name, m in METHODS.items()
-            if not missing_inputs(m, ctx.inputs) and (ctx.where != "serve" or m.servable is None)}
+            if not missing_inputs(m, ctx.inputs) and (ctx.where != "serve" or m.servable is None)
+            and (ctx.where != "eval" or not m.batched)}
 
 
 # -- loading what the methods need -----------------------------------------------------------------------------
@@ -363,7 +414,8 @@ def load_method_predictor(method: str, directory: str | Path, decoder=None, cand
 def load_verify_width(inputs: PolicyInputs, decoder, options: Mapping, run_dir: str | Path, drafter: str | None,
                       widths, cfg=None) -> None:
     """Load the calibration (``find_calibration``: ``policy.verify_width.calibration``, else ``run_dir``, else the drafter
-    folder's) and this machine's latency model (``policy.verify_width.latency``) into ``inputs``; logs which calibration.
+    folder's) and, with ``cfg``, this machine's latency model (``policy.verify_width.latency``) into ``inputs``; logs
+    which calibration. ``budget`` reads the calibration only (``cfg=None``) and ``load_batch_costs``.
 
     Raises:
         FileNotFoundError: without a calibration; ValueError: without a drafter.
@@ -373,7 +425,7 @@ def load_verify_width(inputs: PolicyInputs, decoder, options: Mapping, run_dir: 
 
     vw = options.get("verify_width") or {}
     if decoder is not None and decoder.drafter is None:
-        raise ValueError("methods verify_width/hybrid need a drafter (model.drafter=...)")
+        raise ValueError("methods verify_width/hybrid/budget need a drafter (model.drafter=...)")
     path = find_calibration(vw.get("calibration"), run_dir, drafter)
     inputs.calibration, inputs.calibration_path = load_calibration(path), str(path)
     info = inputs.calibration.info or {}
@@ -383,3 +435,20 @@ def load_verify_width(inputs: PolicyInputs, decoder, options: Mapping, run_dir: 
     if cfg is not None and (lat.get("path") or decoder is not None):  # the one way to obtain the cost model
         inputs.latency = costs.load_or_measure(decoder, cfg, list(widths) if decoder is not None else [],
                                                "policy.verify_width.latency")
+
+
+def load_batch_costs(inputs: PolicyInputs, decoder, options: Mapping, model, block_size: int, max_requests: int,
+                     seed: int = 0) -> None:
+    """This machine's batched step cost model (``policy.budget.costs``: measured once per machine, models and forward
+    path, then read from its cache; ``pipeline.costs.batched.batch_costs_of``) into ``inputs.batch_costs``, timed for
+    blocks of ``block_size`` and up to ``max_requests`` requests per step.
+
+    Raises:
+        ValueError: for a bad ``policy.budget.costs`` block, or as ``measure_batch_costs``.
+    """
+    from pipeline.costs.batched import batch_costs_of
+
+    settings = (options.get("budget") or {}).get("costs")
+    inputs.batch_costs = batch_costs_of(decoder, settings, model, block_size, max_requests, seed, "policy.budget.costs")
+    log.info("budget: batched step cost model for B=%d and up to %d requests (%s)", block_size, max_requests,
+             settings.get("cache") or "measured now, not cached")

@@ -288,7 +288,9 @@ def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
     @app.get("/health")
     async def health():
         recorder = engine.recorder.stats() if engine.recorder is not None else None
-        return {"status": "ok", "in_flight": engine.in_flight, "served": engine.served, "failed": engine.failed,
+        running = engine.running
+        return {"status": "ok", "in_flight": engine.in_flight, "running": running,
+                "waiting": max(0, engine.in_flight - running), "served": engine.served, "failed": engine.failed,
                 "aborted": engine.aborted, "recorder": recorder, "forward_path": engine.decoder.forward_path()}
 
     @app.get("/v1/models")

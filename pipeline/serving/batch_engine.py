@@ -11,10 +11,12 @@ lossless and, on the smallm backend, bit-identical per request).
 Admission: ``max_batch`` running + ``max_queue`` waiting; more get ``QueueFull`` (503). The ``max_queue`` attribute the
 app reads holds ``max_queue + max_batch - 1`` so that its check ``in_flight >= 1 + max_queue`` counts every slot.
 Policies: every ``serve.policy`` schedule (each request's own, verify-width ones choosing k alone), or ``budget``
-(``pipeline.policy.budget.BudgetPolicy``: the widths chosen jointly). Not supported here: the recorder, and chunked
-prefills (a long prompt's prefill stalls the running requests for its duration).
+(``serve.policy=budget``: ``pipeline.policy.budget.BudgetPolicy``, the widths of the step's requests chosen jointly on
+this machine's batched step costs; the ``blockpilot`` extension of its responses says policy ``budget``). Not supported
+here: the recorder, and chunked prefills (a long prompt's prefill stalls the running requests for its duration).
 
     python -m pipeline.serve serve.max_batch=8            # continuous batching (serve.max_batch=1: the batch-1 Engine)
+    python -m pipeline.serve serve.max_batch=8 serve.policy=budget   # ... with the verify widths chosen jointly
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pipeline.serving.schemas import DecodeInfo
 from pipeline.serving.text import TextStream
 
 log = logging.getLogger(__name__)
+STEPS_KEPT = 10_000  # batched steps whose ``BatchedDecoder.rows`` / ``step_log`` entries the server keeps
 
 
 class _Entry:
@@ -51,10 +54,13 @@ class BatchEngine(Engine):
 
     Args:
         as ``Engine``, plus max_batch: the most requests decoding together (>= 1); budget: a
-        ``pipeline.policy.budget.BudgetPolicy`` choosing every step's widths jointly (None: each request's schedule).
+        ``pipeline.policy.budget.BudgetPolicy`` choosing every step's widths jointly (None: ``policy.budget``, which
+        ``build_policy("budget", ...)`` sets; without either, each request's schedule chooses its own).
     Raises:
         ValueError: for max_batch < 1, max_queue < 0, or a recorder (not supported with batching).
     """
+
+    batched = True
 
     def __init__(self, decoder: SpeculativeDecoder, policy: Policy, model_name: str, max_queue: int = 64,
                  default_max_tokens: int = 256, max_tokens: int = 4096, default_seed: int = 0, recorder=None,
@@ -69,7 +75,8 @@ class BatchEngine(Engine):
         self.max_batch = int(max_batch)
         self.waiting_limit = int(max_queue)
         self.max_queue = self.waiting_limit + self.max_batch - 1  # the app's check: in_flight >= 1 + max_queue
-        self.budget = budget
+        self.budget = budget if budget is not None else getattr(policy, "budget", None)
+        budget = self.budget
         self.batch = BatchedDecoder(decoder, budget.allocate if budget is not None else None,
                                     budget.plan if budget is not None else None)
         self._inbox: queue.Queue[_Entry | None] = queue.Queue()
@@ -94,6 +101,11 @@ class BatchEngine(Engine):
                       int(max_batch), budget)
         engine.close()
         return batched
+
+    @property
+    def running(self) -> int:
+        """Requests in the batch now (``/health``; the rest of ``in_flight`` waits for a slot)."""
+        return len(self._running)
 
     # -- the event loop's side ----------------------------------------------------------------------
     async def run(self, job: Job) -> Completion:
@@ -151,6 +163,10 @@ class BatchEngine(Engine):
                 continue
             for req in finished:
                 self._complete(self._running.pop(id(req)))
+            # the decoder logs every step; a server runs for days: keep the recent ones (memory stays bounded)
+            for log_ in (self.batch.rows, self.batch.step_log):
+                if len(log_) > 2 * STEPS_KEPT:
+                    del log_[:-STEPS_KEPT]
 
     def _drop_cancelled(self) -> None:
         """End requests whose client went away: waiting ones are answered at once, running ones leave the batch."""

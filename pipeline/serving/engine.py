@@ -11,7 +11,9 @@ Policies (``serve.policy``): every method of ``pipeline.policy.registry`` the se
 code as the eval stage's (``build_policy``): ``fixed`` (``serve.block_size``, default the drafter's training B),
 ``ar`` (B=1), ``best_fixed`` (the run's labels), ``blockpilot`` / ``full_vocab`` (a trained predictor picks B once
 from the prefill logits), ``ema`` (per-step adaptive B over ``model.candidates``), ``verify_width`` and ``hybrid``
-(verify the k drafts that pay each step against this machine's measured costs; ``pipeline.policy.verify_width``).
+(verify the k drafts that pay each step against this machine's measured costs; ``pipeline.policy.verify_width``),
+and, with continuous batching only (``pipeline.serving.batch_engine``), ``budget`` (the widths of all requests sharing
+a batched step chosen jointly; ``pipeline.policy.budget``).
 """
 
 from __future__ import annotations
@@ -53,11 +55,13 @@ class Policy:
     """Builds a fresh block-size schedule per request.
 
     Args:
-        name: one of ``POLICIES``; make: zero-argument schedule factory.
+        name: one of ``POLICIES``; make: zero-argument schedule factory; budget: the batch-level policy choosing the
+            verify widths of every batched step jointly (``budget``: a ``pipeline.policy.budget.BudgetPolicy``; only a
+            ``BatchEngine`` runs it), else None.
     """
 
-    def __init__(self, name: str, make: Callable[[], object]):
-        self.name, self.make = name, make
+    def __init__(self, name: str, make: Callable[[], object], budget=None):
+        self.name, self.make, self.budget = name, make, budget
 
 
 def build_policy(name: str, decoder: SpeculativeDecoder, block_size: int | None = None, predictor_dir: str | None = None,
@@ -72,7 +76,7 @@ def build_policy(name: str, decoder: SpeculativeDecoder, block_size: int | None 
             predictor folder itself (blockpilot / full_vocab / hybrid, when ``inputs`` has none loaded).
         candidates: ``model.candidates`` (ema); options: ``{method: {option: value}}`` (the ``policy`` config group).
         inputs: ``PolicyInputs`` already loaded (labels + splits for best_fixed; calibration + latency for
-            verify_width / hybrid).
+            verify_width / hybrid; calibration + batch_costs for budget, whose ``Policy.budget`` is then set).
         run_hint: appended to a missing predictor's message (``pipeline.serve`` names run_name and ``make ... RUN=``).
     Raises:
         ValueError: for an unknown or unservable policy, missing inputs, a B the drafter cannot draft, or a predictor
@@ -93,7 +97,10 @@ def build_policy(name: str, decoder: SpeculativeDecoder, block_size: int | None 
         inputs.predictors[wanted] = registry.load_method_predictor(wanted, directory, decoder, device=str(decoder.device))
     ctx = registry.Context(decoder, options, inputs, [int(c) for c in candidates], block_size, "serve.block_size",
                            str(options.get("target", "tau")), "serve")
-    return Policy(name, registry.build(name, ctx))
+    factory = registry.build(name, ctx)
+    if isinstance(factory, registry.JointWidths):
+        return Policy(name, factory.make, factory.policy)
+    return Policy(name, factory)
 
 
 @dataclass
@@ -138,13 +145,20 @@ class Engine:
         default_max_tokens: ``max_tokens`` of a request that sends none; max_tokens: the largest allowed;
         default_seed: the seed of a request that sends none; recorder: a ``Recorder`` or None;
         default_temperature: the temperature of a request that sends none (``decode.temperature``; OpenAI's is 1).
+    Raises:
+        ValueError: for max_queue < 0, or a policy with a batch-level ``budget`` (only a ``BatchEngine`` runs it).
     """
+
+    batched = False  # whether requests share decode steps (``BatchEngine``)
 
     def __init__(self, decoder: SpeculativeDecoder, policy: Policy, model_name: str, max_queue: int = 64,
                  default_max_tokens: int = 256, max_tokens: int = 4096, default_seed: int = 0,
                  recorder: Recorder | None = None, default_temperature: float = 0.0):
         if max_queue < 0:
             raise ValueError(f"serve.max_queue must be >= 0, got {max_queue}")
+        if getattr(policy, "budget", None) is not None and not self.batched:
+            raise ValueError(f"serve.policy={policy.name} chooses the verify widths of batched steps jointly; this engine "
+                             "runs one request at a time: serve it with serve.max_batch=8 (BatchEngine)")
         self.decoder, self.policy, self.model_name = decoder, policy, model_name
         self.tokenizer = decoder.target.tokenizer
         self.max_queue, self.default_max_tokens, self.max_tokens = int(max_queue), int(default_max_tokens), int(max_tokens)
@@ -156,7 +170,13 @@ class Engine:
         self.failed = 0
         self.aborted = 0  # cancelled before or during the decode (client gone, shutdown)
         self._jobs: dict[int, Job] = {}  # admitted and not finished, by id(job)
+        self._decoding = 0  # 1 while the worker decodes a job
         self._closed = False
+
+    @property
+    def running(self) -> int:
+        """Requests decoding now (``/health``; the rest of ``in_flight`` waits)."""
+        return self._decoding
 
     # -- request checks (event loop thread, before queueing) ----------------------------------------
     def decode_config(self, n_prompt: int, max_tokens: int | None, temperature: float | None, seed: int | None) -> DecodeConfig:
@@ -219,6 +239,14 @@ class Engine:
         """
         if job.cancelled.is_set():
             raise JobCancelled(f"request {job.request_id} was cancelled before its decode started")
+        self._decoding = 1
+        try:
+            return self._decode_job(job)
+        finally:
+            self._decoding = 0
+
+    def _decode_job(self, job: Job) -> tuple[Completion, Served | None]:
+        """``_generate``'s decode of an admitted job (worker thread)."""
         queue_ms = (time.perf_counter() - job.submitted) * 1e3
         decoder = self.decoder
         if job.block_size is not None:
