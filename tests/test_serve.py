@@ -283,6 +283,8 @@ def test_verify_width_policy_serves_the_ar_text_and_needs_its_inputs(tiny_run, t
                                                        "max_tokens": 20, "return_token_ids": True}).json()
             assert out["blockpilot"]["policy"] == "verify_width" and out["blockpilot"]["block_size"] == 8
             assert out["blockpilot"]["token_ids"] == ar_reference(trained_decoder, text, 20)
+            widths = out["blockpilot"]["verify_widths"]  # steps by verified drafts k: every step counted, k <= B-1
+            assert sum(widths.values()) == out["blockpilot"]["steps"] and all(0 <= int(k) <= 7 for k in widths)
     engine.close()
     with pytest.raises(ValueError, match="needs calibration, costs"):
         build_policy("verify_width", trained_decoder, 8)

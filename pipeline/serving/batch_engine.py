@@ -218,9 +218,7 @@ class BatchEngine(Engine):
             reason = "stop"
         else:
             reason = "length"
-        info = DecodeInfo(policy=entry.policy, block_size=int(entry.schedule.chosen), block_sizes=sorted(set(stats.block_sizes)),
-                          tau=stats.tau, steps=len(stats.taus), prefill_ms=stats.prefill_ms, schedule_ms=stats.schedule_ms,
-                          decode_ms=stats.decode_ms, queue_ms=entry.queue_ms)
+        info = DecodeInfo.of(stats, entry.policy, entry.schedule.chosen, entry.queue_ms)
         completion = Completion(stream.text, reason, list(stats.output_ids), stats, info)
         entry.loop.call_soon_threadsafe(_settle, entry.future, completion, None)
 

@@ -280,9 +280,7 @@ class Engine:
             reason = "stop"
         else:
             reason = "length"
-        info = DecodeInfo(policy=policy, block_size=int(schedule.chosen), block_sizes=sorted(set(stats.block_sizes)),
-                          tau=stats.tau, steps=len(stats.taus), prefill_ms=stats.prefill_ms, schedule_ms=stats.schedule_ms,
-                          decode_ms=stats.decode_ms, queue_ms=queue_ms)
+        info = DecodeInfo.of(stats, policy, schedule.chosen, queue_ms)
         completion = Completion(stream.text, reason, list(stats.output_ids), stats, info)
         served = None
         if kept is not None:

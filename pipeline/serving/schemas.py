@@ -188,6 +188,8 @@ class DecodeInfo(BaseModel):
         block_size: B of the first step (the policy's choice after prefill); block_sizes: every B used.
         tau: mean acceptance length (tokens per verify step); steps: verify steps.
         prefill_ms, schedule_ms, decode_ms, queue_ms: wall times (ms); queue_ms is the wait before decoding.
+        verify_widths: how many steps verified k drafts, by k (``{"0": plain steps, "3": ...}``; k = B-1 unless a
+            verify-width or budget policy chose fewer).
         token_ids: the output token ids (with ``return_token_ids``).
     """
 
@@ -200,7 +202,19 @@ class DecodeInfo(BaseModel):
     schedule_ms: float
     decode_ms: float
     queue_ms: float
+    verify_widths: dict[str, int] = {}
     token_ids: list[int] | None = None
+
+    @classmethod
+    def of(cls, stats, policy: str, block_size: int, queue_ms: float) -> "DecodeInfo":
+        """The extension of a finished request from its ``RequestStats`` (the policy's name, its first B, the ms it
+        waited in the queue)."""
+        widths: dict[str, int] = {}
+        for k in stats.verify_widths:
+            widths[str(int(k))] = widths.get(str(int(k)), 0) + 1
+        return cls(policy=policy, block_size=int(block_size), block_sizes=sorted(set(stats.block_sizes)), tau=stats.tau,
+                   steps=len(stats.taus), prefill_ms=stats.prefill_ms, schedule_ms=stats.schedule_ms,
+                   decode_ms=stats.decode_ms, queue_ms=queue_ms, verify_widths=dict(sorted(widths.items(), key=lambda t: int(t[0]))))
 
 
 class Usage(BaseModel):
