@@ -1,4 +1,5 @@
-"""A lean forward of a Llama-family target's base model for decode steps, bit-identical to transformers' own.
+"""A lean forward of a Llama-family target's base model for decode steps: transformers' own computation (bit-identical
+with SDPA attention) or, on the smallm kernels, the same with the kernel's batch-invariant attention.
 
 On this project's CPU path an autoregressive step of SmolLM2-135M spends more time in Python and small-op
 dispatch (module calls, decorators, output recorders, a dozen element-wise ops per layer) than in its
