@@ -139,10 +139,11 @@ def bench_step(cfg: DictConfig) -> dict:
     """
     if not cfg.backends or not cfg.contexts or not cfg.get("kv_caches", ["auto"]):
         raise ValueError("bench_step needs at least one backend, one KV cache and one context length")
-    kinds = []
+    kinds = []  # as requested (``auto``: what each backend's decoder takes, as the stages do; recorded resolved)
     for kind in cfg.get("kv_caches", ["auto"]):
-        if resolve_kv_cache(str(kind)) not in kinds:
-            kinds.append(resolve_kv_cache(str(kind)))
+        resolve_kv_cache(str(kind))  # an unknown name fails before any model loads
+        if str(kind) not in kinds:
+            kinds.append(str(kind))
     torch.manual_seed(int(cfg.seed))
     if cfg.get("num_threads"):
         torch.set_num_threads(int(cfg.num_threads))
@@ -160,7 +161,7 @@ def bench_step(cfg: DictConfig) -> dict:
                                          fast_forward=cfg.model.get("fast_forward", "auto"))
             by_context = {}
             for length in cfg.contexts:
-                log.info("bench_step: backend %s, kv cache %s, context %d", name, kind, int(length))
+                log.info("bench_step: backend %s, kv cache %s, context %d", name, decoder.kv_cache, int(length))
                 by_context[str(int(length))] = measure_context(
                     decoder, int(length), [int(q) for q in cfg.widths], [int(b) for b in cfg.block_sizes],
                     int(cfg.pending_features), int(cfg.repeats), int(cfg.warmup), int(cfg.seed))
@@ -169,11 +170,11 @@ def bench_step(cfg: DictConfig) -> dict:
                          name, kind, int(length), fig["ar_ms"], {k: round(v, 2) for k, v in fig["step_ms"].items()},
                          {k: round(v, 3) for k, v in fig["step_over_ar"].items()})
             first = by_context[str(int(cfg.contexts[0]))]
-            by_backend[name] = {**{k: first[k] for k in KEYS}, "kv_cache": kind, "by_context": by_context,
+            by_backend[name] = {**{k: first[k] for k in KEYS}, "kv_cache": decoder.kv_cache, "by_context": by_context,
                                 "forward_path": decoder.forward_path()}
     chosen = by_kv_cache[kinds[0]][names[0]]
     return {
-        "backend": names[0], "kv_cache": kinds[0], "context": int(cfg.contexts[0]), **chosen,
+        "backend": names[0], "context": int(cfg.contexts[0]), **chosen,
         "by_backend": by_kv_cache[kinds[0]], "by_kv_cache": by_kv_cache,
         "info": {"host": platform.node(), "machine": platform.machine(), "processor": platform.processor(),
                  "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": str(target.model.dtype),
@@ -195,7 +196,7 @@ def markdown(result: dict, block_size: int | None = None) -> str:
                 qs = [q for q in ("1", "2", "4", "8", "16") if q in fig["forward_ms"]]
                 rows.append([name, length, f"{fig['ar_ms']:.1f}", *[f"{fig['forward_ms'][q]:.1f}" for q in qs],
                              f"{fig['drafter_ms'][b]:.1f}", f"{fig['step_ms'][b]:.1f}", f"{fig['step_over_ar'][b]:.2f}",
-                             kind])
+                             per.get("kv_cache", kind)])
                 header = ["backend", "context", "ar_ms", *[f"forward q={q}" for q in qs], f"drafter B={b}",
                           f"step B={b}", f"step/ar B={b}", "kv_cache"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

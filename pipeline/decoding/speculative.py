@@ -190,7 +190,7 @@ class SpeculativeDecoder:
             self.draft_head = drafter.draft_head(self.lm_head)  # [N, H] rows the drafter scores
             self.draft_vocab = drafter.draft_vocab
         self.backend = resolve_backend(backend, self.model.device, self.model.dtype)
-        self.kv_cache = resolve_kv_cache(kv_cache)
+        resolve_kv_cache(kv_cache)  # an unknown name fails before the backend is set
         set_backend(self.base, self.backend)
         if drafter is not None:
             set_backend(drafter, self.backend)
@@ -198,10 +198,7 @@ class SpeculativeDecoder:
         # bf16/fp16 model (a bf16 product rounds logits to bf16's grid: ties a verify and single steps break differently)
         self.head = logit_head(target.model).with_backend(self.backend, float32=True)
         self.fast = fast_forward_for(self.base, fast_forward, self.backend)
-        if kv_cache in ("auto", None) and self.fast is not None and self.fast.attention == "kernel":
-            # the kernel's attention reads the cache through its strides, so a preallocated cache gives the same bits
-            # as a concatenated one and saves copying the whole cache every step (a batched step: every request's)
-            self.kv_cache = "preallocated"
+        self.kv_cache = resolve_kv_cache(kv_cache, self.fast.attention if self.fast is not None else "sdpa")
         self.fast_draft = fast_draft_for(drafter, fast_forward, self.backend)
         self.drafter_head = LMHead(self.draft_head, self.backend, float32=True) if drafter is not None else None
         self.max_context = int(getattr(target.model.config, "max_position_embeddings", 1 << 30))

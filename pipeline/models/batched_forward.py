@@ -139,8 +139,7 @@ class BatchedForward:
             x = _rms_norm(layer.input_layernorm, h)
             q_all, k_all, v_all = chunked(qkv, x)
             if kernel:  # one rotation and one attention call over every request's rows
-                rows = cuts[-1]
-                shape = (1, rows, -1, attn.head_dim)
+                shape = (1, cuts[-1], -1, attn.head_dim)
                 q, k, v = q_all.view(shape), k_all.view(shape), v_all.view(shape)
                 if getattr(attn, "q_norm", None) is not None:
                     q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)

@@ -38,14 +38,18 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 KINDS = ("auto", "dynamic", "preallocated")
-# What ``auto`` resolves to, chosen by `python -m pipeline.bench_step 'kv_caches=[dynamic,preallocated]'`.
-# Still "dynamic" (transformers' behaviour) until that benchmark has shown preallocated faster on a quiet machine.
+# What ``auto`` resolves to under transformers' SDPA attention, chosen by `python -m pipeline.bench_step
+# 'kv_caches=[dynamic,preallocated]'`: still "dynamic" (transformers' behaviour) until that benchmark has shown
+# preallocated faster there; under the smallm kernel's attention ``auto`` is "preallocated" (``resolve_kv_cache``).
 DEFAULT_KV_CACHE = "dynamic"
 HEADROOM = 128  # tokens of spare capacity beyond what the first update (the prefill) needs
 
 
-def resolve_kv_cache(kind: str | None) -> str:
-    """``auto`` / None -> ``DEFAULT_KV_CACHE``; ``dynamic`` and ``preallocated`` unchanged.
+def resolve_kv_cache(kind: str | None, attention: str = "sdpa") -> str:
+    """``auto`` / None -> the KV cache for a forward whose decode-step attention is ``attention``: ``preallocated`` for
+    the smallm kernel's ``attend`` (it reads the cache through its strides, so the buffer's views give the same bits as
+    a concatenated cache, without copying every cache every step), else ``DEFAULT_KV_CACHE``; ``dynamic`` and
+    ``preallocated`` unchanged.
 
     Raises:
         ValueError: for any other name.
@@ -53,7 +57,9 @@ def resolve_kv_cache(kind: str | None) -> str:
     kind = "auto" if kind is None else str(kind)
     if kind not in KINDS:
         raise ValueError(f"kv_cache must be one of {list(KINDS)}, got {kind!r}")
-    return DEFAULT_KV_CACHE if kind == "auto" else kind
+    if kind != "auto":
+        return kind
+    return "preallocated" if attention == "kernel" else DEFAULT_KV_CACHE
 
 
 def crop_to(cache: DynamicCache, length: int) -> None:
