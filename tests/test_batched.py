@@ -67,7 +67,8 @@ def _exact_weight(fmt: str, n: int = 80, k: int = 64) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", ["f32", *EXACT_FORMATS])
 def test_smallm_rows_invariant(fmt):
     """Each row of a smallm product is the same bits alone or with up to 63 others (every packed form, both sides
-    of the exact/float32 crossover); a PackedLinear (packed_linear) is too once chunked at ROW_LIMIT."""
+    of the exact/float32 crossover, row tiles of 1-6); a PackedLinear (packed_linear) is too once chunked at
+    ROW_LIMIT; zero rows give an empty product."""
     w = _exact_weight(fmt)
     packed = pack_smallm(w, () if fmt == "f32" else EXACT_FORMATS, exact_rows=3)  # f32 panels beyond 3 rows
     assert packed.fmt == fmt
@@ -75,6 +76,7 @@ def test_smallm_rows_invariant(fmt):
     alone = torch.cat([packed(x[i: i + 1], None) for i in range(64)])
     for rows in range(1, 65):
         assert torch.equal(packed(x[:rows], None), alone[:rows]), rows
+    assert packed(x[:0], None).shape == (0, w.shape[0])  # no rows (a drafter's empty context): an empty product
     linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
     with torch.no_grad():
         linear.weight.copy_(w)
@@ -90,11 +92,16 @@ def test_smallm_rows_invariant(fmt):
 @needs_smallm
 def test_kernel_attention_rows_invariant_and_equal_to_sdpa():
     """``attend``: each row's output is the same bits alone, in its request's verify, or among other requests' rows
-    (up to 40 rows, past ROW_LIMIT), whatever the cache's layout (a strided preallocated view), with GQA; and it is
-    causal attention: equal to PyTorch's SDPA with the causal mask to float32 rounding."""
+    (up to 40 rows, past ROW_LIMIT), whatever the cache's layout (the filled part of a larger buffer), with GQA; its
+    in-call append (``k_new``/``v_new`` written into the buffers) gives the same bits as appending first and leaves the
+    buffers holding exactly the cache; and it is causal attention: equal to PyTorch's SDPA with the causal mask to
+    float32 rounding."""
     from pipeline.models.kernel import smallm_kernel
 
-    attend = smallm_kernel().attend
+    def attend(q, keys, values, rows, scale, k_new=None, v_new=None, lengths=None):
+        lengths = [k.shape[1] for k in keys] if lengths is None else lengths
+        return smallm_kernel().attend(q, k_new, v_new, keys, values, rows, lengths, scale)
+
     g = torch.Generator().manual_seed(5)
     hq, hkv, d = 6, 2, 64
     lengths, rows = [9, 50, 23, 31, 2], [4, 16, 1, 17, 2]  # cache lengths after the new rows; 40 query rows
@@ -103,6 +110,18 @@ def test_kernel_attention_rows_invariant_and_equal_to_sdpa():
     q = torch.randn(sum(rows), hq, d, generator=g)
     together = attend(q, keys, values, rows, 0.125)
     assert together.shape == (sum(rows), hq * d)
+    # the same call appending the new rows itself: buffers with spare room, holding only the old positions
+    buffers_k = [torch.full((hkv, n + 5, d), float("nan")) for n in lengths]
+    buffers_v = [torch.full((hkv, n + 5, d), float("nan")) for n in lengths]
+    for bk, bv, k, v, r in zip(buffers_k, buffers_v, keys, values, rows):
+        bk[:, : k.shape[1] - r] = k[:, : k.shape[1] - r]
+        bv[:, : v.shape[1] - r] = v[:, : v.shape[1] - r]
+    k_new = torch.cat([k[:, k.shape[1] - r:] for k, r in zip(keys, rows)], dim=1).transpose(0, 1)  # [R, Hkv, D] strided
+    v_new = torch.cat([v[:, v.shape[1] - r:].transpose(0, 1) for v, r in zip(values, rows)])  # [R, Hkv, D] contiguous
+    assert torch.equal(attend(q, buffers_k, buffers_v, rows, 0.125, k_new, v_new, lengths), together)
+    for bk, bv, k, v in zip(buffers_k, buffers_v, keys, values):
+        assert torch.equal(bk[:, : k.shape[1]], k) and torch.equal(bv[:, : v.shape[1]], v)
+        assert bk[:, k.shape[1]:].isnan().all()  # nothing written past each length
     start = 0
     for k, v, r in zip(keys, values, rows):
         qi = q[start: start + r]
@@ -111,9 +130,6 @@ def test_kernel_attention_rows_invariant_and_equal_to_sdpa():
         for j in range(r):  # each row alone over the keys it may see
             assert torch.equal(attend(qi[j: j + 1], [k[:, : k.shape[1] - r + j + 1]], [v[:, : k.shape[1] - r + j + 1]],
                                       [1], 0.125), alone[j: j + 1])
-        buffer = torch.zeros(hkv, k.shape[1] + 7, d)  # a preallocated layout: the filled part of a larger buffer
-        buffer[:, : k.shape[1]] = k
-        assert torch.equal(attend(qi, [buffer[:, : k.shape[1]]], [v], [r], 0.125), alone)
         n = k.shape[1]
         mask = torch.ones(r, n, dtype=torch.bool).tril(diagonal=n - r)
         ref = torch.nn.functional.scaled_dot_product_attention(qi.transpose(0, 1), k.repeat_interleave(hq // hkv, 0),
@@ -125,6 +141,8 @@ def test_kernel_attention_rows_invariant_and_equal_to_sdpa():
         attend(q, keys, values, [rows[0] - 1, *rows[1:]], 0.125)
     with pytest.raises(RuntimeError, match="more query rows than keys"):
         attend(q[:3], [keys[4]], [values[4]], [3], 0.125)
+    with pytest.raises(RuntimeError, match="exceeds its keys' capacity"):
+        attend(q[:3], [keys[4]], [values[4]], [3], 0.125, lengths=[5])
 
 
 def _contexts(decoder, lengths, seed=0):

@@ -19,9 +19,8 @@ the call. The backends:
   GGUF Q4_1 tensor), ``q8`` (w = d * q, q int8: GGUF Q8_0), ``bf16`` (a bf16-trained drafter), else
   ``f32``. The kernel expands them in registers to the same float32 values, so the outputs equal the
   float32 kernel's bit for bit while a step reads ~5x fewer bytes; every packing is checked by expanding
-  it back (``unpack_exact``) and falls back to ``f32`` on any difference. Calls of up to
-  ``FUSED_MAX_ROWS`` (4) rows use each expanded weight at once for every row (a 2-4 token verify costs
-  about what a 1-token step does); wider calls expand each group of 32 k into an L1 buffer first. Where
+  it back (``unpack_exact``) and falls back to ``f32`` on any difference. Each expanded weight is used at
+  once by every row of a tile of up to 6 (a 2-6 token verify costs about what a 1-token step does). Where
   streaming float32 panels beats the exact forms (only at many rows, and not on every CPU) is measured
   once per machine (``exact_crossover``) and float32 panels are kept only for the widths that use them.
 - ``smallm_f32``: the same kernel with every weight in float32 panels (the comparison point).
@@ -66,9 +65,6 @@ SMALLM = ("smallm", "smallm_f32")  # the backends on this project's kernel
 EXACT_FORMATS = ("q4", "q8", "bf16")  # smallm's compressed forms, tried in this order (then f32)
 _FORMAT_CODE = {"bf16": 1, "q8": 2, "q4": 3}  # kernels/smallm.cpp's Format
 _GROUP = 32  # the q4/q8 block length along K
-# Calls of up to this many rows expand each weight in registers once per row tile of up to 4 rows and use it at once
-# (kernels/smallm.cpp: fused_rows); wider calls expand each group of 32 k into an L1 buffer first. Both give the same bits.
-FUSED_MAX_ROWS = 4
 SMALLM_MAX_ROWS = 32  # smallm runs inputs of up to this many rows; more go to PyTorch's GEMM
 # Calls of more rows than a format's crossover use float32 panels kept beside the exact form (same bits). Where the
 # crossover lies depends on the CPU: on a 2-core AMD EPYC (Zen 3 class, 2026-12-01) float32 panels won from 4 rows,
@@ -86,7 +82,7 @@ def backend_signature(backend: str) -> str:
     if backend not in SMALLM:
         return backend
     crossover = exact_crossover() if backend == "smallm" else {}
-    digest = hashlib.sha256(_KERNEL.read_bytes() + repr((EXACT_FORMATS, FUSED_MAX_ROWS, crossover)).encode()).hexdigest()[:8]
+    digest = hashlib.sha256(_KERNEL.read_bytes() + repr((EXACT_FORMATS, crossover)).encode()).hexdigest()[:8]
     return f"{backend}:{digest}"
 
 
@@ -147,7 +143,7 @@ def measure_crossover(n: int = 1536, k: int = 576, megabytes: float = 160.0, row
         exact, f32 = [], []
         for rows_m in rows:
             x = torch.randn(rows_m, k, generator=gen)
-            e, f = _time_pair_ms(lambda w: kernel.linear_exact(x, _FORMAT_CODE[fmt], w.q, w.d, w.m, n, None, FUSED_MAX_ROWS),
+            e, f = _time_pair_ms(lambda w: kernel.linear_exact(x, _FORMAT_CODE[fmt], w.q, w.d, w.m, n, None),
                                  lambda w: kernel.linear(x, w.f32, n, None), weights)
             exact.append(e)
             f32.append(f)
@@ -182,7 +178,7 @@ def exact_crossover() -> dict[str, int]:
         except ValueError:
             raise ValueError(f"${EXACT_ROWS_ENV} must be a positive int (rows), got {forced!r}; unset it to measure") from None
         return {fmt: min(value, SMALLM_MAX_ROWS) for fmt in EXACT_FORMATS}
-    key = hashlib.sha256(_KERNEL.read_bytes() + repr((EXACT_FORMATS, FUSED_MAX_ROWS, _TUNE_ROWS, _cpu_name(),
+    key = hashlib.sha256(_KERNEL.read_bytes() + repr((EXACT_FORMATS, _TUNE_ROWS, _cpu_name(),
                                                       torch.get_num_threads())).encode()).hexdigest()[:12]
     path = _TUNE_DIR / f"smallm-crossover-{key}.json"
     try:
@@ -333,7 +329,7 @@ class SmallmWeight:
             return smallm_kernel().linear(x, self.q, self.n, bias)
         if self.f32 is not None and x.shape[0] > self.exact_rows:
             return smallm_kernel().linear(x, self.f32, self.n, bias)
-        return smallm_kernel().linear_exact(x, _FORMAT_CODE[self.fmt], self.q, self.d, self.m, self.n, bias, FUSED_MAX_ROWS)
+        return smallm_kernel().linear_exact(x, _FORMAT_CODE[self.fmt], self.q, self.d, self.m, self.n, bias)
 
 
 def exact_format(w: torch.Tensor) -> str | None:

@@ -7,8 +7,8 @@ The linear layers (the fused q/k/v, o, the fused gate/up, down, the LM head; the
 down and its head) run ONCE over the concatenated rows; row-wise operations (RMSNorm, SiLU, residual adds, the
 embedding lookup, the rotary rotation at each row's position) run on the concatenation. The target's attention is ONE
 call of the smallm kernel's ``attend`` for all requests (each row over its own request's cache, causal, a fixed
-computation per row: the decoder's solo steps use the same kernel, ``FastForward(attention="kernel")``); only the
-cache appends and the drafter's attention run per request. Where the target's forward uses transformers' SDPA instead
+computation per row, the cache appends inside the same call: the decoder's solo steps use the same kernel,
+``FastForward(attention="kernel")``); only the drafter's attention runs per request. Where the target's forward uses transformers' SDPA instead
 (``attention="sdpa"``), its attention runs per request with the causal mask its own forward would build.
 
 Why it is exact: on the ``smallm`` kernels every output is one sequential FMA chain over K, so a row's result does not
@@ -33,8 +33,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask
 
 from pipeline.models.backend import SMALLM, SMALLM_MAX_ROWS, PackedLinear
-from pipeline.models.fast_forward import _rms_norm
-from pipeline.models.kernel import smallm_kernel
+from pipeline.models.fast_forward import _rms_norm, kernel_attention
 
 ROW_LIMIT = SMALLM_MAX_ROWS  # the most rows one linear call of a batched forward takes (see the module doc)
 
@@ -128,7 +127,6 @@ class BatchedForward:
             rope.append(base.rotary_emb(hj, position_ids=positions))
         if kernel:  # every request's cos/sin side by side: the rotation is element-wise, so per row as alone
             cos_all, sin_all = (torch.cat([r[0] for r in rope], dim=1), torch.cat([r[1] for r in rope], dim=1))
-            attend = smallm_kernel().attend
         keep = any(want_features[i] for i in batch)
         states = [h] if keep else None
         first = base.layers[0].self_attn.q_proj
@@ -144,13 +142,8 @@ class BatchedForward:
                 if getattr(attn, "q_norm", None) is not None:
                     q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
                 q, k = fast.rotary(q.transpose(1, 2), k.transpose(1, 2), cos_all, sin_all)
-                v = v.transpose(1, 2)
-                keys, values = [], []
-                for j, i in enumerate(batch):
-                    kj, vj = caches[i].update(k[:, :, cuts[j]: cuts[j + 1]], v[:, :, cuts[j]: cuts[j + 1]], attn.layer_idx)
-                    keys.append(kj[0])
-                    values.append(vj[0])
-                out = attend(q[0].transpose(0, 1), keys, values, sizes, attn.scaling)[None]
+                out = kernel_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0], [caches[i] for i in batch],
+                                       sizes, attn.layer_idx, attn.scaling)[None]
             else:
                 out = self._attention_per_request(attn, q_all, k_all, v_all, cuts, batch, rope, caches, masks)
             h = h + chunked(o_proj, out)[0]

@@ -80,6 +80,8 @@ class PreallocatedLayer(DynamicLayer):
     ``DynamicLayer`` method that only reads them (``get_seq_length``, ``get_mask_sizes``) works unchanged.
     """
 
+    _stale = False  # keys / values are out of date after ``reserve`` (refreshed when next read)
+
     def __init__(self, headroom: int | None = None, **kwargs):
         super().__init__(**kwargs)
         self.headroom = int(HEADROOM if headroom is None else headroom)
@@ -93,10 +95,32 @@ class PreallocatedLayer(DynamicLayer):
         """Tokens the current buffer holds before it must grow (0 before the first update)."""
         return 0 if self._key_buffer is None else self._key_buffer.shape[-2]
 
+    # ``keys`` / ``values``: views of the filled part, made again lazily after ``reserve`` (which only moves the length)
+    @property
+    def keys(self) -> torch.Tensor | None:
+        if self._stale:
+            self._expose()
+        return self._keys
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._keys = value
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        if self._stale:
+            self._expose()
+        return self._values
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._values = value
+
     def _expose(self) -> None:
         """Point ``keys`` / ``values`` at the filled part of the buffers."""
-        self.keys = self._key_buffer[:, :, : self._length]
-        self.values = self._value_buffer[:, :, : self._length]
+        self._stale = False
+        self._keys = self._key_buffer[:, :, : self._length]
+        self._values = self._value_buffer[:, :, : self._length]
 
     def _reallocate(self, capacity: int, like_keys: torch.Tensor, like_values: torch.Tensor) -> None:
         """New buffers of ``capacity`` tokens holding the filled part of the old ones (shapes and dtypes of ``like_*``)."""
@@ -131,6 +155,7 @@ class PreallocatedLayer(DynamicLayer):
         self.device = key_states.device
         self._key_buffer = self._value_buffer = None
         self._length = 0
+        self._stale = False
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -158,6 +183,25 @@ class PreallocatedLayer(DynamicLayer):
         self._expose()
         return self.keys, self.values
 
+    def reserve(self, q: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """Make room for ``q`` new tokens after the cached ones and count them in, without writing them: the caller
+        writes their keys/values into the buffers at positions ``length - q .. length - 1`` (the smallm kernel's
+        ``attend`` does, in the same call as the attention). Cheaper than ``update`` when many requests append every
+        layer (``pipeline.models.batched_forward``).
+
+        Returns:
+            (key buffer [kv_heads, capacity, head_dim], value buffer, the new length), or None when an ``update``
+            must run instead (no buffer yet, batch > 1, or one that cannot take in-place writes here).
+        """
+        if self._key_buffer is None or self._key_buffer.shape[0] != 1 or not self._writable():
+            return None
+        needed = self._length + q
+        if needed > self.capacity:
+            self._reallocate(max(needed, 2 * self.capacity), self._key_buffer, self._value_buffer)
+        self._length = needed
+        self._stale = True
+        return self._key_buffer[0], self._value_buffer[0], needed
+
     def get_seq_length(self) -> int:
         return self._length if self.is_initialized else 0
 
@@ -177,6 +221,7 @@ class PreallocatedLayer(DynamicLayer):
         super().reset()  # drops keys / values and clears is_initialized
         self._key_buffer = self._value_buffer = None
         self._length = 0
+        self._stale = False
 
     # methods of DynamicLayer / CacheLayerMixin that replace keys / values with new tensors: adopt those
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -203,7 +248,7 @@ class PreallocatedLayer(DynamicLayer):
         """An independent layer: buffers of the same capacity of its own, holding a copy of the filled part."""
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
-        buffers = ("keys", "values", "_key_buffer", "_value_buffer")
+        buffers = ("_keys", "_values", "_key_buffer", "_value_buffer", "_stale")
         for name, value in self.__dict__.items():
             if name not in buffers:
                 setattr(new, name, copy.deepcopy(value, memo))

@@ -52,6 +52,38 @@ def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return norm.weight * h.to(dtype)
 
 
+def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches, rows, layer_idx: int,
+                     scale: float) -> torch.Tensor:
+    """One layer's attention of N requests on the smallm kernel: request i's ``rows[i]`` new rows (consecutive in q, k,
+    v) are appended to ``caches[i]``'s layer ``layer_idx`` and attend causally over that request's cache, each row as
+    one fixed computation (bit-identical alone or with other rows). On ``PreallocatedCache`` layers the append happens
+    inside the kernel's call (``PreallocatedLayer.reserve``); on other caches through their ``update`` first.
+
+    Args:
+        q: [R, Hq, D] float32 queries (rotated); k, v: [R, Hkv, D] float32 new keys (rotated) and values.
+        caches: one KV cache per request; rows: rows per request (summing to R).
+    Returns:
+        [R, Hq * D]: each row's heads side by side.
+    """
+    attend = smallm_kernel().attend
+    slots = [getattr(c.layers[layer_idx], "reserve", None) if layer_idx < len(c.layers) else None for c in caches]
+    if all(s is not None for s in slots):
+        reserved = [s(r) for s, r in zip(slots, rows)]
+        if all(x is not None for x in reserved):
+            return attend(q, k, v, [x[0] for x in reserved], [x[1] for x in reserved], list(rows),
+                          [x[2] for x in reserved], scale)
+        for s, x, r in zip(slots, reserved, rows):  # undo the reservations made (none is written yet)
+            if x is not None:
+                s.__self__.crop(-r)
+    keys, values, at = [], [], 0
+    for c, r in zip(caches, rows):
+        kj, vj = c.update(k[at: at + r].transpose(0, 1)[None], v[at: at + r].transpose(0, 1)[None], layer_idx)
+        keys.append(kj[0])
+        values.append(vj[0])
+        at += r
+    return attend(q, None, None, keys, values, list(rows), [x.shape[1] for x in keys], scale)
+
+
 class _Fused:
     """Linears sharing one input, multiplied as one concatenated smallm weight, repacked when any weight changes."""
 
@@ -191,12 +223,12 @@ class FastForward:
             q, k, v = q.view(shape), k.view(shape), v.view(shape)
             if getattr(attn, "q_norm", None) is not None:
                 q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q, k = self.rotary(q, k, cos, sin)
-            k, v = cache.update(k, v, attn.layer_idx)
+            q, k = self.rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             if kernel:
-                out = smallm_kernel().attend(q[0].transpose(0, 1), [k[0]], [v[0]], [q_len], attn.scaling)
+                out = kernel_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0], [cache], [q_len],
+                                       attn.layer_idx, attn.scaling)
             else:
+                k, v = cache.update(k, v.transpose(1, 2), attn.layer_idx)
                 out, _ = sdpa_attention_forward(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)
             h = h + o_proj(out.reshape(1, q_len, -1).contiguous())
             x = _rms_norm(layer.post_attention_layernorm, h)

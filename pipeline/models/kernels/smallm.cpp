@@ -9,12 +9,10 @@
 //
 // Weights that are exactly representable in fewer bits are streamed in that form and expanded in
 // registers to the very same float32 values (linear_exact): bf16 (w = bits << 16), q8 (blocks of 32 along K,
-// w = d * q, q int8: GGUF Q8_0) and q4 (w = d * q + m, q in 0..15, two roundings: GGUF Q4_1). Each group of
-// 32 k is expanded once into an L1 buffer and every row tile runs the same FMA chain over it, so an output
-// equals the float32 kernel's bit for bit (the accumulators are parked in memory between groups, exactly).
-// Calls of up to fused_max rows (the caller's FUSED_MAX_ROWS, 4) skip the buffer: each k's 16 weights of a
-// panel are expanded in registers and used at once by every row of a tile of up to 4 (fused_rows), so a
-// 2-4 row verify expands the weights once, as a 1-row step does, and pays only for the extra FMAs.
+// w = d * q, q int8: GGUF Q8_0) and q4 (w = d * q + m, q in 0..15, two roundings: GGUF Q4_1). Each k's 16
+// weights of a panel are expanded in registers and used at once by every row of a tile of up to 6 (fused_rows;
+// M rows take the fewest balanced tiles: 8 = 4 + 4), so a 2-6 row verify expands the weights once, as a 1-row
+// step does, and pays only for the extra FMAs; every output is the same FMA chain as the float32 kernel's.
 // Compiled with -ffp-contract=off, so that d * q + m is not fused into one rounding.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -104,47 +102,6 @@ inline void expand(int64_t fmt, const uint8_t* __restrict q, const float* __rest
   }
 }
 
-// For NP panels side by side (buf: NP x [kGroup][kPanel], acc: NP x [M][kPanel]):
-// acc[j][m0 + i] += x[m0 + i, k0 .. k0 + kGroup) * buf[j], one FMA per k, in order. Several panels keep
-// enough independent FMA chains in flight when there are few rows.
-template <int MT, int NP>
-void group_tile(const float* __restrict x, int64_t ldx, int64_t k0, const float* __restrict buf,
-                float* __restrict acc, int64_t M, int64_t m0) {
-  __m256 a[NP][MT][2];
-#pragma GCC unroll 8
-  for (int j = 0; j < NP; ++j)
-#pragma GCC unroll 8
-    for (int i = 0; i < MT; ++i) {
-      a[j][i][0] = _mm256_loadu_ps(acc + (j * M + m0 + i) * kPanel);
-      a[j][i][1] = _mm256_loadu_ps(acc + (j * M + m0 + i) * kPanel + 8);
-    }
-  const float* xr[MT];
-#pragma GCC unroll 8
-  for (int i = 0; i < MT; ++i) xr[i] = x + (m0 + i) * ldx + k0;
-  for (int64_t k = 0; k < kGroup; ++k) {
-    __m256 xb[MT];
-#pragma GCC unroll 8
-    for (int i = 0; i < MT; ++i) xb[i] = _mm256_broadcast_ss(xr[i] + k);
-#pragma GCC unroll 8
-    for (int j = 0; j < NP; ++j) {
-      const __m256 w0 = _mm256_load_ps(buf + (j * kGroup + k) * kPanel);
-      const __m256 w1 = _mm256_load_ps(buf + (j * kGroup + k) * kPanel + 8);
-#pragma GCC unroll 8
-      for (int i = 0; i < MT; ++i) {
-        a[j][i][0] = _mm256_fmadd_ps(w0, xb[i], a[j][i][0]);
-        a[j][i][1] = _mm256_fmadd_ps(w1, xb[i], a[j][i][1]);
-      }
-    }
-  }
-#pragma GCC unroll 8
-  for (int j = 0; j < NP; ++j)
-#pragma GCC unroll 8
-    for (int i = 0; i < MT; ++i) {
-      _mm256_storeu_ps(acc + (j * M + m0 + i) * kPanel, a[j][i][0]);
-      _mm256_storeu_ps(acc + (j * M + m0 + i) * kPanel + 8, a[j][i][1]);
-    }
-}
-
 // Panel j's 16 weights at (group g, k), expanded in registers to the same float32 values as expand().
 template <int FMT>
 inline void load_w(const uint8_t* __restrict src, int64_t k, __m256 d0, __m256 d1, __m256 m0, __m256 m1,
@@ -171,25 +128,25 @@ inline void load_w(const uint8_t* __restrict src, int64_t k, __m256 d0, __m256 d
 // Bytes of one group of 32 k of one panel, per format.
 constexpr int64_t group_bytes(int FMT) { return FMT == kQ4 ? kGroup * kPanel / 2 : FMT == kQ8 ? kGroup * kPanel : kGroup * kPanel * 2; }
 
-// MT rows (MT <= 4) of NP consecutive panels from p0, every weight expanded in registers once per k and used at
+// MT rows (MT <= 6) of NP consecutive panels from p0, every weight expanded in registers once per k and used at
 // once by every row: y[m0 + i, panel columns] = x[m0 + i] . W, one FMA per k in order from 0 (the same chain as
-// the buffered path and the float32 kernel).
+// the float32 kernel).
 template <int FMT, int MT, int NP>
 void fused_rows(const uint8_t* qp, const float* dp, const float* mp, int64_t p0, int64_t pbytes, int64_t G,
                 const float* __restrict x, int64_t ldx, int64_t m0, float* __restrict y, int64_t n) {
   __m256 a[NP][MT][2];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int j = 0; j < NP; ++j)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < MT; ++i) { a[j][i][0] = _mm256_setzero_ps(); a[j][i][1] = _mm256_setzero_ps(); }
   const float* xr[MT];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int i = 0; i < MT; ++i) xr[i] = x + (m0 + i) * ldx;
   const __m256 zero = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     __m256 d[NP][2], mn[NP][2];
     const uint8_t* src[NP];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int j = 0; j < NP; ++j) {
       const int64_t p = p0 + j;
       if (FMT != kBF16) {
@@ -204,13 +161,13 @@ void fused_rows(const uint8_t* qp, const float* dp, const float* mp, int64_t p0,
     }
     for (int64_t k = 0; k < kGroup; ++k) {
       __m256 xb[MT];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int i = 0; i < MT; ++i) xb[i] = _mm256_broadcast_ss(xr[i] + g * kGroup + k);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int j = 0; j < NP; ++j) {
         __m256 w0, w1;
         load_w<FMT>(src[j], k, d[j][0], d[j][1], mn[j][0], mn[j][1], w0, w1);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int i = 0; i < MT; ++i) {
           a[j][i][0] = _mm256_fmadd_ps(w0, xb[i], a[j][i][0]);
           a[j][i][1] = _mm256_fmadd_ps(w1, xb[i], a[j][i][1]);
@@ -218,11 +175,11 @@ void fused_rows(const uint8_t* qp, const float* dp, const float* mp, int64_t p0,
       }
     }
   }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int j = 0; j < NP; ++j) {
     const int64_t n0 = (p0 + j) * kPanel, ncols = std::min(kPanel, n - n0);
     if (ncols <= 0) break;
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int i = 0; i < MT; ++i) {
       float* out = y + (m0 + i) * n + n0;
       if (ncols == kPanel) {
@@ -246,39 +203,33 @@ void fused_unit(const uint8_t* qp, const float* dp, const float* mp, int64_t p0,
   else for (int64_t j = 0; j < np; ++j) fused_rows<FMT, MT, 1>(qp, dp, mp, p0 + j, pbytes, G, x, ldx, m0, y, n);
 }
 
-// All M rows of panels [p0, p0 + np) in row tiles of up to 4 (kFusedPanels(M) panels a pass).
+// Rows [m0, m0 + mt) of panels [p0, p0 + np), mt in 1..6 (the tile's MT chosen at run time).
 template <int FMT>
-void fused_all(const uint8_t* qp, const float* dp, const float* mp, int64_t p0, int64_t np, int64_t pbytes,
-               int64_t G, const float* x, int64_t M, int64_t K, float* y, int64_t n) {
-  int64_t r = 0;
-  if (M == 1) { fused_unit<FMT, 1, 4>(qp, dp, mp, p0, np, pbytes, G, x, K, 0, y, n); return; }
-  while (r < M) {
-    const int64_t left = M - r;
-    if (left >= 4) { fused_unit<FMT, 4, 1>(qp, dp, mp, p0, np, pbytes, G, x, K, r, y, n); r += 4; }
-    else if (left == 3) { fused_unit<FMT, 3, 1>(qp, dp, mp, p0, np, pbytes, G, x, K, r, y, n); r += 3; }
-    else if (left == 2) { fused_unit<FMT, 2, 2>(qp, dp, mp, p0, np, pbytes, G, x, K, r, y, n); r += 2; }
-    else { fused_unit<FMT, 1, 4>(qp, dp, mp, p0, np, pbytes, G, x, K, r, y, n); r += 1; }
+void fused_tile(const uint8_t* qp, const float* dp, const float* mp, int64_t p0, int64_t np, int64_t pbytes,
+                int64_t G, const float* x, int64_t K, int64_t m0, int64_t mt, float* y, int64_t n) {
+  switch (mt) {
+    case 6: fused_unit<FMT, 6, 1>(qp, dp, mp, p0, np, pbytes, G, x, K, m0, y, n); break;
+    case 5: fused_unit<FMT, 5, 1>(qp, dp, mp, p0, np, pbytes, G, x, K, m0, y, n); break;
+    case 4: fused_unit<FMT, 4, 1>(qp, dp, mp, p0, np, pbytes, G, x, K, m0, y, n); break;
+    case 3: fused_unit<FMT, 3, 1>(qp, dp, mp, p0, np, pbytes, G, x, K, m0, y, n); break;
+    case 2: fused_unit<FMT, 2, 2>(qp, dp, mp, p0, np, pbytes, G, x, K, m0, y, n); break;
+    default: fused_unit<FMT, 1, 4>(qp, dp, mp, p0, np, pbytes, G, x, K, m0, y, n); break;
   }
 }
 
-// All rows of NP consecutive panels from p0, group by group.
-template <int NP>
-void exact_block(int64_t fmt, const uint8_t* qp, const float* dp, const float* mp, int64_t p0, int64_t pbytes,
-                 int64_t G, const float* xp, int64_t M, int64_t K, float* buf, float* acc) {
-  std::fill(acc, acc + NP * M * kPanel, 0.0f);
-  for (int64_t g = 0; g < G; ++g) {
-    for (int j = 0; j < NP; ++j) {
-      const int64_t p = p0 + j;
-      expand(fmt, qp + p * pbytes, dp ? dp + p * G * kPanel : nullptr, mp ? mp + p * G * kPanel : nullptr, g,
-             buf + j * kGroup * kPanel);
-    }
-    int64_t r = 0;
-    while (r < M) {
-      const int64_t left = M - r;
-      if (left >= 3) { group_tile<3, NP>(xp, K, g * kGroup, buf, acc, M, r); r += 3; }
-      else if (left == 2) { group_tile<2, NP>(xp, K, g * kGroup, buf, acc, M, r); r += 2; }
-      else { group_tile<1, NP>(xp, K, g * kGroup, buf, acc, M, r); r += 1; }
-    }
+// All M rows of panels [p0, p0 + np) in the fewest row tiles of at most kFusedTile rows, balanced (8 rows: 4 + 4;
+// 16: 6 + 5 + 5): every tile expands each weight once in registers, so fewer tiles expand less.
+constexpr int64_t kFusedTile = 6;
+template <int FMT>
+void fused_all(const uint8_t* qp, const float* dp, const float* mp, int64_t p0, int64_t np, int64_t pbytes,
+               int64_t G, const float* x, int64_t M, int64_t K, float* y, int64_t n) {
+  if (M <= 0) return;
+  const int64_t tiles = (M + kFusedTile - 1) / kFusedTile, base = M / tiles, extra = M % tiles;
+  int64_t r = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t mt = base + (t < extra ? 1 : 0);
+    fused_tile<FMT>(qp, dp, mp, p0, np, pbytes, G, x, K, r, mt, y, n);
+    r += mt;
   }
 }
 
@@ -311,13 +262,21 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t n, c10::opti
     for (int64_t p = begin; p < end; ++p) {
       const float* panel = pp + p * K * kPanel;
       const int64_t n0 = p * kPanel, ncols = std::min(kPanel, n - n0);
+      // the fewest balanced row tiles of at most 6 (8 rows: 4 + 4), each reading the panel once
+      if (M <= 0) continue;
+      const int64_t tiles = (M + 5) / 6, base = M / tiles, extra = M % tiles;
       int64_t m = 0;
-      while (m < M) {
-        const int64_t left = M - m;
-        if (left >= 6) { tile<6>(xp, K, panel, K, yp, n, n0, ncols, m); m += 6; }
-        else if (left >= 4) { tile<4>(xp, K, panel, K, yp, n, n0, ncols, m); m += 4; }
-        else if (left >= 2) { tile<2>(xp, K, panel, K, yp, n, n0, ncols, m); m += 2; }
-        else { tile<1>(xp, K, panel, K, yp, n, n0, ncols, m); m += 1; }
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t mt = base + (t < extra ? 1 : 0);
+        switch (mt) {
+          case 6: tile<6>(xp, K, panel, K, yp, n, n0, ncols, m); break;
+          case 5: tile<5>(xp, K, panel, K, yp, n, n0, ncols, m); break;
+          case 4: tile<4>(xp, K, panel, K, yp, n, n0, ncols, m); break;
+          case 3: tile<3>(xp, K, panel, K, yp, n, n0, ncols, m); break;
+          case 2: tile<2>(xp, K, panel, K, yp, n, n0, ncols, m); break;
+          default: tile<1>(xp, K, panel, K, yp, n, n0, ncols, m); break;
+        }
+        m += mt;
       }
     }
   });
@@ -328,7 +287,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t n, c10::opti
 // x [M, K] float32, q: [P, K, 16] uint16 (bf16) | [P, K, 16] int8 (q8) | [P, K, 8] uint8 (q4, two nibbles a
 // byte); d, m: [P, K / 32, 16] float32 (q8: d; q4: d and m; unused ones may be empty) -> y [M, n].
 torch::Tensor linear_exact(torch::Tensor x, int64_t fmt, torch::Tensor q, torch::Tensor d, torch::Tensor m, int64_t n,
-                           c10::optional<torch::Tensor> bias, int64_t fused_max) {
+                           c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "linear_exact: x must be float32 [M, K]");
   TORCH_CHECK(fmt == kBF16 || fmt == kQ8 || fmt == kQ4, "linear_exact: unknown format ", fmt);
   x = x.contiguous();
@@ -344,36 +303,14 @@ torch::Tensor linear_exact(torch::Tensor x, int64_t fmt, torch::Tensor q, torch:
   const float* mp = fmt == kQ4 ? m.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t G = K / kGroup, pbytes = panel_bytes(fmt, K);
-  if (M <= fused_max) {
-    // every weight expanded in registers once per row tile of up to 4 and used at once (4 panels a unit)
-    const int64_t units = (P + 3) / 4;
-    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t u = begin; u < end; ++u) {
-        const int64_t p0 = u * 4, np = std::min<int64_t>(4, P - p0);
-        if (fmt == kQ4) fused_all<kQ4>(qp, dp, mp, p0, np, pbytes, G, xp, M, K, yp, n);
-        else if (fmt == kQ8) fused_all<kQ8>(qp, dp, mp, p0, np, pbytes, G, xp, M, K, yp, n);
-        else fused_all<kBF16>(qp, dp, mp, p0, np, pbytes, G, xp, M, K, yp, n);
-      }
-    });
-    if (bias.has_value() && bias->defined()) y.add_(*bias);
-    return y;
-  }
-  // more rows: each group of 32 k expanded once into an L1 buffer, 2 panels a unit, row tiles of 3
-  const int64_t NP = 2, units = (P + NP - 1) / NP;
-  at::parallel_for(0, units, 2, [&](int64_t begin, int64_t end) {
-    alignas(32) float buf[2 * kGroup * kPanel];  // NP panels' expanded group
-    std::vector<float> accv(2 * M * kPanel);
-    float* acc = accv.data();
+  // every weight expanded in registers once per row tile and used at once by its rows (4 panels a unit)
+  const int64_t units = (P + 3) / 4;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t p0 = u * NP, np = std::min(NP, P - p0);
-      if (np == 2) exact_block<2>(fmt, qp, dp, mp, p0, pbytes, G, xp, M, K, buf, acc);
-      else exact_block<1>(fmt, qp, dp, mp, p0, pbytes, G, xp, M, K, buf, acc);
-      for (int64_t j = 0; j < np; ++j) {
-        const int64_t n0 = (p0 + j) * kPanel, ncols = std::min(kPanel, n - n0);
-        if (n0 >= n) break;
-        for (int64_t i = 0; i < M; ++i)
-          for (int64_t c = 0; c < ncols; ++c) yp[i * n + n0 + c] = acc[(j * M + i) * kPanel + c];
-      }
+      const int64_t p0 = u * 4, np = std::min<int64_t>(4, P - p0);
+      if (fmt == kQ4) fused_all<kQ4>(qp, dp, mp, p0, np, pbytes, G, xp, M, K, yp, n);
+      else if (fmt == kQ8) fused_all<kQ8>(qp, dp, mp, p0, np, pbytes, G, xp, M, K, yp, n);
+      else fused_all<kBF16>(qp, dp, mp, p0, np, pbytes, G, xp, M, K, yp, n);
     }
   });
   if (bias.has_value() && bias->defined()) y.add_(*bias);
@@ -405,9 +342,12 @@ torch::Tensor unpack_exact(int64_t fmt, torch::Tensor q, torch::Tensor d, torch:
 // Causal attention of many requests' query rows over each request's own KV cache, one call for a whole batch.
 //
 // q [R, Hq, D] float32: the rows of N requests, request i's r_i rows consecutive (rows[i] = r_i); keys[i], values[i]
-// [Hkv, L_i, D] float32 (any strides, the last dim contiguous): request i's cache after its new rows were appended,
-// so request i's row j (position L_i - r_i + j) sees keys 0 .. L_i - r_i + j. Query head h reads kv head
-// h / (Hq / Hkv). Returns [R, Hq * D] (the heads of a row side by side, as the o projection reads them).
+// [Hkv, C_i, D] float32 (any strides, the last dim contiguous): request i's cache buffer, of which the first
+// lengths[i] = L_i positions hold its keys/values with its new rows', so request i's row j (position L_i - r_i + j)
+// sees keys 0 .. L_i - r_i + j. With k_new / v_new [R, Hkv, D] (any strides, the last dim contiguous) the new rows'
+// keys/values are first written into the buffers at positions L_i - r_i .. L_i - 1 (the cache append, in the same
+// call); without them the buffers already hold them. Query head h reads kv head h / (Hq / Hkv). Returns
+// [R, Hq * D] (the heads of a row side by side, as the o projection reads them).
 //
 // Each (row, head) output is a fixed computation of that row's own inputs: every score is one FMA chain over D in
 // 8-wide lanes summed in a fixed order, the softmax max and sum run sequentially over the visible keys, and the
@@ -453,16 +393,73 @@ void attend_row(const float* __restrict q, const float* __restrict k, int64_t ks
   for (int64_t d = 0; d < D; ++d) out[d] *= inv;
 }
 
+// One query row of one head: out[D] = softmax(scale * q . K[0..n)) @ V[0..n), D = 8 * NV. The same arithmetic as
+// attend_row below, with more in flight: four keys' dot products side by side (each its own FMA chain over d) and
+// the output kept in registers across the keys (each lane one FMA chain over t): the same bits.
+template <int NV>
+void attend_row_fixed(const float* __restrict q, const float* __restrict k, int64_t ks, const float* __restrict v,
+                      int64_t vs, int64_t n, float scale, float* __restrict scores, float* __restrict out) {
+  __m256 qv[NV];
+#pragma GCC unroll 16
+  for (int j = 0; j < NV; ++j) qv[j] = _mm256_loadu_ps(q + 8 * j);
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    const float* k0 = k + t * ks;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) {
+      a0 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + 8 * j), a0);
+      a1 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + ks + 8 * j), a1);
+      a2 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + 2 * ks + 8 * j), a2);
+      a3 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + 3 * ks + 8 * j), a3);
+    }
+    scores[t] = hsum8(a0) * scale;
+    scores[t + 1] = hsum8(a1) * scale;
+    scores[t + 2] = hsum8(a2) * scale;
+    scores[t + 3] = hsum8(a3) * scale;
+  }
+  for (; t < n; ++t) {
+    const float* kt = k + t * ks;
+    __m256 acc = _mm256_setzero_ps();
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) acc = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(kt + 8 * j), acc);
+    scores[t] = hsum8(acc) * scale;
+  }
+  float m = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, scores[i]);
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float e = std::exp(scores[i] - m);
+    scores[i] = e;
+    sum += e;
+  }
+  __m256 o[NV];
+#pragma GCC unroll 16
+  for (int j = 0; j < NV; ++j) o[j] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const float* vt = v + i * vs;
+    const __m256 p = _mm256_set1_ps(scores[i]);
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) o[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * j), o[j]);
+  }
+  const float inv = 1.f / sum;
+  const __m256 iv = _mm256_set1_ps(inv);
+#pragma GCC unroll 16
+  for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(o[j], iv));
+}
+
 }  // namespace
 
-torch::Tensor attend(torch::Tensor q, std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values,
-                     std::vector<int64_t> rows, double scale) {
+torch::Tensor attend(torch::Tensor q, c10::optional<torch::Tensor> k_new, c10::optional<torch::Tensor> v_new,
+                     std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, std::vector<int64_t> rows,
+                     std::vector<int64_t> lengths, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "attend: q must be float32 [R, Hq, D]");
   const int64_t N = static_cast<int64_t>(rows.size());
-  TORCH_CHECK(static_cast<int64_t>(keys.size()) == N && static_cast<int64_t>(values.size()) == N,
-              "attend: one keys and one values tensor per request");
+  TORCH_CHECK(static_cast<int64_t>(keys.size()) == N && static_cast<int64_t>(values.size()) == N &&
+              static_cast<int64_t>(lengths.size()) == N, "attend: one keys, values and length per request");
   q = q.contiguous();
   const int64_t R = q.size(0), Hq = q.size(1), D = q.size(2);
+  const bool append = k_new.has_value() && k_new->defined();
   std::vector<int64_t> req_of(R), first(N + 1, 0);
   for (int64_t i = 0; i < N; ++i) {
     const auto& k = keys[i];
@@ -471,12 +468,33 @@ torch::Tensor attend(torch::Tensor q, std::vector<torch::Tensor> keys, std::vect
                 "attend: keys and values must be float32 [Hkv, L, D]");
     TORCH_CHECK(k.size(2) == D && v.size(2) == D && k.stride(2) == 1 && v.stride(2) == 1 && k.size(0) == v.size(0) &&
                 k.size(1) == v.size(1) && Hq % k.size(0) == 0, "attend: keys/values do not match q");
-    TORCH_CHECK(rows[i] >= 0 && rows[i] <= k.size(1), "attend: a request has more query rows than keys");
+    TORCH_CHECK(lengths[i] >= 0 && lengths[i] <= k.size(1), "attend: a length exceeds its keys' capacity");
+    TORCH_CHECK(rows[i] >= 0 && rows[i] <= lengths[i], "attend: a request has more query rows than keys");
     first[i + 1] = first[i] + rows[i];
   }
   TORCH_CHECK(first[N] == R, "attend: rows do not add up to q's rows");
   for (int64_t i = 0; i < N; ++i)
     for (int64_t r = first[i]; r < first[i + 1]; ++r) req_of[r] = i;
+  if (append) {  // request i's new rows' keys/values go to positions lengths[i] - rows[i] .. lengths[i] - 1
+    TORCH_CHECK(v_new.has_value() && v_new->defined(), "attend: k_new without v_new");
+    const auto& kn = *k_new;
+    const auto& vn = *v_new;
+    TORCH_CHECK(kn.dim() == 3 && vn.dim() == 3 && kn.size(0) == R && vn.size(0) == R && kn.size(2) == D &&
+                vn.size(2) == D && kn.stride(2) == 1 && vn.stride(2) == 1 && kn.scalar_type() == torch::kFloat32 &&
+                vn.scalar_type() == torch::kFloat32, "attend: k_new/v_new must be float32 [R, Hkv, D]");
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t i = req_of[r], pos = lengths[i] - rows[i] + (r - first[i]);
+      const auto& k = keys[i];
+      const auto& v = values[i];
+      TORCH_CHECK(kn.size(1) == k.size(0) && vn.size(1) == v.size(0), "attend: k_new/v_new heads do not match the cache");
+      for (int64_t h = 0; h < k.size(0); ++h) {
+        std::copy_n(kn.data_ptr<float>() + r * kn.stride(0) + h * kn.stride(1), D,
+                    k.data_ptr<float>() + h * k.stride(0) + pos * k.stride(1));
+        std::copy_n(vn.data_ptr<float>() + r * vn.stride(0) + h * vn.stride(1), D,
+                    v.data_ptr<float>() + h * v.stride(0) + pos * v.stride(1));
+      }
+    }
+  }
   auto out = torch::empty({R, Hq * D}, q.options());
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -487,11 +505,16 @@ torch::Tensor attend(torch::Tensor q, std::vector<torch::Tensor> keys, std::vect
       const int64_t r = w / Hq, h = w % Hq, i = req_of[r];
       const auto& k = keys[i];
       const auto& v = values[i];
-      const int64_t L = k.size(1), group = Hq / k.size(0), kh = h / group;
-      const int64_t n = L - rows[i] + (r - first[i]) + 1;
+      const int64_t group = Hq / k.size(0), kh = h / group;
+      const int64_t n = lengths[i] - rows[i] + (r - first[i]) + 1;
       if (static_cast<int64_t>(scores.size()) < n) scores.resize(n);
-      attend_row(qp + (r * Hq + h) * D, k.data_ptr<float>() + kh * k.stride(0), k.stride(1),
-                 v.data_ptr<float>() + kh * v.stride(0), v.stride(1), n, D, sc, scores.data(), op + r * Hq * D + h * D);
+      const float* qr = qp + (r * Hq + h) * D;
+      const float* kp = k.data_ptr<float>() + kh * k.stride(0);
+      const float* vp = v.data_ptr<float>() + kh * v.stride(0);
+      float* orow = op + r * Hq * D + h * D;
+      if (D == 64) attend_row_fixed<8>(qr, kp, k.stride(1), vp, v.stride(1), n, sc, scores.data(), orow);
+      else if (D == 128) attend_row_fixed<16>(qr, kp, k.stride(1), vp, v.stride(1), n, sc, scores.data(), orow);
+      else attend_row(qr, kp, k.stride(1), vp, v.stride(1), n, D, sc, scores.data(), orow);
     }
   });
   return out;
