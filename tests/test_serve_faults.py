@@ -591,3 +591,59 @@ def test_200_sequential_requests_keep_resident_memory_within_5_percent(tiny, tmp
         print(f"\nserver RSS after 20 requests: {rss[20] / 2**20:.1f} MiB, after 200: {rss[200] / 2**20:.1f} MiB "
               f"({growth:+.2%})")
     assert growth <= 0.05
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps(tiny):
+    """``model.prefill_chunk``: ``prefill_steps`` yields once per chunk (None, then the ``PrefillResult`` over the whole
+    prompt); a ``BatchEngine`` prefills a long prompt chunk by chunk while another request decodes (batched steps run
+    between its chunks, one chunk between two steps), and both texts equal their batch-1 decodes on the same decoder,
+    whose own prefill takes the same chunks."""
+    import math
+
+    from pipeline.prompts import messages_input_ids
+    from pipeline.serving.batch_engine import BatchEngine
+
+    decoder = tiny.decoder("llama", "trained")
+    decoder.stop_ids = set()
+    decoder.prefill_chunk = 4
+    tokenizer = decoder.target.tokenizer
+    texts = {"short": ("Hi", 300), "long": ("Count slowly from one to twenty, then back again, please: " * 3, 8)}
+    ids = {k: messages_input_ids(tokenizer, [{"role": "user", "content": t}]) for k, (t, _) in texts.items()}
+    n = ids["long"].numel()
+    assert n > 24
+    steps = list(decoder.prefill_steps(ids["long"], DecodeConfig(8)))
+    assert steps[:-1] == [None] * (math.ceil(n / 4) - 1)
+    assert steps[-1].cache.get_seq_length() == n and steps[-1].features.shape[1] == n
+    references = {k: decoder.generate(ids[k], 1, DecodeConfig(m)).output_ids for k, (_, m) in texts.items()}
+    engine = BatchEngine(decoder, build_policy("ar", decoder), MODEL, max_batch=4, default_max_tokens=8)
+    chunks_at: list[int] = []  # the batched step count when each chunk of the long prompt ran
+    prefill_steps = decoder.prefill_steps
+
+    def watched(input_ids, *args, **kwargs):
+        for out in prefill_steps(input_ids, *args, **kwargs):
+            if input_ids.numel() == n:
+                chunks_at.append(engine.batch.steps)
+            yield out
+
+    decoder.prefill_steps = watched
+    app = create_app(engine)
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost", timeout=120) as c:
+            async def post(key: str, delay: float):
+                await asyncio.sleep(delay)
+                text, max_tokens = texts[key]
+                body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                        "temperature": 0, "return_token_ids": True}
+                return key, await c.post(CHAT, json=body)
+            return await asyncio.gather(post("short", 0.0), post("long", 0.05))
+
+    try:
+        responses = asyncio.run(scenario())
+    finally:
+        engine.close()
+    for key, response in responses:
+        assert response.status_code == 200, response.text
+        assert response.json()["blockpilot"]["token_ids"] == references[key], key
+    assert len(chunks_at) == math.ceil(n / 4)
+    assert all(b > a for a, b in zip(chunks_at, chunks_at[1:])), chunks_at  # a batched step between every two chunks

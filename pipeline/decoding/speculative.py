@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from transformers import DynamicCache
@@ -170,14 +170,21 @@ class SpeculativeDecoder:
             overhead: ``auto`` (on a packed backend when the target's architecture is supported), True (raises
             when unsupported) or False. Prefills always take transformers' forward. ``self.fast`` holds it or None.
             The same setting puts the drafter's draft forward on ``FastDraft`` (``self.fast_draft``, or None).
+        prefill_chunk: the most prompt tokens one prefill forward takes (None or 0: the whole prompt in one forward);
+            a longer prompt is prefilled chunk by chunk over its growing cache (``prefill_steps``), so that a batching
+            server can run the other requests' steps between two chunks. The chunks are a function of the prompt
+            alone, so a request prefilled between other work gets the same bits as one prefilled alone.
 
     Raises:
         ValueError: when the drafter does not fit the target (hidden size, vocab, layer ids), or for a
-            backend that cannot run here, or an unknown ``kv_cache``.
+            backend that cannot run here, an unknown ``kv_cache``, or a negative ``prefill_chunk``.
     """
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None, backend: str = "eager",
-                 kv_cache: str = "auto", fast_forward: bool | str = "auto"):
+                 kv_cache: str = "auto", fast_forward: bool | str = "auto", prefill_chunk: int | None = None):
+        if prefill_chunk is not None and int(prefill_chunk) < 0:
+            raise ValueError(f"model.prefill_chunk must be >= 0 tokens (0: no chunking), got {prefill_chunk}")
+        self.prefill_chunk = int(prefill_chunk) if prefill_chunk else None
         self.target = target
         self.model = target.model
         self.base = target.model.base_model
@@ -363,9 +370,8 @@ class SpeculativeDecoder:
                 return new[: i + 1], True
         return new, False
 
-    @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, config: DecodeConfig, want_features: bool = True) -> PrefillResult:
-        """Run the target over the prompt once and sample the first new token.
+        """Run the target over the prompt (in chunks of ``prefill_chunk`` tokens) and sample the first new token.
 
         Args:
             input_ids: [1, n] or [n] prompt token ids.
@@ -373,16 +379,41 @@ class SpeculativeDecoder:
         Raises:
             ValueError: for an empty prompt or one that leaves no room for ``config.max_new_tokens``.
         """
+        for result in self.prefill_steps(input_ids, config, want_features):
+            pass
+        return result
+
+    @torch.inference_mode()  # on a generator: in inference mode during each ``next``
+    def prefill_steps(self, input_ids: torch.Tensor, config: DecodeConfig, want_features: bool = True
+                      ) -> Iterator[PrefillResult | None]:
+        """``prefill`` one chunk per ``next``: yields None after every chunk of at most ``prefill_chunk`` tokens but
+        the last, then the ``PrefillResult`` (its ``prefill_ms`` sums the chunks' forwards, not the time between them).
+
+        Raises:
+            ValueError: at the first ``next``, as ``prefill``.
+        """
         input_ids = input_ids.reshape(1, -1).to(self.device)
         self.check_prompt(input_ids, config.max_new_tokens)
         sampler = PositionKeyedSampler(config.temperature, config.seed, self.lm_head.shape[0])
-        t0 = _now(self.device)
+        n = input_ids.shape[1]
+        chunk = self.prefill_chunk or n
         cache = new_cache(self.model, self.kv_cache)
         want = want_features and self.drafter is not None
-        last_logits, features = self.target_forward(input_ids, cache, 0, want_features=want, last_only=True)
-        first = int(sampler.pick(last_logits, input_ids.shape[1])[0])
-        prefill_ms = (_now(self.device) - t0) * 1e3
-        return PrefillResult(input_ids, cache, last_logits[0], features, first, prefill_ms)
+        features, spent = [], 0.0
+        for start in range(0, n, chunk):
+            t0 = _now(self.device)
+            last_logits, part = self.target_forward(input_ids[:, start: start + chunk], cache, start,
+                                                    want_features=want, last_only=True)
+            if part is not None:
+                features.append(part)
+            if start + chunk < n:
+                spent += _now(self.device) - t0
+                yield None
+                continue
+            first = int(sampler.pick(last_logits, n)[0])
+            spent += _now(self.device) - t0
+            joined = None if not features else features[0] if len(features) == 1 else torch.cat(features, dim=1)
+            yield PrefillResult(input_ids, cache, last_logits[0], joined, first, spent * 1e3)
 
     @torch.inference_mode()
     def decode(self, prefill: PrefillResult, schedule: BlockSizeSchedule | int, config: DecodeConfig,

@@ -12,8 +12,9 @@ Admission: ``max_batch`` running + ``max_queue`` waiting; more get ``QueueFull``
 app reads holds ``max_queue + max_batch - 1`` so that its check ``in_flight >= 1 + max_queue`` counts every slot.
 Policies: every ``serve.policy`` schedule (each request's own, verify-width ones choosing k alone), or ``budget``
 (``serve.policy=budget``: ``pipeline.policy.budget.BudgetPolicy``, the widths of the step's requests chosen jointly on
-this machine's batched step costs; the ``blockpilot`` extension of its responses says policy ``budget``). Not supported
-here: the recorder, and chunked prefills (a long prompt's prefill stalls the running requests for its duration).
+this machine's batched step costs; the ``blockpilot`` extension of its responses says policy ``budget``). Prefills are
+chunked (``model.prefill_chunk`` tokens a forward): between two batched steps at most about one chunk runs, so a long
+prompt stalls the running requests one chunk at a time. Not supported here: the recorder.
 
     python -m pipeline.serve serve.max_batch=8            # continuous batching (serve.max_batch=1: the batch-1 Engine)
     python -m pipeline.serve serve.max_batch=8 serve.policy=budget   # ... with the verify widths chosen jointly
@@ -41,12 +42,14 @@ STEPS_KEPT = 10_000  # batched steps whose ``BatchedDecoder.rows`` / ``step_log`
 class _Entry:
     """A job inside the scheduler: its future, loop, text stream and batch request."""
 
-    __slots__ = ("job", "future", "loop", "stream", "schedule", "request", "policy", "queue_ms")
+    __slots__ = ("job", "future", "loop", "stream", "schedule", "request", "policy", "queue_ms", "steps", "on_tokens",
+                 "prefilled")
 
     def __init__(self, job: Job, future: asyncio.Future, loop: asyncio.AbstractEventLoop):
         self.job, self.future, self.loop = job, future, loop
-        self.stream = self.schedule = self.request = self.policy = None
+        self.stream = self.schedule = self.request = self.policy = self.steps = self.on_tokens = None
         self.queue_ms = 0.0
+        self.prefilled = 0  # prompt tokens prefilled so far
 
 
 class BatchEngine(Engine):
@@ -81,6 +84,7 @@ class BatchEngine(Engine):
                                     budget.plan if budget is not None else None)
         self._inbox: queue.Queue[_Entry | None] = queue.Queue()
         self._pending: list[_Entry] = []
+        self._prefilling: _Entry | None = None  # the request whose prefill is under way (it holds a slot)
         self._running: dict[int, _Entry] = {}  # id(BatchRequest) -> entry
         self._idle = threading.Event()
         self._idle.set()
@@ -133,7 +137,7 @@ class BatchEngine(Engine):
     # -- the scheduler thread -----------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            if not self._pending and not self._running:
+            if not self._pending and not self._running and self._prefilling is None:
                 self._idle.set()
                 entry = self._inbox.get()
                 if entry is None:
@@ -149,8 +153,7 @@ class BatchEngine(Engine):
                     return
                 self._pending.append(entry)
             self._drop_cancelled()
-            while self._pending and len(self._running) < self.max_batch:
-                self._admit(self._pending.pop(0))
+            self._prefill()
             if not self.batch.active:
                 continue
             try:
@@ -179,13 +182,55 @@ class BatchEngine(Engine):
                 self.batch.cancel(entry.request)
                 self._complete(self._running.pop(key))
 
-    def _admit(self, entry: _Entry) -> None:
+    def _prefill(self) -> None:
+        """Prefill waiting requests into free slots, chunk by chunk (``SpeculativeDecoder.prefill_steps``): while other
+        requests decode, at most about one chunk (``model.prefill_chunk`` tokens) runs between two batched steps, so a
+        long prompt stalls them one chunk at a time; with none decoding, prefills run back to back. A request joins
+        the batch at the step boundary after its last chunk."""
+        chunk = self.decoder.prefill_chunk or float("inf")
+        spent = 0
+        while True:
+            entry = self._prefilling
+            if entry is None:
+                if not self._pending or len(self._running) >= self.max_batch:
+                    return
+                entry = self._pending.pop(0)
+                if not self._start(entry):
+                    continue
+                self._prefilling = entry
+            if entry.job.cancelled.is_set():
+                self._prefilling = None
+                self._reject(entry, JobCancelled(f"request {entry.job.request_id} was cancelled during its prefill"))
+                continue
+            try:
+                result = next(entry.steps)
+            except Exception as err:  # a bad prompt (too long for max_tokens) or a failed forward: this request only
+                self._prefilling = None
+                self._reject(entry, err)
+                continue
+            n = entry.job.input_ids.numel()
+            step = min(n - entry.prefilled, chunk)
+            entry.prefilled += step
+            spent += step
+            if result is not None:
+                self._prefilling = None
+                self._join(entry, result)
+            if self.batch.active and spent >= chunk:
+                return
+
+    def _start(self, entry: _Entry) -> bool:
+        """Set up a request's schedule, text stream and prefill; False when it was answered at once (an error)."""
         job = entry.job
         entry.queue_ms = (time.perf_counter() - job.submitted) * 1e3
-        if job.block_size is not None:
-            entry.policy, schedule = "request", FixedSchedule(int(job.block_size))
-        else:
-            entry.policy, schedule = (self.policy.name if self.budget is None else "budget"), self.policy.make()
+        try:
+            if job.block_size is not None:
+                entry.policy, schedule = "request", FixedSchedule(int(job.block_size))
+                self.decoder.check_block_size(int(job.block_size))
+            else:
+                entry.policy, schedule = (self.policy.name if self.budget is None else "budget"), self.policy.make()
+        except Exception as err:
+            self._reject(entry, err)
+            return False
         entry.schedule = FirstChoice(schedule)
         entry.stream = stream = TextStream(self.tokenizer, job.stops)
 
@@ -195,8 +240,16 @@ class BatchEngine(Engine):
                 job.on_text(delta)
             return stream.stopped or job.cancelled.is_set()
 
+        entry.on_tokens = on_tokens
+        entry.steps = self.decoder.prefill_steps(job.input_ids, job.config,
+                                                 want_features=entry.schedule.max_block_size > 1)
+        return True
+
+    def _join(self, entry: _Entry, prefill) -> None:
+        """The request joins the batch at the next step (its first token streamed now)."""
         try:
-            req = self.batch.add(job.input_ids, entry.schedule, job.config, rid=job.request_id, on_tokens=on_tokens)
+            req = self.batch.add(prefill, entry.schedule, entry.job.config, rid=entry.job.request_id,
+                                 on_tokens=entry.on_tokens)
         except Exception as err:
             self._reject(entry, err)
             return
@@ -226,6 +279,9 @@ class BatchEngine(Engine):
         entry.loop.call_soon_threadsafe(_settle, entry.future, None, err)
 
     def _fail_all(self, err: BaseException) -> None:
+        if self._prefilling is not None:
+            self._pending.insert(0, self._prefilling)
+            self._prefilling = None
         for entry in self._pending:
             self._reject(entry, err)
         for entry in self._running.values():
