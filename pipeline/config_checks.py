@@ -145,7 +145,7 @@ def _check_policy(cfg) -> None:
 
 def _check_serve(cfg) -> None:
     """``serve.policy`` (servable; ``budget`` only with ``serve.max_batch > 1`` and a valid ``policy.budget.costs``),
-    ``serve.max_batch`` (>= 1), ``serve.record`` (batch 1 only), and the policies' options."""
+    ``serve.max_batch`` (>= 1), and the policies' options."""
     from pipeline.policy.registry import BATCHED, METHODS, SERVABLE
 
     serve = cfg.serve
@@ -167,9 +167,6 @@ def _check_serve(cfg) -> None:
         from pipeline.costs.batched import check_batch_cost_settings
 
         check_batch_cost_settings(((cfg.get("policy") or {}).get("budget") or {}).get("costs"), "policy.budget.costs")
-    if serve.get("record") and max_batch > 1:
-        raise ValueError(f"serve.record=true is not supported with serve.max_batch={max_batch} (the recorder replays "
-                         "each request alone after it): record with serve.max_batch=1, or set serve.record=false")
     _check_policy(cfg)
 
 
@@ -219,8 +216,8 @@ def validate_config(cfg, stage: str) -> None:
     method has a ``policy.<method>.predictor`` sub-folder, ``policy.verify_width``, ``eval.split``; for ``label``: ``label.block_sizes``, ``mode``,
     ``turns``, ``lm_head``; for ``draft``: ``draft.loss``, each set's ``temperature`` and a ``source: self``
     set's ``limit``, ``draft.checkpoint_every``; for ``serve``: ``serve.policy`` (servable; ``budget`` only with
-    ``serve.max_batch > 1``: the message names ``serve.max_batch=8``), ``serve.max_batch``, ``serve.record`` (batch 1
-    only), ``policy.budget.costs`` (for budget) and the policies' options.
+    ``serve.max_batch > 1``: the message names ``serve.max_batch=8``), ``serve.max_batch``, ``policy.budget.costs``
+    (for budget) and the policies' options.
 
     Args:
         cfg: the stage's composed ``DictConfig``.

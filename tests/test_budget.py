@@ -97,17 +97,31 @@ def test_budget_policy_skips_the_drafter_after_an_unpaid_step():
 
 def test_budget_gate_drafts_only_where_drafting_pays():
     """Before drafting, the gate leaves out a request whose prior acceptance does not repay the drafter's cost (here
-    4 ms per drafted row), keeps one whose does, probes requests without a prior, and re-probes after max_skip."""
+    1 ms per drafted row over a verify of 10 + 1 ms per row), keeps one whose does; a request without a prior takes the
+    population's (it probes only before anyone drafted), and one left out max_skip steps drops its prior for the
+    population's."""
     calibration = AcceptanceCalibration([0.0] * 4, [1.0] * 4)  # a_j = p_j
-    costs = BatchCostModel([1, 64], [11.0, 74.0], [1, 64], [4.0, 256.0])  # verify 10 + 1/row; draft 4/row
+    costs = BatchCostModel([1, 64], [11.0, 74.0], [1, 64], [1.0, 64.0])  # verify 10 + 1/row; draft 1/row
     policy = BudgetPolicy(calibration, costs, max_skip=3)
     good, bad, new = _Req(), _Req(), _Req()
-    assert policy.plan([good, bad], [4, 4]) == [4, 4]  # no priors yet: both probe
+    assert policy.plan([good, bad], [4, 4]) == [4, 4]  # nobody has drafted yet: both probe
     policy.allocate([good, bad], [torch.tensor([0.999] * 3), torch.tensor([0.05] * 3)])
     assert good.budget_prior.tolist() == pytest.approx([0.999] * 3)
+    assert policy.population.tolist() == pytest.approx([0.9 * 0.999 + 0.1 * 0.05] * 3)  # both drafts moved it
     bad.budget_skip = [0, 0]  # only the gate decides below
-    assert policy.plan([good, bad, new], [4, 4, 4]) == [4, 1, 4]  # the new request probes
-    assert [policy.plan([good, bad], [4, 4])[1] for _ in range(3)] == [1, 1, 4]  # left out 3 steps: a probe
+    assert policy.plan([good, bad, new], [4, 4, 4]) == [4, 1, 4]  # the new request drafts on the population's prior
+    assert [policy.plan([good, bad], [4, 4])[1] for _ in range(3)] == [1, 1, 4]  # left out 3 steps: the population's
+    # where the requests seen so far accepted little, a new request takes their prior and does not draft at all
+    poor = BudgetPolicy(calibration, costs, max_skip=3)
+    first, second, late = _Req(), _Req(), _Req()
+    assert poor.plan([first, second], [4, 4]) == [4, 4]
+    poor.allocate([first, second], [torch.tensor([0.05] * 3), torch.tensor([0.1] * 3)])
+    first.budget_skip = second.budget_skip = [0, 0]
+    assert [poor.plan([first, second, late], [4, 4, 4]) for _ in range(5)] == [[1, 1, 1]] * 5  # nor after max_skip
+    # where drafting costs 4 ms a row, not even the best request's drafts repay it
+    dear = BudgetPolicy(calibration, BatchCostModel([1, 64], [11.0, 74.0], [1, 64], [4.0, 256.0]), max_skip=3)
+    dear.population = torch.tensor([0.999] * 3, dtype=torch.float64)
+    assert dear.plan([_Req(), _Req()], [4, 4]) == [1, 1]
     # where drafting is free, every request with any chance drafts
     free = BudgetPolicy(calibration, BatchCostModel([1, 64], [10.0, 10.0], [1, 64], [0.0, 0.0]), max_skip=3)
     bad.budget_left_out = 0

@@ -99,12 +99,11 @@ def test_every_stage_config_passes_as_shipped(compose_config):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["serve.policy=budget"], r"serve.policy=budget chooses the verify widths .* serve.max_batch=1 runs one request at a "
+    (["serve.policy=budget", "serve.max_batch=1"], r"serve.policy=budget chooses the verify widths .* serve.max_batch=1 runs one request at a "
                               r"time: set serve.max_batch=8"),
     (["serve.policy=budget", "serve.max_batch=8", "policy.budget.costs.rows=[]"], r"policy.budget.costs.rows=\[\]"),
     (["serve.policy=budget", "serve.max_batch=8", "policy.budget.costs.repeats=0"], r"policy.budget.costs.repeats=0"),
     (["serve.max_batch=0"], r"serve.max_batch=0: .* an integer >= 1"),
-    (["serve.max_batch=4", "serve.record=true"], r"serve.record=true is not supported with serve.max_batch=4"),
     (["serve.policy=beam"], r"unknown serve.policy 'beam'; choose from \[.*'budget'\]"),
     (["serve.policy=oracle"], r"serve.policy=oracle cannot be served"),
     (["policy.verify_width.objective=speed"], r"policy.verify_width.objective='speed'"),

@@ -35,6 +35,7 @@ from pipeline.policy.verify_width import AcceptanceCalibration, expected_tokens,
 
 METHODS = ("ar", "fixed", "verify_width", "budget")
 WIDTHS_KEPT = 100_000  # BudgetPolicy.widths: the most recent choices kept
+POPULATION_WEIGHT = 0.1  # BudgetPolicy.population: the weight of each drafting request-step's acceptances
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -110,9 +111,12 @@ class BudgetPolicy:
     keeps a prior of its drafts' acceptance (the mean of its last drafted steps' calibrated acceptances, per column),
     and the step drafts the requests, best prior first, up to the count whose modelled step (``allocate`` on the priors
     over the drafting requests, ``BatchCostModel.step_ms`` with their drafted rows) yields the most tokens per ms. A
-    request without a prior drafts (a probe); one left out ``max_skip`` steps in a row drafts again to refresh its
-    prior. After a step that gave a request k = 0 it also skips the drafter for the next 1, 2, 4, ... ``max_skip``
-    steps (the rule ``VerifyWidthSchedule`` uses alone).
+    request without a prior of its own takes the population's (``population``: a moving average over every drafted
+    request-step's acceptances), so where drafting does not pay at the step's concurrency a new request does not
+    draft at all; only before any request has drafted does it draft to learn (a probe). A request left out
+    ``max_skip`` steps in a row drops its own prior (it may be stale) for the population's. After a step that gave a
+    request k = 0 it also skips the drafter for the next 1, 2, 4, ... ``max_skip`` steps (the rule
+    ``VerifyWidthSchedule`` uses alone).
 
     Args:
         calibration: the drafts' acceptance calibration; costs: this machine's ``BatchCostModel``.
@@ -120,7 +124,9 @@ class BudgetPolicy:
         gate: decide before drafting which requests draft (False: every request not skipping drafts).
     Attributes:
         widths: the last ``WIDTHS_KEPT`` k it chose, in order (bounded: a server runs one policy for days);
-        drafted: per planned step (the last ``WIDTHS_KEPT``), how many requests drafted.
+        drafted: per planned step (the last ``WIDTHS_KEPT``), how many requests drafted;
+        population: [B-1] the moving average (weight ``POPULATION_WEIGHT`` per request-step) of every drafting
+            request's calibrated acceptance per column, or None before any request drafted.
     Raises:
         ValueError: for max_skip < 0.
     """
@@ -132,6 +138,7 @@ class BudgetPolicy:
         self.calibration, self.costs = calibration, costs
         self.skip_drafts, self.max_skip, self.gate = bool(skip_drafts), int(max_skip), bool(gate)
         self._plain = 0
+        self.population: torch.Tensor | None = None
         self.widths: collections.deque[int] = collections.deque(maxlen=WIDTHS_KEPT)
         self.drafted: collections.deque[int] = collections.deque(maxlen=WIDTHS_KEPT)
 
@@ -161,9 +168,12 @@ class BudgetPolicy:
         for i, (r, b) in enumerate(zip(requests, sizes)):
             if b <= 1:
                 continue
+            if r.__dict__.get("budget_left_out", 0) >= self.max_skip:
+                r.__dict__["budget_prior"] = None  # left out long enough for its prior to be stale: the population's
             prior = r.__dict__.get("budget_prior")
-            left_out = r.__dict__.get("budget_left_out", 0)
-            if prior is None or left_out >= self.max_skip:
+            if prior is None:
+                prior = self.population
+            if prior is None:
                 probes.append(i)
             else:
                 ranked.append((float(prior[0]) if len(prior) else 0.0, i, prior[: b - 1]))
@@ -207,12 +217,27 @@ class BudgetPolicy:
                 run[0] = min(max(1, 2 * run[0]), self.max_skip)
                 run[1] = run[0]
             a = torch.as_tensor(a, dtype=torch.float64).reshape(-1)
+            self._learn_population(a)
             prior = r.__dict__.get("budget_prior")
             if prior is not None and len(prior) == len(a):
                 a = 0.5 * prior + 0.5 * a
             r.__dict__["budget_prior"] = a
         self.widths.extend(widths)
         return widths
+
+    def _learn_population(self, acceptance: torch.Tensor) -> None:
+        if len(acceptance):
+            self.population = _moving(self.population, acceptance, POPULATION_WEIGHT)
+
+
+def _moving(old: torch.Tensor | None, new: torch.Tensor, weight: float) -> torch.Tensor:
+    """``old`` moved by ``weight`` toward ``new`` on their common columns (``new`` where ``old`` has none)."""
+    if old is None or len(old) == 0:
+        return new.clone()
+    out = old.clone() if len(old) >= len(new) else torch.cat([old, new[len(old):]])
+    m = min(len(old), len(new))
+    out[:m] = (1 - weight) * old[:m] + weight * new[:m]
+    return out
 
 
 def batched_method(method: str, block_size: int, calibration: AcceptanceCalibration | None = None,

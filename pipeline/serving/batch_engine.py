@@ -14,7 +14,8 @@ Policies: every ``serve.policy`` schedule (each request's own, verify-width ones
 (``serve.policy=budget``: ``pipeline.policy.budget.BudgetPolicy``, the widths of the step's requests chosen jointly on
 this machine's batched step costs; the ``blockpilot`` extension of its responses says policy ``budget``). Prefills are
 chunked (``model.prefill_chunk`` tokens a forward): between two batched steps at most about one chunk runs, so a long
-prompt stalls the running requests one chunk at a time. Not supported here: the recorder.
+prompt stalls the running requests one chunk at a time. With a recorder (``serve.record=true``) each finished request's
+label row is computed on the recorder's own thread, as the batch-1 ``Engine`` does.
 
     python -m pipeline.serve serve.max_batch=8            # continuous batching (serve.max_batch=1: the batch-1 Engine)
     python -m pipeline.serve serve.max_batch=8 serve.policy=budget   # ... with the verify widths chosen jointly
@@ -23,6 +24,7 @@ prompt stalls the running requests one chunk at a time. Not supported here: the 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import queue
 import threading
@@ -32,6 +34,7 @@ from pipeline.decoding.batched import BatchedDecoder
 from pipeline.decoding.schedules import FirstChoice, FixedSchedule
 from pipeline.decoding.speculative import SpeculativeDecoder
 from pipeline.serving.engine import Completion, Engine, Job, JobCancelled, Policy, QueueFull
+from pipeline.serving.recorder import Served
 from pipeline.serving.schemas import DecodeInfo
 from pipeline.serving.text import TextStream
 
@@ -43,13 +46,15 @@ class _Entry:
     """A job inside the scheduler: its future, loop, text stream and batch request."""
 
     __slots__ = ("job", "future", "loop", "stream", "schedule", "request", "policy", "queue_ms", "steps", "on_tokens",
-                 "prefilled")
+                 "prefilled", "record", "kept")
 
     def __init__(self, job: Job, future: asyncio.Future, loop: asyncio.AbstractEventLoop):
         self.job, self.future, self.loop = job, future, loop
         self.stream = self.schedule = self.request = self.policy = self.steps = self.on_tokens = None
         self.queue_ms = 0.0
         self.prefilled = 0  # prompt tokens prefilled so far
+        self.record = False  # the recorder wants this request
+        self.kept = None  # its prefill with an unconsumed copy of the prompt cache (for the recorder)
 
 
 class BatchEngine(Engine):
@@ -60,7 +65,7 @@ class BatchEngine(Engine):
         ``pipeline.policy.budget.BudgetPolicy`` choosing every step's widths jointly (None: ``policy.budget``, which
         ``build_policy("budget", ...)`` sets; without either, each request's schedule chooses its own).
     Raises:
-        ValueError: for max_batch < 1, max_queue < 0, or a recorder (not supported with batching).
+        ValueError: for max_batch < 1 or max_queue < 0.
     """
 
     batched = True
@@ -70,11 +75,10 @@ class BatchEngine(Engine):
                  default_temperature: float = 0.0, max_batch: int = 8, budget=None):
         if int(max_batch) < 1:
             raise ValueError(f"serve.max_batch must be >= 1, got {max_batch}")
-        if recorder is not None:
-            raise ValueError("serve.record=true is not supported with serve.max_batch > 1; record with serve.max_batch=1")
-        super().__init__(decoder, policy, model_name, max_queue, default_max_tokens, max_tokens, default_seed, None,
+        super().__init__(decoder, policy, model_name, max_queue, default_max_tokens, max_tokens, default_seed, recorder,
                          default_temperature)
-        self.executor.shutdown(wait=False)  # the batch-1 worker is not used
+        if recorder is None:
+            self.executor.shutdown(wait=False)  # the batch-1 worker is not used (with a recorder: it records)
         self.max_batch = int(max_batch)
         self.waiting_limit = int(max_queue)
         self.max_queue = self.waiting_limit + self.max_batch - 1  # the app's check: in_flight >= 1 + max_queue
@@ -96,7 +100,7 @@ class BatchEngine(Engine):
         """``engine`` itself when ``max_batch`` <= 1, else a ``BatchEngine`` with its settings (``engine`` is closed).
 
         Raises:
-            ValueError: as the constructor (a recorder with max_batch > 1).
+            ValueError: as the constructor.
         """
         if max_batch is None or int(max_batch) <= 1:
             return engine
@@ -232,6 +236,9 @@ class BatchEngine(Engine):
             self._reject(entry, err)
             return False
         entry.schedule = FirstChoice(schedule)
+        entry.record = self.recorder is not None and self.recorder.wants(job.config)
+        if self.recorder is not None and not entry.record:
+            self.recorder.skip()
         entry.stream = stream = TextStream(self.tokenizer, job.stops)
 
         def on_tokens(ids: list[int]) -> bool:
@@ -242,11 +249,14 @@ class BatchEngine(Engine):
 
         entry.on_tokens = on_tokens
         entry.steps = self.decoder.prefill_steps(job.input_ids, job.config,
-                                                 want_features=entry.schedule.max_block_size > 1)
+                                                 want_features=entry.schedule.max_block_size > 1 or entry.record)
         return True
 
     def _join(self, entry: _Entry, prefill) -> None:
         """The request joins the batch at the next step (its first token streamed now)."""
+        if entry.record:  # the decode consumes the cache; the recorder replays from the prefill
+            entry.kept = copy.copy(prefill)
+            entry.kept.cache = copy.deepcopy(prefill.cache)
         try:
             req = self.batch.add(prefill, entry.schedule, entry.job.config, rid=entry.job.request_id,
                                  on_tokens=entry.on_tokens)
@@ -274,6 +284,12 @@ class BatchEngine(Engine):
         info = DecodeInfo.of(stats, entry.policy, entry.schedule.chosen, entry.queue_ms)
         completion = Completion(stream.text, reason, list(stats.output_ids), stats, info)
         entry.loop.call_soon_threadsafe(_settle, entry.future, completion, None)
+        if entry.kept is not None:  # labelled on the recorder's own thread, as the batch-1 engine does after a decode
+            halted = stream.stopped or job.cancelled.is_set()
+            self.executor.submit(self.recorder.record, Served(job.request_id, entry.kept, list(stats.output_ids),
+                                                              job.config, halted, list(stats.taus),
+                                                              list(stats.block_sizes), stats.decode_ms))
+            entry.kept = None
 
     def _reject(self, entry: _Entry, err: BaseException) -> None:
         entry.loop.call_soon_threadsafe(_settle, entry.future, None, err)
@@ -290,11 +306,15 @@ class BatchEngine(Engine):
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def drain(self, timeout_s: float = 600.0) -> None:
-        """Wait (at most ``timeout_s``) until every admitted request has been answered."""
+        """Wait (at most ``timeout_s``) until every admitted request has been answered (and recorded, then flush the
+        recorder)."""
         deadline = time.monotonic() + timeout_s
         while not self._idle.wait(timeout=0.05) or not self._inbox.empty():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"requests still running after {timeout_s} s")
+        if self.recorder is not None:
+            self.executor.submit(lambda: None).result(timeout=max(1.0, deadline - time.monotonic()))
+            self.recorder.flush()
 
     def close(self) -> None:
         """Finish the admitted requests and stop the scheduler (a second call does nothing)."""
@@ -306,6 +326,7 @@ class BatchEngine(Engine):
         finally:
             self._inbox.put(None)
             self._thread.join(timeout=60)
+            self.executor.shutdown(wait=True)
 
 
 def _settle(future: asyncio.Future, result, err) -> None:
