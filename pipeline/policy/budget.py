@@ -36,6 +36,9 @@ from pipeline.policy.verify_width import AcceptanceCalibration, expected_tokens,
 METHODS = ("ar", "fixed", "verify_width", "budget")
 WIDTHS_KEPT = 100_000  # BudgetPolicy.widths: the most recent choices kept
 POPULATION_WEIGHT = 0.1  # BudgetPolicy.population: the weight of each drafting request-step's acceptances
+# BudgetPolicy's gate drafts only where the modelled step with the drafts yields this much more than the step without:
+# the drafter's Python work (sampling, confidences, the allocation) and the priors' optimism are not in the cost model
+GATE_MARGIN = 0.1
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -122,6 +125,8 @@ class BudgetPolicy:
         calibration: the drafts' acceptance calibration; costs: this machine's ``BatchCostModel``.
         skip_drafts: skip the drafter after a step that gave a request k = 0; max_skip: the longest skip run (steps).
         gate: decide before drafting which requests draft (False: every request not skipping drafts).
+        margin: the gate drafts only where the modelled step with the drafts yields ``1 + margin`` times the tokens per
+            ms of the step without them.
     Attributes:
         widths: the last ``WIDTHS_KEPT`` k it chose, in order (bounded: a server runs one policy for days);
         drafted: per planned step (the last ``WIDTHS_KEPT``), how many requests drafted;
@@ -132,9 +137,12 @@ class BudgetPolicy:
     """
 
     def __init__(self, calibration: AcceptanceCalibration, costs: BatchCostModel, skip_drafts: bool = True,
-                 max_skip: int = 8, gate: bool = True):
+                 max_skip: int = 8, gate: bool = True, margin: float = GATE_MARGIN):
         if int(max_skip) < 0:
             raise ValueError(f"max_skip must be >= 0, got {max_skip}")
+        if float(margin) < 0:
+            raise ValueError(f"margin must be >= 0, got {margin}")
+        self.margin = float(margin)
         self.calibration, self.costs = calibration, costs
         self.skip_drafts, self.max_skip, self.gate = bool(skip_drafts), int(max_skip), bool(gate)
         self._plain = 0
@@ -189,6 +197,7 @@ class BudgetPolicy:
             else:
                 acceptance = fill + [p for _, _, p in ranked[:m]]
                 _, rate = allocate(acceptance, self.costs, n - len(drafting), sum(sizes[i] for i in drafting))
+                rate /= 1.0 + self.margin  # a draft must beat the step without it by the margin
             if rate > best + 1e-12:
                 best_m, best = m, rate
         out = list(sizes)
