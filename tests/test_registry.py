@@ -74,7 +74,7 @@ def test_every_method_builds_the_same_schedule_through_eval_and_serve(run, tiny)
     for name, method in METHODS.items():
         if method.batched:  # served with continuous batching only; its texts are tested in test_serve.py
             with pytest.raises(ValueError, match="set serve.max_batch=8"):
-                build_engine(serve_config(run, name), decoder)
+                build_engine(serve_config(run, name, "serve.max_batch=1"), decoder)
             engine = build_engine(serve_config(run, name, *BUDGET), decoder)
             try:
                 assert engine.policy.name == name and engine.max_batch == 2

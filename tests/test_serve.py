@@ -310,7 +310,8 @@ def test_budget_policy_serves_the_ar_texts_with_widths_chosen_jointly(tiny, tiny
         raise AssertionError("a model was loaded before the config was checked")
 
     monkeypatch.setattr("pipeline.decoding.build.build_decoder", refuse)
-    with composed("serve", overrides) as cfg, pytest.raises(ValueError, match=r"serve.max_batch=1 .*set serve.max_batch=8"):
+    with composed("serve", [*overrides, "serve.max_batch=1"]) as cfg, \
+            pytest.raises(ValueError, match=r"serve.max_batch=1 .*set serve.max_batch=8"):
         build_engine(cfg)
     with composed("serve", [*overrides, "serve.max_batch=4"]) as cfg:
         engine = build_engine(cfg, decoder=trained_decoder)
