@@ -361,6 +361,19 @@ inline float hsum8(__m256 v) {
   return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
 }
 
+// scores[0..n) -> exp(scores - max), in place, sequentially; returns their sum (in the same order).
+inline float softmax_numerators(float* __restrict scores, int64_t n) {
+  float m = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) m = std::max(m, scores[t]);
+  float sum = 0.f;
+  for (int64_t t = 0; t < n; ++t) {
+    const float e = std::exp(scores[t] - m);
+    scores[t] = e;
+    sum += e;
+  }
+  return sum;
+}
+
 // One query row of one head: out[D] = softmax(scale * q . K[0..n)) @ V[0..n).
 void attend_row(const float* __restrict q, const float* __restrict k, int64_t ks, const float* __restrict v,
                 int64_t vs, int64_t n, int64_t D, float scale, float* __restrict scores, float* __restrict out) {
@@ -373,14 +386,7 @@ void attend_row(const float* __restrict q, const float* __restrict k, int64_t ks
     for (int64_t d = lanes; d < D; ++d) s += q[d] * kt[d];
     scores[t] = s * scale;
   }
-  float m = -INFINITY;
-  for (int64_t t = 0; t < n; ++t) m = std::max(m, scores[t]);
-  float sum = 0.f;
-  for (int64_t t = 0; t < n; ++t) {
-    const float e = std::exp(scores[t] - m);
-    scores[t] = e;
-    sum += e;
-  }
+  const float sum = softmax_numerators(scores, n);
   for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
   for (int64_t t = 0; t < n; ++t) {
     const float* vt = v + t * vs;
@@ -425,14 +431,7 @@ void attend_row_fixed(const float* __restrict q, const float* __restrict k, int6
     for (int j = 0; j < NV; ++j) acc = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(kt + 8 * j), acc);
     scores[t] = hsum8(acc) * scale;
   }
-  float m = -INFINITY;
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, scores[i]);
-  float sum = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
-    const float e = std::exp(scores[i] - m);
-    scores[i] = e;
-    sum += e;
-  }
+  const float sum = softmax_numerators(scores, n);
   __m256 o[NV];
 #pragma GCC unroll 16
   for (int j = 0; j < NV; ++j) o[j] = _mm256_setzero_ps();
