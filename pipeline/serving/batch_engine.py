@@ -24,7 +24,6 @@ label row is computed on the recorder's own thread, as the batch-1 ``Engine`` do
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import queue
 import threading
@@ -33,8 +32,8 @@ import time
 from pipeline.decoding.batched import BatchedDecoder
 from pipeline.decoding.schedules import FirstChoice, FixedSchedule
 from pipeline.decoding.speculative import SpeculativeDecoder
-from pipeline.serving.engine import Completion, Engine, Job, JobCancelled, Policy, QueueFull
-from pipeline.serving.recorder import Served
+from pipeline.serving.engine import (Completion, Engine, Job, JobCancelled, Policy, QueueFull, keep_for_recorder,
+                                     served_of)
 from pipeline.serving.schemas import DecodeInfo
 from pipeline.serving.text import TextStream
 
@@ -236,9 +235,7 @@ class BatchEngine(Engine):
             self._reject(entry, err)
             return False
         entry.schedule = FirstChoice(schedule)
-        entry.record = self.recorder is not None and self.recorder.wants(job.config)
-        if self.recorder is not None and not entry.record:
-            self.recorder.skip()
+        entry.record = self._wants_record(job)
         entry.stream = stream = TextStream(self.tokenizer, job.stops)
 
         def on_tokens(ids: list[int]) -> bool:
@@ -254,9 +251,8 @@ class BatchEngine(Engine):
 
     def _join(self, entry: _Entry, prefill) -> None:
         """The request joins the batch at the next step (its first token streamed now)."""
-        if entry.record:  # the decode consumes the cache; the recorder replays from the prefill
-            entry.kept = copy.copy(prefill)
-            entry.kept.cache = copy.deepcopy(prefill.cache)
+        if entry.record:
+            entry.kept = keep_for_recorder(prefill)
         try:
             req = self.batch.add(prefill, entry.schedule, entry.job.config, rid=entry.job.request_id,
                                  on_tokens=entry.on_tokens)
@@ -286,9 +282,7 @@ class BatchEngine(Engine):
         entry.loop.call_soon_threadsafe(_settle, entry.future, completion, None)
         if entry.kept is not None:  # labelled on the recorder's own thread, as the batch-1 engine does after a decode
             halted = stream.stopped or job.cancelled.is_set()
-            self.executor.submit(self.recorder.record, Served(job.request_id, entry.kept, list(stats.output_ids),
-                                                              job.config, halted, list(stats.taus),
-                                                              list(stats.block_sizes), stats.decode_ms))
+            self.executor.submit(self.recorder.record, served_of(job, entry.kept, stats, halted))
             entry.kept = None
 
     def _reject(self, entry: _Entry, err: BaseException) -> None:

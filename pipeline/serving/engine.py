@@ -136,6 +136,20 @@ class Completion:
     info: DecodeInfo
 
 
+def keep_for_recorder(prefill):
+    """A shallow copy of ``prefill`` with a copy of its prompt cache: the decode consumes the cache, and the recorder
+    replays from the prefill."""
+    kept = copy.copy(prefill)
+    kept.cache = copy.deepcopy(prefill.cache)
+    return kept
+
+
+def served_of(job: Job, kept, stats, halted: bool) -> Served:
+    """The recorder's input for a finished ``job``: its kept prefill and its decode's ``RequestStats``."""
+    return Served(job.request_id, kept, list(stats.output_ids), job.config, halted, list(stats.taus),
+                  list(stats.block_sizes), stats.decode_ms)
+
+
 class Engine:
     """Runs requests through one ``SpeculativeDecoder``, one at a time.
 
@@ -254,13 +268,9 @@ class Engine:
         else:
             policy, schedule = self.policy.name, self.policy.make()
         schedule = FirstChoice(schedule)
-        record = self.recorder is not None and self.recorder.wants(job.config)
-        if self.recorder is not None and not record:
-            self.recorder.skip()
+        record = self._wants_record(job)
         prefill = decoder.prefill(job.input_ids, job.config, want_features=schedule.max_block_size > 1 or record)
-        kept = copy.copy(prefill) if record else None
-        if kept is not None:
-            kept.cache = copy.deepcopy(prefill.cache)  # the decode consumes the cache; the recorder replays from here
+        kept = keep_for_recorder(prefill) if record else None
         stream = TextStream(self.tokenizer, job.stops)
 
         def on_tokens(ids: list[int]) -> bool:
@@ -282,11 +292,17 @@ class Engine:
             reason = "length"
         info = DecodeInfo.of(stats, policy, schedule.chosen, queue_ms)
         completion = Completion(stream.text, reason, list(stats.output_ids), stats, info)
-        served = None
-        if kept is not None:
-            served = Served(job.request_id, kept, list(stats.output_ids), job.config, halted, list(stats.taus),
-                            list(stats.block_sizes), stats.decode_ms)
+        served = served_of(job, kept, stats, halted) if kept is not None else None
         return completion, served
+
+    def _wants_record(self, job: Job) -> bool:
+        """Whether the recorder labels ``job`` (its temperature is the run's); a request it does not is counted."""
+        if self.recorder is None:
+            return False
+        if self.recorder.wants(job.config):
+            return True
+        self.recorder.skip()
+        return False
 
     @contextlib.contextmanager
     def _admitted(self, job: Job):
