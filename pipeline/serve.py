@@ -209,4 +209,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from pipeline.serving.openmp import spin_between_regions
+
+    spin_between_regions()  # before torch loads: the decoder runs in a worker thread (pipeline/serving/openmp.py)
     main()
