@@ -60,11 +60,12 @@ def build_recorder(cfg: DictConfig, decoder):
                     int(cfg.serve.record_flush_every))
 
 
-def build_engine(cfg: DictConfig, decoder=None):
+def build_engine(cfg: DictConfig, decoder=None, thread=None):
     """The serving engine of ``cfg`` (``conf/serve.yaml``): decoder (default ``build_decoder(cfg.model)``), policy
     (``policy_inputs`` + ``build_policy``, the registry the eval stage builds from), recorder; an ``Engine`` (batch 1)
     or, with ``serve.max_batch > 1``, a ``BatchEngine`` (continuous batching; ``serve.policy=budget``'s
-    ``BudgetPolicy`` chooses every step's verify widths).
+    ``BudgetPolicy`` chooses every step's verify widths). ``thread``: the single-worker executor the engine decodes on
+    (None: its own; ``main`` passes the one this runs on).
 
     Raises:
         ValueError: for a bad config (``validate_config(cfg, "serve")``, before any model loads: e.g.
@@ -87,7 +88,20 @@ def build_engine(cfg: DictConfig, decoder=None):
     settings = (decoder, policy, str(s.model_name), int(s.max_queue), int(s.default_max_tokens), int(s.max_tokens),
                 int(cfg.decode.seed), build_recorder(cfg, decoder), float(cfg.decode.temperature))
     max_batch = int(s.get("max_batch") or 1)
-    return BatchEngine(*settings, max_batch=max_batch) if max_batch > 1 else Engine(*settings)
+    return BatchEngine(*settings, max_batch=max_batch, thread=thread) if max_batch > 1 else Engine(*settings, executor=thread)
+
+
+def start_engine(cfg: DictConfig, thread=None):
+    """``build_engine`` and, with ``serve.warmup``, one short decode; ``main`` runs it on ``thread``, the thread the
+    engine then decodes on."""
+    from pipeline.decoding import DecodeConfig
+    from pipeline.prompts import messages_input_ids
+
+    engine = build_engine(cfg, thread=thread)
+    if cfg.serve.get("warmup", True):
+        ids = messages_input_ids(engine.tokenizer, [{"role": "user", "content": "Hello"}])
+        engine.decoder.generate(ids, engine.policy.make(), DecodeConfig(8, 0.0, 0))
+    return engine
 
 
 def serve_options(cfg: DictConfig):
@@ -182,19 +196,16 @@ def main(cfg: DictConfig) -> None:
     import torch
     import uvicorn
 
-    from pipeline.decoding import DecodeConfig
     from pipeline.config_checks import validate_config
-    from pipeline.prompts import messages_input_ids
     from pipeline.serving.app import create_app
+    from pipeline.serving.threads import decoder_thread
 
     validate_config(cfg, "serve")  # before any model loads (build_engine checks again: it is also called alone)
     if cfg.serve.get("num_threads"):
         torch.set_num_threads(int(cfg.serve.num_threads))
     options = serve_options(cfg)  # checked before any model loads
-    engine = build_engine(cfg)
-    if cfg.serve.get("warmup", True):
-        ids = messages_input_ids(engine.tokenizer, [{"role": "user", "content": "Hello"}])
-        engine.decoder.generate(ids, engine.policy.make(), DecodeConfig(8, 0.0, 0))
+    thread = decoder_thread()  # loads, warms and measures the model, then decodes: one OpenMP team (pipeline/serving/threads.py)
+    engine = thread.submit(start_engine, cfg, thread).result()
     log.info("serving %s with policy %s on http://%s:%d (queue %d%s%s)", engine.model_name, engine.policy.name,
              cfg.serve.host, int(cfg.serve.port), engine.max_queue, ", API key required" if options.api_key else "",
              f", recording to {cfg.serve.record_dir}" if engine.recorder else "")
@@ -209,7 +220,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.serving.openmp import spin_between_regions
-
-    spin_between_regions()  # before torch loads: the decoder runs in a worker thread (pipeline/serving/openmp.py)
     main()

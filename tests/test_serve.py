@@ -343,6 +343,41 @@ def test_budget_policy_serves_the_ar_texts_with_widths_chosen_jointly(tiny, tiny
     assert engine.served == 8 and engine.failed == 0
 
 
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_the_server_decodes_on_the_thread_that_loaded_the_model(tiny, max_batch):
+    """``python -m pipeline.serve`` builds and warms the engine on its decoder thread and decodes there
+    (pipeline/serving/threads.py: one OpenMP team): every target forward of a served request runs on that thread, for
+    the batch-1 Engine and the BatchEngine alike."""
+    from pipeline.serve import start_engine
+    from pipeline.serving.threads import decoder_thread
+
+    overrides = [f"model.target={tiny.target_dir('llama')}", f"model.drafter={tiny.drafter_dir('llama', 'trained')}",
+                 f"model.name={MODEL}", "serve.policy=ar", f"serve.max_batch={max_batch}"]
+    thread = decoder_thread()
+    loader = thread.submit(threading.get_ident).result()
+    with composed("serve", overrides) as cfg:
+        engine = thread.submit(start_engine, cfg, thread).result()
+    seen: set[int] = set()
+    head = engine.decoder.head
+
+    def spy(hidden):
+        seen.add(threading.get_ident())
+        return head(hidden)
+
+    engine.decoder.head = spy
+    try:
+        with TestClient(create_app(engine), base_url="http://localhost") as c:
+            for i, text in enumerate(PROMPTS[:2]):
+                body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 8,
+                        "stream": i == 1}
+                assert c.post("/v1/chat/completions", json=body).status_code == 200
+    finally:
+        engine.close()
+        thread.shutdown()
+    assert seen == {loader} and loader != threading.get_ident()
+    assert engine.served == 2
+
+
 def serve_overrides(tiny, record_dir: Path, latency: Path, *extra: str) -> list[str]:
     return [f"model.target={tiny.target_dir('llama')}", f"model.drafter={tiny.drafter_dir('llama', 'trained')}",
             f"model.name={MODEL}", "serve.record=true", f"serve.record_dir={record_dir}", f"serve.latency_path={latency}",

@@ -14,7 +14,6 @@ import asyncio
 import http.client
 import json
 import logging
-import os
 import signal
 import socket
 import subprocess
@@ -37,7 +36,6 @@ from pipeline.labeling.store import read_labels, read_shard
 from pipeline.serve import serve_options
 from pipeline.serving.app import ServeOptions, create_app
 from pipeline.serving.engine import Engine, build_policy
-from pipeline.serving.openmp import SETTINGS as OPENMP_SETTINGS
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 CHAT = "/v1/chat/completions"
@@ -301,29 +299,11 @@ def test_every_64_bit_seed_is_accepted_and_reproducible_and_larger_ones_get_400(
 # -- /health ---------------------------------------------------------------------------------------------------------
 
 
-def test_openmp_defaults_are_set_before_torch_loads_and_never_over_the_users():
-    code = ("import os, sys; from pipeline.serving.openmp import spin_between_regions as s; "
-            "print(sorted(s().items()), os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))")
-    clean = {k: v for k, v in os.environ.items() if k not in OPENMP_SETTINGS}
-
-    def run(**env) -> str:
-        return subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, env={**clean, **env}, check=True,
-                              capture_output=True, text=True).stdout.split()
-    assert " ".join(run()) == "[('GOMP_SPINCOUNT', '300000'), ('OMP_WAIT_POLICY', 'ACTIVE')] ACTIVE 300000"
-    assert run(OMP_WAIT_POLICY="PASSIVE") == ["[]", "PASSIVE", "None"]  # the user's setting stands, alone
-    assert run(GOMP_SPINCOUNT="10") == ["[]", "None", "10"]
-    # torch is loaded in this process: too late for libgomp to read them, so nothing is set
-    from pipeline.serving.openmp import spin_between_regions
-    environ: dict = {}
-    assert spin_between_regions(environ) == {} and environ == {}
-
-
 def test_health_names_the_forward_path(trained_decoder):
     with serving(trained_decoder) as (client, _):
         health = client.get("/health").json()
     assert health["forward_path"] == json.loads(json.dumps(trained_decoder.forward_path()))
     assert "backend" in health["forward_path"] and health["aborted"] == 0
-    assert set(health["openmp"]) == set(OPENMP_SETTINGS)
 
 
 # -- items 5 and 8(c): clients that go away, on a real server --------------------------------------------------------
@@ -520,8 +500,7 @@ def serve_process(tmp_path: Path, overrides: list[str]):
     args = [sys.executable, "-m", "pipeline.serve", "serve.host=127.0.0.1", f"serve.port={port}", "serve.num_threads=1",
             f"hydra.run.dir={tmp_path / 'run'}", *overrides]
     log_file = (tmp_path / "server.log").open("w")
-    env = {k: v for k, v in os.environ.items() if k not in OPENMP_SETTINGS}  # the server's own OpenMP defaults
-    proc = subprocess.Popen(args, cwd=PROJECT_ROOT, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(args, cwd=PROJECT_ROOT, stdout=log_file, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -556,8 +535,6 @@ def test_sigterm_during_a_recorded_decode_leaves_every_label_shard_readable(tiny
     record_dir = tmp_path / "labels" / "served"
     overrides = serve_overrides(tiny, record_dir, latency, "serve.shutdown_timeout_s=0.2", "serve.policy=ar")
     with serve_process(tmp_path, overrides) as (proc, url):
-        # python -m pipeline.serve set its OpenMP defaults before torch loaded (pipeline/serving/openmp.py)
-        assert httpx.get(f"{url}/health", timeout=10).json()["openmp"] == OPENMP_SETTINGS
         ids = [httpx.post(f"{url}{CHAT}", timeout=120, json=chat_body(t, max_tokens=16)).json()["id"] for t in PROMPTS]
         lines: list[str] = []
 

@@ -23,7 +23,6 @@ import inspect
 import ipaddress
 import json
 import logging
-import os
 import secrets
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -40,7 +39,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pipeline.prompts import messages_input_ids
 from pipeline.serving.engine import Completion, Engine, Job, JobCancelled, QueueFull
-from pipeline.serving.openmp import SETTINGS as OPENMP_SETTINGS
 from pipeline.serving.schemas import (ChatCompletionRequest, CompletionRequest, RequestError, SamplingRequest, Usage,
                                       new_id, now)
 
@@ -293,8 +291,7 @@ def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
         running = engine.running
         return {"status": "ok", "in_flight": engine.in_flight, "running": running,
                 "waiting": max(0, engine.in_flight - running), "served": engine.served, "failed": engine.failed,
-                "aborted": engine.aborted, "recorder": recorder, "forward_path": engine.decoder.forward_path(),
-                "openmp": {name: os.environ.get(name) for name in OPENMP_SETTINGS}}  # pipeline/serving/openmp.py
+                "aborted": engine.aborted, "recorder": recorder, "forward_path": engine.decoder.forward_path()}
 
     @app.get("/v1/models")
     async def models():

@@ -28,6 +28,8 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 
 from pipeline.decoding.batched import BatchedDecoder
 from pipeline.decoding.schedules import FirstChoice, FixedSchedule
@@ -62,7 +64,10 @@ class BatchEngine(Engine):
     Args:
         as ``Engine``, plus max_batch: the most requests decoding together (>= 1); budget: a
         ``pipeline.policy.budget.BudgetPolicy`` choosing every step's widths jointly (None: ``policy.budget``, which
-        ``build_policy("budget", ...)`` sets; without either, each request's schedule chooses its own).
+        ``build_policy("budget", ...)`` sets; without either, each request's schedule chooses its own); thread: a
+        single-worker executor whose thread runs the scheduler for the engine's life (``python -m pipeline.serve``
+        passes the thread that loaded and warmed the model: one OpenMP team, ``pipeline.serving.threads``); None: a
+        thread of its own. Recording runs on another worker.
     Raises:
         ValueError: for max_batch < 1 or max_queue < 0.
     """
@@ -71,7 +76,8 @@ class BatchEngine(Engine):
 
     def __init__(self, decoder: SpeculativeDecoder, policy: Policy, model_name: str, max_queue: int = 64,
                  default_max_tokens: int = 256, max_tokens: int = 4096, default_seed: int = 0, recorder=None,
-                 default_temperature: float = 0.0, max_batch: int = 8, budget=None):
+                 default_temperature: float = 0.0, max_batch: int = 8, budget=None,
+                 thread: ThreadPoolExecutor | None = None):
         if int(max_batch) < 1:
             raise ValueError(f"serve.max_batch must be >= 1, got {max_batch}")
         super().__init__(decoder, policy, model_name, max_queue, default_max_tokens, max_tokens, default_seed, recorder,
@@ -91,8 +97,14 @@ class BatchEngine(Engine):
         self._running: dict[int, _Entry] = {}  # id(BatchRequest) -> entry
         self._idle = threading.Event()
         self._idle.set()
-        self._thread = threading.Thread(target=self._loop, name="batch-decoder", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        self._loop_done: Future | None = None
+        if thread is None:
+            self._thread = threading.Thread(target=self._loop, name="batch-decoder", daemon=True)
+            self._thread.start()
+        else:  # the scheduler occupies the given worker for the engine's life (the thread that loaded the model)
+            self._loop_done = thread.submit(self._loop)
+            self._loop_done.add_done_callback(_log_failure)
 
     @classmethod
     def from_engine(cls, engine: Engine, max_batch: int, budget=None) -> Engine:
@@ -319,8 +331,16 @@ class BatchEngine(Engine):
             self.drain()
         finally:
             self._inbox.put(None)
-            self._thread.join(timeout=60)
+            if self._thread is not None:
+                self._thread.join(timeout=60)
+            else:
+                futures_wait([self._loop_done], timeout=60)
             self.executor.shutdown(wait=True)
+
+
+def _log_failure(done: Future) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        log.error("the batch scheduler stopped", exc_info=done.exception())
 
 
 def _settle(future: asyncio.Future, result, err) -> None:

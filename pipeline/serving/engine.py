@@ -158,7 +158,10 @@ class Engine:
         max_queue: requests that may wait while one runs (more get ``QueueFull``);
         default_max_tokens: ``max_tokens`` of a request that sends none; max_tokens: the largest allowed;
         default_seed: the seed of a request that sends none; recorder: a ``Recorder`` or None;
-        default_temperature: the temperature of a request that sends none (``decode.temperature``; OpenAI's is 1).
+        default_temperature: the temperature of a request that sends none (``decode.temperature``; OpenAI's is 1);
+        executor: the single-worker executor that decodes and records (None: a new one). ``python -m pipeline.serve``
+            passes the thread that loaded and warmed the model, so that one thread runs torch
+            (``pipeline.serving.threads``).
     Raises:
         ValueError: for max_queue < 0, or a policy with a batch-level ``budget`` (only a ``BatchEngine`` runs it).
     """
@@ -167,7 +170,8 @@ class Engine:
 
     def __init__(self, decoder: SpeculativeDecoder, policy: Policy, model_name: str, max_queue: int = 64,
                  default_max_tokens: int = 256, max_tokens: int = 4096, default_seed: int = 0,
-                 recorder: Recorder | None = None, default_temperature: float = 0.0):
+                 recorder: Recorder | None = None, default_temperature: float = 0.0,
+                 executor: ThreadPoolExecutor | None = None):
         if max_queue < 0:
             raise ValueError(f"serve.max_queue must be >= 0, got {max_queue}")
         if getattr(policy, "budget", None) is not None and not self.batched:
@@ -178,7 +182,9 @@ class Engine:
         self.max_queue, self.default_max_tokens, self.max_tokens = int(max_queue), int(default_max_tokens), int(max_tokens)
         self.default_seed, self.recorder = int(default_seed), recorder
         self.default_temperature = float(default_temperature)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decoder")
+        # the one worker thread that decodes (and records); serve passes the thread that loaded the model
+        # (pipeline/serving/threads.py: one OpenMP team in the process)
+        self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="decoder")
         self.in_flight = 0  # admitted and not finished; touched only on the event loop's thread
         self.served = 0
         self.failed = 0
