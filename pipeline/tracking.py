@@ -40,6 +40,8 @@ def init_wandb(cfg: DictConfig, job_type: str):
         config=OmegaConf.to_container(cfg, resolve=True),
         reinit="finish_previous",
     )
+    if str(logger.mode) == "disabled":  # a no-op run: nothing is written (its run.dir does not exist)
+        return run
     config = OmegaConf.to_container(cfg, resolve=True)
     (Path(run.dir) / "blockpilot-config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
     run.finish = functools.partial(_finish_with_summary, run, run.finish)

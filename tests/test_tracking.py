@@ -27,3 +27,15 @@ def test_offline_run_writes_readable_config_and_summary(tmp_path, monkeypatch):
 
 def test_disabled_logger_starts_no_run():
     assert init_wandb(OmegaConf.create({"logger": {"enabled": False}}), job_type="eval") is None
+
+
+def test_logger_mode_disabled_runs_the_stage_without_writing_anything(tmp_path, monkeypatch):
+    """``logger.mode=disabled``: W&B's no-op run, which the stage logs to as to any run; no file is written."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg = OmegaConf.create({"run_name": "t", "logger": {"enabled": True, "mode": "disabled", "project": "p",
+                                                          "group": "g", "dir": str(tmp_path / "wandb")}})
+    run = init_wandb(cfg, job_type="eval")
+    run.summary["ar/tokens_per_s"] = 31.5
+    run.log({"x": 1})
+    run.finish()
+    assert not list((tmp_path / "wandb").rglob("blockpilot-*"))
