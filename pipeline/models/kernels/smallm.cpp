@@ -436,16 +436,42 @@ inline float hsum8(__m256 v) {
   return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
 }
 
-// scores[0..n) -> exp(scores - max), in place, sequentially; returns their sum (in the same order).
+// exp(x) for 8 floats, 1-2 ulp (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-5 polynomial in r, times
+// 2^n); below -87.3 (where expf is denormal or 0) it returns ~1.2e-38; a NaN stays NaN. Every lane is the same
+// computation of its own input, so a score's exponential does not depend on the lanes beside it.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.3365447505531f), x);  // NaN in x is returned as is
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// scores[0..n) -> exp(scores - max), in place, 8 at a time (exp8; the last < 8 padded); returns their sum, added
+// sequentially from t = 0.
 inline float softmax_numerators(float* __restrict scores, int64_t n) {
   float m = -INFINITY;
   for (int64_t t = 0; t < n; ++t) m = std::max(m, scores[t]);
-  float sum = 0.f;
-  for (int64_t t = 0; t < n; ++t) {
-    const float e = std::exp(scores[t] - m);
-    scores[t] = e;
-    sum += e;
+  const __m256 mv = _mm256_set1_ps(m);
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) _mm256_storeu_ps(scores + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t), mv)));
+  if (t < n) {
+    alignas(32) float tail[8];
+    for (int j = 0; j < 8; ++j) tail[j] = t + j < n ? scores[t + j] : m;
+    _mm256_store_ps(tail, exp8(_mm256_sub_ps(_mm256_load_ps(tail), mv)));
+    for (int64_t j = 0; t + j < n; ++j) scores[t + j] = tail[j];
   }
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) sum += scores[i];
   return sum;
 }
 
@@ -494,10 +520,10 @@ void attend_row_fixed(const float* __restrict q, const float* __restrict k, int6
       a2 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + 2 * ks + 8 * j), a2);
       a3 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + 3 * ks + 8 * j), a3);
     }
-    scores[t] = hsum8(a0) * scale;
-    scores[t + 1] = hsum8(a1) * scale;
-    scores[t + 2] = hsum8(a2) * scale;
-    scores[t + 3] = hsum8(a3) * scale;
+    // the four sums at once, each in hsum8's order ((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7))
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(scores + t, _mm_mul_ps(s4, _mm_set1_ps(scale)));
   }
   for (; t < n; ++t) {
     const float* kt = k + t * ks;
