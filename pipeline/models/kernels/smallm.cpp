@@ -28,12 +28,18 @@ namespace {
 
 constexpr int64_t kPanel = 16;
 
-template <int MT>
+// Rows [m0, m0 + MT) of one panel: y[m, n0 .. n0 + ncols) = x[m, 0..K) . panel, one FMA per k in order; with ACC the
+// chains continue from y's values (ncols == kPanel: the running sums of earlier k, as buffered_panel keeps them).
+template <int MT, bool ACC = false>
 void tile(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t K,
           float* __restrict y, int64_t ldy, int64_t n0, int64_t ncols, int64_t m0) {
   __m256 acc[MT][2];
 #pragma GCC unroll 8
-  for (int i = 0; i < MT; ++i) { acc[i][0] = _mm256_setzero_ps(); acc[i][1] = _mm256_setzero_ps(); }
+  for (int i = 0; i < MT; ++i) {
+    const float* start = y + (m0 + i) * ldy + n0;
+    acc[i][0] = ACC ? _mm256_loadu_ps(start) : _mm256_setzero_ps();
+    acc[i][1] = ACC ? _mm256_loadu_ps(start + 8) : _mm256_setzero_ps();
+  }
   const float* xr[MT];
 #pragma GCC unroll 8
   for (int i = 0; i < MT; ++i) xr[i] = x + (m0 + i) * ldx;
@@ -59,6 +65,20 @@ void tile(const float* __restrict x, int64_t ldx, const float* __restrict panel,
       _mm256_store_ps(tmp + 8, acc[i][1]);
       for (int64_t j = 0; j < ncols; ++j) out[j] = tmp[j];
     }
+  }
+}
+
+// tile<MT, ACC> with MT = mt in 1..6 chosen at run time.
+template <bool ACC = false>
+void tile_rows(int64_t mt, const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy, int64_t n0,
+               int64_t ncols, int64_t m0) {
+  switch (mt) {
+    case 6: tile<6, ACC>(x, ldx, panel, K, y, ldy, n0, ncols, m0); break;
+    case 5: tile<5, ACC>(x, ldx, panel, K, y, ldy, n0, ncols, m0); break;
+    case 4: tile<4, ACC>(x, ldx, panel, K, y, ldy, n0, ncols, m0); break;
+    case 3: tile<3, ACC>(x, ldx, panel, K, y, ldy, n0, ncols, m0); break;
+    case 2: tile<2, ACC>(x, ldx, panel, K, y, ldy, n0, ncols, m0); break;
+    default: tile<1, ACC>(x, ldx, panel, K, y, ldy, n0, ncols, m0); break;
   }
 }
 
@@ -235,35 +255,6 @@ void fused_all(const uint8_t* qp, const float* dp, const float* mp, int64_t p0, 
   }
 }
 
-// One group (32 k) of one panel for rows [m0, m0 + MT): the group's weights come expanded from buf [32][16] (L1),
-// the rows' running sums from / back to acc [M][16]; the same FMA per k in order as fused_rows.
-template <int MT>
-inline void buffered_tile(const float* __restrict buf, const float* __restrict x, int64_t ldx, int64_t m0, int64_t k0,
-                          float* __restrict acc) {
-  __m256 a[MT][2];
-  const float* xr[MT];
-#pragma GCC unroll 8
-  for (int i = 0; i < MT; ++i) {
-    a[i][0] = _mm256_loadu_ps(acc + (m0 + i) * kPanel);
-    a[i][1] = _mm256_loadu_ps(acc + (m0 + i) * kPanel + 8);
-    xr[i] = x + (m0 + i) * ldx + k0;
-  }
-  for (int64_t k = 0; k < kGroup; ++k) {
-    const __m256 w0 = _mm256_load_ps(buf + k * kPanel), w1 = _mm256_load_ps(buf + k * kPanel + 8);
-#pragma GCC unroll 8
-    for (int i = 0; i < MT; ++i) {
-      const __m256 xb = _mm256_broadcast_ss(xr[i] + k);
-      a[i][0] = _mm256_fmadd_ps(w0, xb, a[i][0]);
-      a[i][1] = _mm256_fmadd_ps(w1, xb, a[i][1]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < MT; ++i) {
-    _mm256_storeu_ps(acc + (m0 + i) * kPanel, a[i][0]);
-    _mm256_storeu_ps(acc + (m0 + i) * kPanel + 8, a[i][1]);
-  }
-}
-
 // All M rows (M <= kMaxBufferedRows) of panel p: each group expanded ONCE into an L1 buffer (expand(), the same
 // values as load_w) and used by every row tile of up to 6 rows (balanced), so wide calls expand no more than a
 // 1-row step does; each output is still one FMA chain over k = 0..K-1 in order (sums kept in acc between groups).
@@ -285,14 +276,7 @@ void buffered_panel(int64_t fmt, const uint8_t* qp, const float* dp, const float
     int64_t r = 0;
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t mt = base + (t < extra ? 1 : 0);
-      switch (mt) {
-        case 6: buffered_tile<6>(buf, x, K, r, g * kGroup, acc); break;
-        case 5: buffered_tile<5>(buf, x, K, r, g * kGroup, acc); break;
-        case 4: buffered_tile<4>(buf, x, K, r, g * kGroup, acc); break;
-        case 3: buffered_tile<3>(buf, x, K, r, g * kGroup, acc); break;
-        case 2: buffered_tile<2>(buf, x, K, r, g * kGroup, acc); break;
-        default: buffered_tile<1>(buf, x, K, r, g * kGroup, acc); break;
-      }
+      tile_rows<true>(mt, x + g * kGroup, K, buf, kGroup, acc, kPanel, 0, kPanel, r);  // sums continue in acc
       r += mt;
     }
   }
@@ -336,14 +320,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t n, c10::opti
       int64_t m = 0;
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t mt = base + (t < extra ? 1 : 0);
-        switch (mt) {
-          case 6: tile<6>(xp, K, panel, K, yp, n, n0, ncols, m); break;
-          case 5: tile<5>(xp, K, panel, K, yp, n, n0, ncols, m); break;
-          case 4: tile<4>(xp, K, panel, K, yp, n, n0, ncols, m); break;
-          case 3: tile<3>(xp, K, panel, K, yp, n, n0, ncols, m); break;
-          case 2: tile<2>(xp, K, panel, K, yp, n, n0, ncols, m); break;
-          default: tile<1>(xp, K, panel, K, yp, n, n0, ncols, m); break;
-        }
+        tile_rows(mt, xp, K, panel, K, yp, n, n0, ncols, m);
         m += mt;
       }
     }
