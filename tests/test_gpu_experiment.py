@@ -193,7 +193,8 @@ def _config():
 # -- 7(d): a CUDA device on a CPU-only torch is refused before any weight loads -------------------------------------
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: model.device=cuda is valid here")
 def test_cuda_device_without_cuda_is_refused_before_weights_load(compose_config, monkeypatch):
-    from pipeline.config_checks import check_device, validate_config
+    from pipeline.config_checks import validate_config
+    from pipeline.decoding.checks import check_device
     from pipeline.models import loading
 
     monkeypatch.setattr(loading, "load_target", lambda *a, **k: pytest.fail("weights must not load"))

@@ -19,11 +19,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from pipeline.config_checks import validate_config
 from pipeline.decoding import DecodeConfig, FixedSchedule
 from pipeline.decoding.conversation import decode_prompt
 from pipeline.decoding.schedules import FirstChoice
 from pipeline.decoding.speculative import PromptTooLongError, RequestStats, _now
+from pipeline.evaluation.checks import check_eval_config
 from pipeline.evaluation.inputs import (EvalInputs, check_prompts, load_eval_inputs, method_schedules, resolve_split,
                                         select_prompts, verify_width_block_size)
 from pipeline.evaluation.resume import RowLog, row_settings
@@ -144,11 +144,11 @@ def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, input
         rows_path: a ``RowLog`` JSONL file: per-prompt rows are appended as each prompt finishes and a rerun
             resumes from it (``main`` passes ``rows.jsonl`` beside ``eval.out``); None keeps them in memory only.
     Raises:
-        ValueError: for a bad config (``validate_config``) or prompt file, both before any model loads, or an unknown
+        ValueError: for a bad config (``check_eval_config``) or prompt file, both before any model loads, or an unknown
             method; FileNotFoundError: for a missing prompt, label, dataset or predictor file.
     """
     if schedules is None:
-        validate_config(cfg, "eval")
+        check_eval_config(cfg)
     if decoder is None:
         check_prompts(cfg)  # before the model loads (main checks them itself before W&B)
     torch.manual_seed(cfg.seed)

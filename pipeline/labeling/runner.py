@@ -29,8 +29,8 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from pipeline import costs
-from pipeline.config_checks import validate_config
 from pipeline.decoding.speculative import DecodeConfig, PromptTooLongError, SpeculativeDecoder
+from pipeline.labeling.checks import check_label_config
 from pipeline.labeling.oracle import LabelSettings, check_candidates, label_prompt
 from pipeline.labeling.store import LabelStore
 from pipeline.decoding.build import build_decoder
@@ -124,9 +124,9 @@ def run_label(cfg: DictConfig, decoder: SpeculativeDecoder | None = None,
         "skipped" (``[{"id", "reason"}]``: requests that do not fit the target's context), "label_tau" (counts of this
         call's labels)}.
     Raises:
-        ValueError: for a bad config (``validate_config``, before the model loads).
+        ValueError: for a bad config (``check_label_config``, before the model loads).
     """
-    validate_config(cfg, "label")
+    check_label_config(cfg)
     turns_mode = str(cfg.label.get("turns", "all"))
     torch.manual_seed(int(cfg.seed))
     if cfg.label.get("num_threads"):

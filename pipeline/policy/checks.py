@@ -1,0 +1,46 @@
+"""Configuration checks of the policy layer, run before any model loads: the methods' options (``policy.<method>.*``,
+``check_policy_options``, shared by the eval stage and the server) and the dataset and train stages' configs."""
+
+from __future__ import annotations
+
+from pipeline.decoding.checks import check_common
+
+
+def check_policy_options(cfg) -> None:
+    """The methods' options (``policy.<method>.*``, conf/policy/default.yaml): each predictor method names its
+    predictor's sub-folder; ``policy.verify_width``'s ``block_size`` (null or >= 2), ``objective`` (rate or marginal)
+    and ``max_skip`` (>= 0).
+
+    Raises:
+        ValueError: for the first bad value, naming the key and the fix.
+    """
+    policy = cfg.get("policy") or {}
+    for m in ("blockpilot", "full_vocab"):
+        if m in policy and not (policy.get(m) or {}).get("predictor"):
+            raise ValueError(f"policy.{m}.predictor is empty: give the predictor's sub-folder, e.g. policy.{m}.predictor=mlp")
+    vw = policy.get("verify_width") or {}
+    if vw.get("block_size") is not None and int(vw.block_size) < 2:
+        raise ValueError(f"policy.verify_width.block_size={vw.block_size}: the verify-width policy drafts blocks of B >= 2 "
+                         "(null: decode.block_size or the drafter's training B)")
+    if vw.get("objective") is not None and str(vw.objective) not in ("rate", "marginal"):
+        raise ValueError(f"policy.verify_width.objective={vw.objective!r}: choose rate or marginal")
+    if vw.get("max_skip") is not None and int(vw.max_skip) < 0:
+        raise ValueError(f"policy.verify_width.max_skip={vw.max_skip}: give 0 (never skip drafts) or more steps")
+
+
+def check_dataset_config(cfg) -> None:
+    """Check the composed ``conf/dataset.yaml`` (the shared groups; no model loads).
+
+    Raises:
+        ValueError: for the first bad value, naming the key and the fix.
+    """
+    check_common(cfg, loads_model=False)
+
+
+def check_train_config(cfg) -> None:
+    """Check the composed ``conf/train.yaml`` (the shared groups; no target loads).
+
+    Raises:
+        ValueError: for the first bad value, naming the key and the fix.
+    """
+    check_common(cfg, loads_model=False)
