@@ -36,15 +36,15 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig
 
+from pipeline.cli import stage
 from pipeline.evaluation.batched import FIELDS, bench_batch, check_bench_config, markdown
 
 log = logging.getLogger(__name__)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="bench_batch")
+@stage("bench_batch")
 def main(cfg: DictConfig) -> None:
     check_bench_config(cfg)
     from pipeline.tracking import init_wandb

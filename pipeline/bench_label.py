@@ -23,11 +23,11 @@ import json
 import logging
 import time
 
-import hydra
 import torch
 from omegaconf import DictConfig
 
 from pipeline import costs
+from pipeline.cli import stage
 from pipeline.config_checks import validate_config
 from pipeline.decoding.speculative import DecodeConfig, _now
 from pipeline.evaluation.report import write_json
@@ -186,7 +186,7 @@ def report(results: dict) -> str:
     return "\n".join(lines)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="bench_label")
+@stage("bench_label")
 def main(cfg: DictConfig) -> None:
     run = init_wandb(cfg, job_type="bench-label")
     results = bench_label(cfg)

@@ -24,9 +24,9 @@ import logging
 import os
 import subprocess
 
-import hydra
 from omegaconf import DictConfig
 
+from pipeline.cli import stage
 from pipeline.evaluation.serving import load_level, one_request, server_stats, start_server
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def bench_serve(cfg: DictConfig) -> dict:
     return out
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="bench_serve")
+@stage("bench_serve")
 def main(cfg: DictConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     results = bench_serve(cfg)

@@ -31,11 +31,11 @@ import statistics
 from pathlib import Path
 from typing import Callable
 
-import hydra
 import torch
 from omegaconf import DictConfig
 from transformers import DynamicCache
 
+from pipeline.cli import stage
 from pipeline.decoding.sampling import PositionKeyedSampler
 from pipeline.decoding.speculative import DecodeState, SpeculativeDecoder, _now, crop_to
 from pipeline.models.backend import resolve_backend
@@ -204,7 +204,7 @@ def markdown(result: dict, block_size: int | None = None) -> str:
     return "\n".join(lines)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="bench_step")
+@stage("bench_step")
 def main(cfg: DictConfig) -> None:
     result = bench_step(cfg)
     table = markdown(result, int(cfg.model.get("training_block_size") or 8))

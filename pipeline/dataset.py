@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import json
 
-import hydra
 from omegaconf import DictConfig
 
+from pipeline.cli import stage
 from pipeline.config_checks import validate_config
 from pipeline.policy.data import INFO, build_dataset
 from pipeline.tracking import init_wandb
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="dataset")
+@stage("dataset")
 def main(cfg: DictConfig) -> None:
     validate_config(cfg, "dataset")
     run = init_wandb(cfg, job_type="dataset")

@@ -16,14 +16,14 @@ The recipe is ``pipeline.drafting.trainer.train_drafter``'s.
 
 from __future__ import annotations
 
-import hydra
 from omegaconf import DictConfig
 
+from pipeline.cli import stage
 from pipeline.config_checks import validate_config
 from pipeline.drafting.trainer import train_drafter
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="draft")
+@stage("draft")
 def main(cfg: DictConfig) -> None:
     validate_config(cfg, "draft")  # before the target loads
     print(train_drafter(cfg))

@@ -49,9 +49,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig
 
+from pipeline.cli import stage
 from pipeline.config_checks import validate_config
 from pipeline.evaluation.inputs import (EvalInputs, PerPrompt, check_prompts, load_eval_inputs,  # noqa: F401  (the API)
                                         load_method_predictor, method_schedules, select_prompts)
@@ -64,7 +64,7 @@ from pipeline.tracking import init_wandb
 log = logging.getLogger(__name__)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="evaluate")
+@stage("evaluate")
 def main(cfg: DictConfig) -> None:
     """Validate the config, read the prompts, build the run, write results.json (+ results.md, figures, W&B)."""
     validate_config(cfg, "eval")  # before W&B and before any model loads

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 
-import hydra
 from omegaconf import DictConfig
+
+from pipeline.cli import stage
 
 log = logging.getLogger(__name__)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="label")
+@stage("label")
 def main(cfg: DictConfig) -> None:
     from pipeline.labeling.runner import run_label  # imported here: a multirun's launcher process needs no torch
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import logging
 
-import hydra
 from omegaconf import DictConfig
+
+from pipeline.cli import stage
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +192,7 @@ def policy_inputs(cfg: DictConfig, decoder):
     return inputs
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="serve")
+@stage("serve")
 def main(cfg: DictConfig) -> None:
     import torch
     import uvicorn

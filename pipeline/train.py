@@ -12,14 +12,14 @@ The training itself is ``pipeline.policy.training``'s.
 
 from __future__ import annotations
 
-import hydra
 from omegaconf import DictConfig
 
+from pipeline.cli import stage
 from pipeline.config_checks import validate_config
 from pipeline.policy.training import train_predictor
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+@stage("train")
 def main(cfg: DictConfig) -> None:
     validate_config(cfg, "train")
     print(train_predictor(cfg))
