@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from policy_fixtures import planted_labels  # noqa: E402
 
-from pipeline.policy.retest import gain_share, run_retest  # noqa: E402
+from pipeline.evaluation.retest import gain_share, run_retest  # noqa: E402
 
 
 def test_gain_share_by_hand():

@@ -1,5 +1,5 @@
 """Statistics of the eval stage: per-method summaries, the oracle gain share, tokens/s intervals and gains, and the
-one percentile bootstrap every interval of the project is drawn with (also ``pipeline.policy.retest``'s).
+one percentile bootstrap every interval of the project is drawn with (also ``pipeline.evaluation.retest``'s).
 
 Everything here is plain numpy over per-prompt rows (``runs.merge_turns``): no model, no torch.
 """

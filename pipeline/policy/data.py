@@ -1,7 +1,7 @@
 """The policy's data: label rows -> prefill-distribution features + reward vectors, split by prompt.
 
 The library of the ``dataset`` stage (``python -m pipeline.dataset``, ``pipeline/dataset.py``), also used by the
-train and eval stages, the verify-width calibration and the re-test (``pipeline.policy.retest``).
+train and eval stages, the verify-width calibration and the re-test (``pipeline.evaluation.retest``).
 
 ``read_label_table`` reads the label stage's rows (``data/labels/<run_name>/``); ``build_dataset`` computes the
 features configured in ``conf/features/`` (``pipeline.policy.features``) and writes a ``datasets.DatasetDict``

@@ -1,7 +1,7 @@
 """Fitting the block-size predictor on the feature dataset and exporting it for the decoder.
 
 The library of the ``train`` stage (``python -m pipeline.train``, ``pipeline/train.py``), also run per fold by the
-re-test (``pipeline.policy.retest``).
+re-test (``pipeline.evaluation.retest``).
 
 ``train_predictor`` reads ``data/features/<run_name>/<features.name>/`` (``pipeline.policy.data``), trains a
 ``pipeline.policy.predictors`` net with ``pipeline.policy.module.PolicyModule`` (objective ``hard`` |

@@ -1,7 +1,8 @@
-"""The per-request policy re-tested where it could win: leave-one-set-out folds, tau and speed labels, offline.
+"""The per-request policy re-tested where it could win: leave-one-set-out folds, tau and speed labels, offline
+(the library of the ``retest`` entry point, ``pipeline.retest``).
 
-    python -m pipeline.policy.retest run_name=main                      # the labels of make all
-    python -m pipeline.policy.retest experiment=policy                  # candidates 1..16 (conf/experiment/policy.yaml)
+    python -m pipeline.retest run_name=main                      # the labels of make all
+    python -m pipeline.retest experiment=policy                  # candidates 1..16 (conf/experiment/policy.yaml)
 
 For every label target in ``retest.targets`` (``tau``: tau-optimal labels; ``speed``: tokens/s-optimal, from the
 label stage's latency model) and every source set of the labels, one fold holds that set out entirely
@@ -22,7 +23,6 @@ import logging
 import os
 from pathlib import Path
 
-import hydra
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -155,14 +155,3 @@ def write_retest(results: dict, out: Path) -> None:
         tmp = out / f".{name}.tmp"
         tmp.write_text(text + "\n")
         os.replace(tmp, out / name)
-
-
-@hydra.main(version_base="1.3", config_path="../../conf", config_name="retest")
-def main(cfg: DictConfig) -> None:
-    results = run_retest(cfg)
-    print(markdown(results))
-    print(Path(cfg.retest.out) / "retest.json")
-
-
-if __name__ == "__main__":
-    main()
