@@ -276,13 +276,13 @@ def test_calibration_lookup_order_and_the_shipped_one(tmp_path):
         find_calibration(None, tmp_path / "other", None)
 
 
-def test_fit_cli_reads_labels_and_feature_splits(tmp_path, monkeypatch, capsys):
-    """``python -m pipeline.policy.verify_width LABELS --out DIR --features-dir FEATURES``: fits on the train split's
-    samples and checks on the test split's (labels and splits read from their homes, not through the dataset stage)."""
+def test_the_train_stage_fits_on_the_train_split_and_checks_on_the_test_split(tmp_path):
+    """``train.calibration`` (``export_verify_width_calibration``): fits on the train split's samples and tabulates
+    reliability on the test split's (labels read from the label stage's folder, splits from the feature dataset)."""
     from datasets import Dataset, DatasetDict
+    from omegaconf import OmegaConf
 
-    from pipeline.policy.data import INFO
-    from pipeline.policy.verify_width import main
+    from pipeline.policy.training import export_verify_width_calibration
 
     rng = np.random.default_rng(0)
     row = {"source_set": "s", "prompt_tokens": 3, "candidates": [4], "tau": [2.0], "new_tokens": [4.0],
@@ -298,18 +298,16 @@ def test_fit_cli_reads_labels_and_feature_splits(tmp_path, monkeypatch, capsys):
                          conf_p=p.tolist(), conf_ok=ok))
     LabelStore(tmp_path / "labels").write(rows)
     (tmp_path / "labels" / "meta.json").write_text(json.dumps({"candidates": [4], "mode": "replay"}))
-    features = tmp_path / "features"
     splits = {"train": [f"p{i}" for i in range(5)], "test": [f"p{i}" for i in range(5, 8)]}
-    DatasetDict({s: Dataset.from_dict({"id": ids}) for s, ids in splits.items()}).save_to_disk(str(features))
-    (features / INFO).write_text("{}")
-    monkeypatch.setattr("sys.argv", ["verify_width", str(tmp_path / "labels"), "--out", str(tmp_path / "vw"),
-                                     "--features-dir", str(features)])
-    main()
-    stored = json.loads((tmp_path / "vw" / "calibration.json").read_text())
+    dd = DatasetDict({s: Dataset.from_dict({"id": ids}) for s, ids in splits.items()})
+    ccfg = OmegaConf.create({"labels_dir": str(tmp_path / "labels"), "out": str(tmp_path / "vw")})
+    path = export_verify_width_calibration(ccfg, dd, {"target": "t", "drafter": "d"})
+    assert path == tmp_path / "vw" / "calibration.json"
+    stored = json.loads(path.read_text())
     assert stored["reliability_split"] == "test"
     assert stored["info"]["samples"] == sum(samples[i] for i in splits["train"])
     assert stored["info"]["test_samples"] == sum(samples[i] for i in splits["test"])
-    assert "test brier" in capsys.readouterr().out
+    assert load_calibration(tmp_path / "vw").info["samples"] == stored["info"]["samples"]
 
 
 def test_the_loaded_calibration_is_logged(tmp_path, caplog):

@@ -1,21 +1,18 @@
 """The BlockPilot schedule: run the predictor once on the prefill logits, keep that block size.
 
-    python -m pipeline.policy.schedule data/predictors/<run_name>/mlp     # prints the predictor's overhead
-
 ``SpeculativeDecoder.decode`` times ``schedule.first`` as ``RequestStats.schedule_ms``, so the
-predictor's cost is part of every reported tokens/s.
+predictor's cost is part of every reported tokens/s. The train stage measures the predictor's overhead on random
+logits rows (``measure_overhead_ms``) and records it in ``predictor.json`` (``inference_ms``).
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from pipeline.policy.export import Predictor, load_predictor
+from pipeline.policy.export import Predictor
 
 
 class PredictorSchedule:
@@ -69,24 +66,3 @@ def measure_overhead_ms(predictor: Predictor, vocab_size: int | None = None, rep
             times.append((time.perf_counter() - t0) * 1e3)
     times.sort()
     return {"median_ms": statistics.median(times), "p90_ms": times[int(0.9 * (len(times) - 1))], "mean_ms": statistics.fmean(times)}
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Print a predictor's per-request overhead (ms) on random logits rows.")
-    parser.add_argument("predictor_dir", type=Path)
-    parser.add_argument("--vocab-size", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=200)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    predictor = load_predictor(args.predictor_dir, args.device)
-    result = measure_overhead_ms(predictor, args.vocab_size, args.repeats, device=args.device)
-    V = args.vocab_size or predictor.featurizer.spec.vocab_size
-    print(f"{args.predictor_dir}: {predictor.meta['arch']} ({predictor.meta['num_parameters']} params), V={V}, "
-          f"{torch.get_num_threads()} threads: median {result['median_ms']:.3f} ms, p90 {result['p90_ms']:.3f} ms")
-
-
-if __name__ == "__main__":
-    main()

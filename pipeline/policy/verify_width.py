@@ -17,14 +17,12 @@ lossless: the target still decides every token.
 
 The calibration (``AcceptanceCalibration``) is a logistic regression fitted in the train stage on the
 label stage's replay samples (``conf_*`` label columns: for every step of every candidate B, the
-columns 1..first rejection), exported as ``calibration.json`` beside the predictors.
-
-    python -m pipeline.policy.verify_width data/labels/<run> --out data/predictors/<run>/verify_width
+columns 1..first rejection), exported as ``calibration.json`` beside the predictors
+(``train.calibration``: ``make train`` writes ``data/predictors/<run>/verify_width/calibration.json``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -137,7 +135,7 @@ class AcceptanceCalibration:
         if data.get("kind") != "logistic_per_column" or len(data.get("bias", [])) != len(data.get("slope", [])) \
                 or not data.get("bias"):
             raise ValueError("not a verify-width calibration (kind logistic_per_column with equal, non-empty bias and "
-                             "slope); refit it with python -m pipeline.policy.verify_width")
+                             "slope); refit it with the train stage (make train, train.calibration)")
         return cls([float(b) for b in data["bias"]], [float(s) for s in data["slope"]], dict(data.get("info", {})))
 
 
@@ -246,8 +244,8 @@ def find_calibration(explicit: str | None, run_dir: str | Path, drafter: str | N
         if path.is_file():
             return path
     raise FileNotFoundError(f"the verify-width policy needs an acceptance calibration; none at {[str(p) for p in tried]}. "
-                            "Fit one: make label/dataset/train for this run, or python -m pipeline.policy.verify_width "
-                            "<labels_dir> --out DIR and point policy.verify_width.calibration at it (eval and serve)")
+                            "Fit one: make label/dataset/train for this run (the train stage writes it to train.calibration.out), "
+                            "or point policy.verify_width.calibration at one (eval and serve)")
 
 
 def load_calibration(path: str | Path) -> AcceptanceCalibration:
@@ -260,8 +258,7 @@ def load_calibration(path: str | Path) -> AcceptanceCalibration:
     file = path / CALIBRATION_NAME if path.is_dir() or not path.suffix else path
     if not file.is_file():
         raise FileNotFoundError(f"no verify-width calibration at {file}; fit one in the train stage (make train, after "
-                                "make label/dataset) or with python -m pipeline.policy.verify_width <labels_dir> --out DIR, "
-                                "or point policy.verify_width.calibration at one")
+                                "make label/dataset), or point policy.verify_width.calibration at one")
     return AcceptanceCalibration.from_dict(json.loads(file.read_text()))
 
 
@@ -483,34 +480,3 @@ def foresight_bound(labels, costs: CostModel, block_size: int, ids: set[str] | N
 
     return {"block_size": b, "all": speedups(totals["all"]),
             "per_set": {s: speedups(t) for s, t in sorted(totals.items()) if s != "all"}}
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description="Fit the verify-width calibration on a label run's replay samples.")
-    parser.add_argument("labels_dir", type=Path)
-    parser.add_argument("--out", type=Path, required=True, help="folder for calibration.json")
-    parser.add_argument("--features-dir", type=Path, default=None,
-                        help="a feature dataset of the run: fit on its train split, reliability on its test split")
-    parser.add_argument("--exclude-sets", nargs="*", default=[], help="source sets left out of the fit")
-    args = parser.parse_args()
-    from pipeline.labeling.store import read_label_table
-    from pipeline.policy.data import split_prompt_ids
-    from pipeline.prompts import prompt_id_of
-
-    labels, _ = read_label_table(args.labels_dir)
-    train_ids = test_ids = None
-    if args.features_dir is not None:
-        splits = split_prompt_ids(args.features_dir)
-        by_prompt = labels["id"].astype(str).map(prompt_id_of)
-        train_ids = set(labels["id"].astype(str)[by_prompt.isin({prompt_id_of(i) for i in splits["train"]})])
-        test_ids = set(labels["id"].astype(str)[by_prompt.isin({prompt_id_of(i) for i in splits["test"]})])
-    fitted = fit_from_labels(labels, train_ids, test_ids, args.exclude_sets,
-                             info={"labels_dir": str(args.labels_dir), "exclude_sets": list(args.exclude_sets)})
-    path = export_calibration(args.out, fitted)
-    info = fitted["calibration"].info
-    print(f"{path}: {info['samples']} samples, accept rate {info['accept_rate']:.3f}, brier {info['brier']:.4f}"
-          + (f", test brier {info['test_brier']:.4f}" if "test_brier" in info else ""))
-
-
-if __name__ == "__main__":
-    main()
