@@ -1,6 +1,7 @@
-"""The package's layering (issue 23): stage entry points stay thin and no module grows past 600 lines, no module
-imports a stage, the model layer imports nothing above it, the cost model sits at the bottom layer, and there is no
-import circle. Read from the source (ast), so imports inside functions count too."""
+"""The package's layering (issues 23 and 33): stage entry points stay thin and no module grows past 600 lines, no module
+imports a stage, no module imports a higher layer (``LAYERS``), the model layer imports nothing above it, the cost
+model sits at the bottom layer, and there is no import circle. Read from the source (ast), so imports inside functions
+count too."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 from pipeline import PROJECT_ROOT
 
 PACKAGE = PROJECT_ROOT / "pipeline"
-STAGES = {"label", "dataset", "train", "evaluate", "serve", "draft", "bench_label", "bench_serve", "bench_step"}
+STAGES = {"label", "dataset", "train", "evaluate", "serve", "draft", "bench_label", "bench_serve", "bench_step", "bench_batch",
+          "retest"}
 ENTRY_POINT_MAX_LINES = 250
 FILE_MAX_LINES = 600  # any module of the package
 
@@ -98,6 +100,77 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if name not in state and (cycle := visit(name)):
             return cycle
     return None
+
+
+LAYERS = (  # bottom to top: a module may import its own layer and the layers below, never one above
+    ("pipeline", "pipeline.tracking"),  # utilities: PROJECT_ROOT and the Hydra resolver; W&B tracking
+    ("pipeline.costs",),  # the cost model (step time by rows, context and requests)
+    # prompt sets and chat templates sit with the models: the model loader sets the tokenizer's template kwargs
+    ("pipeline.models", "pipeline.prompts"),
+    ("pipeline.decoding",),  # the speculative loop, sampling, schedules, the shared config checks
+    ("pipeline.labeling", "pipeline.drafting"),  # labels; drafter training
+    ("pipeline.policy",),  # the methods' registry, predictors, verify width, budget
+    ("pipeline.integrations",),  # vLLM: imports the light policy and the cost model
+    ("pipeline.evaluation", "pipeline.serving"),
+)
+"""Every other top-level module (``pipeline/<name>.py``: the stages, ``pipeline.cli``, ``pipeline.config_checks``) is an
+entry point, the top layer."""
+ENTRY_LAYER = len(LAYERS)
+
+KNOWN_UPWARD_IMPORTS = {  # (importer's package, imported package) pairs allowed for now
+    # pipeline.costs: being moved to the bottom (issue 33 item 3)
+    ("pipeline.costs", "pipeline.decoding"),
+    ("pipeline.costs", "pipeline.models"),
+}
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    """(layer index in ``LAYERS``, the package that places it) of a ``pipeline`` module; top-level modules not listed
+    are entry points (``ENTRY_LAYER``).
+
+    Raises:
+        AssertionError: for a module of a package no layer lists (place the new package in ``LAYERS``).
+    """
+    best = None
+    for index, packages in enumerate(LAYERS):
+        for package in packages:
+            if (module == package or module.startswith(package + ".")) and (best is None or len(package) > len(best[1])):
+                best = (index, package)
+    if best is not None and best[1] != "pipeline":
+        return best
+    parts = module.split(".")
+    assert len(parts) == 2 or module == "pipeline", f"{module}: place its package {'.'.join(parts[:2])} in LAYERS"
+    return (0, "pipeline") if module == "pipeline" else (ENTRY_LAYER, module)
+
+
+def upward_imports(graph: dict[str, set[str]], allowed: set[tuple[str, str]] = frozenset()) -> list[str]:
+    """``"a imports b (layer i above layer j)"`` for every import of ``graph`` that reaches a higher layer, except the
+    ``allowed`` (importer package, imported package) pairs."""
+    found = []
+    for name, targets in sorted(graph.items()):
+        layer, package = layer_of(name)
+        for target in sorted(targets):
+            target_layer, target_package = layer_of(target)
+            if target_layer > layer and (package, target_package) not in allowed:
+                found.append(f"{name} (layer {layer}) imports {target} (layer {target_layer})")
+    return found
+
+
+def test_no_module_imports_a_higher_layer():
+    found = upward_imports(import_graph(), KNOWN_UPWARD_IMPORTS)
+    assert not found, "move the shared code down a layer, or call down instead: " + "; ".join(found)
+
+
+def test_the_layer_check_finds_a_planted_upward_import():
+    assert layer_of("pipeline.prompts") < layer_of("pipeline.decoding.speculative") < layer_of("pipeline.policy.registry")
+    assert layer_of("pipeline.evaluate")[0] == layer_of("pipeline.cli")[0] == ENTRY_LAYER
+    assert layer_of("pipeline.integrations.vllm.plugin")[0] > layer_of("pipeline.policy.budget")[0]
+    planted = {"pipeline.labeling.runner": {"pipeline.config_checks", "pipeline.decoding.speculative"},
+               "pipeline.models.loading": {"pipeline.prompts", "pipeline.tracking"},
+               "pipeline.costs": {"pipeline.models.target"}}
+    assert upward_imports(planted, KNOWN_UPWARD_IMPORTS) == [
+        f"pipeline.labeling.runner (layer 4) imports pipeline.config_checks (layer {ENTRY_LAYER})"]
+    assert len(upward_imports(planted)) == 2  # the known cost-model pair too, once not allowed
 
 
 def test_the_walk_reads_imports_and_finds_a_planted_cycle():
