@@ -28,7 +28,7 @@ from pipeline import PROJECT_ROOT
 from pipeline.decoding import DecodeConfig, SpeculativeDecoder
 from pipeline.decoding.batched import BatchedDecoder, decode_all
 from pipeline.models.backend import EXACT_FORMATS, SMALLM_MAX_ROWS, PackedLinear, pack_smallm, set_backend, smallm_available
-from pipeline.models.batched_forward import ROW_LIMIT, BatchedForward, chunked
+from pipeline.models.batched_forward import BatchedForward, chunked, segment_rows
 from pipeline.models.target import new_cache
 
 needs_smallm = pytest.mark.skipif(not smallm_available(), reason="the smallm kernel does not build on this CPU")
@@ -68,7 +68,7 @@ def _exact_weight(fmt: str, n: int = 80, k: int = 64) -> torch.Tensor:
 def test_smallm_rows_invariant(fmt):
     """Each row of a smallm product is the same bits alone or with up to 63 others (every packed form, both sides
     of the exact/float32 crossover, row tiles of 1-6); a PackedLinear (packed_linear) is too once chunked at
-    ROW_LIMIT; zero rows give an empty product."""
+    the row limit; zero rows give an empty product."""
     w = _exact_weight(fmt)
     packed = pack_smallm(w, () if fmt == "f32" else EXACT_FORMATS, exact_rows=3)  # f32 panels beyond 3 rows
     assert packed.fmt == fmt
@@ -86,13 +86,40 @@ def test_smallm_rows_invariant(fmt):
         single = torch.cat([linear(x[i: i + 1]) for i in range(64)])
         for rows in (1, 5, 32, 33, 48, 64):
             assert torch.equal(chunked(linear, x[None, :rows])[0][0], single[:rows]), rows
-    assert ROW_LIMIT == SMALLM_MAX_ROWS
+
+
+def test_batched_linear_calls_stay_on_the_row_invariant_path():
+    """Every call the batched forward's ``chunked`` and ``segment_rows`` hand a linear has at most ``SMALLM_MAX_ROWS``
+    rows (``packed_linear`` sends wider calls to PyTorch's GEMM, which is not row-invariant), except a segment that
+    was that wide alone (it runs alone, as its solo forward did); the outputs are each input's own, in order."""
+    calls: list[int] = []
+
+    def linear(x):
+        calls.append(x.shape[1])
+        return [x * 2, x + 1]  # fused linears return a list
+
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, SMALLM_MAX_ROWS, SMALLM_MAX_ROWS + 1, 3 * SMALLM_MAX_ROWS + 5):
+        calls.clear()
+        x = torch.randn(1, rows, 4, generator=g)
+        doubled, shifted = chunked(linear, x)
+        assert max(calls) <= SMALLM_MAX_ROWS and sum(calls) == rows, (rows, calls)
+        assert torch.equal(doubled, x * 2) and torch.equal(shifted, x + 1)
+    calls.clear()
+    sizes = (5, SMALLM_MAX_ROWS + 8, SMALLM_MAX_ROWS - 2, 3)
+    parts = [torch.randn(1, n, 4, generator=g) for n in sizes]
+    outs = segment_rows(linear, parts)
+    long = SMALLM_MAX_ROWS + 8
+    assert calls.count(long) == 1 and all(c <= SMALLM_MAX_ROWS for c in calls if c != long)
+    assert sum(calls) == sum(sizes)
+    for part, (doubled, shifted) in zip(parts, outs):
+        assert torch.equal(doubled, part * 2) and torch.equal(shifted, part + 1)
 
 
 @needs_smallm
 def test_kernel_attention_rows_invariant_and_equal_to_sdpa():
     """``attend``: each row's output is the same bits alone, in its request's verify, or among other requests' rows
-    (up to 40 rows, past ROW_LIMIT), whatever the cache's layout (the filled part of a larger buffer), with GQA; its
+    (up to 40 rows, past the row limit), whatever the cache's layout (the filled part of a larger buffer), with GQA; its
     in-call append (``k_new``/``v_new`` written into the buffers) gives the same bits as appending first and leaves the
     buffers holding exactly the cache; and it is causal attention: equal to PyTorch's SDPA with the causal mask to
     float32 rounding."""
