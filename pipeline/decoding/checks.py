@@ -14,10 +14,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-MISSING_SETS = ("error", "skip")
-"""``data.missing``: what a prompt set that can be had neither from its file nor from the hub does (``pipeline.prompts``)."""
-
-
 def is_int(value: Any) -> bool:
     """True for an int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -139,8 +135,10 @@ def check_data(data) -> None:
     """
     if data.get("limit") is not None and (not is_int(data.limit) or data.limit < 0):
         raise ValueError(f"data.limit={data.limit!r}: must be null (all prompts) or an integer >= 0")
+    from pipeline.prompts import MISSING
+
     missing = data.get("missing", "error")
-    if str(missing) not in MISSING_SETS:
+    if str(missing) not in MISSING:
         raise ValueError(f"data.missing={missing!r}: choose error (a set that cannot be loaded stops the stage) or skip "
                          "(warn and go on with the sets there are)")
 

@@ -51,9 +51,15 @@ def check_prompts(cfg: DictConfig) -> int:
     """Read every configured prompt file once (no model needed) and return the prompt count.
 
     Raises:
-        FileNotFoundError / ValueError: for a missing file or a broken line (``pipeline.prompts`` names the line).
+        FileNotFoundError / ValueError: for a prompt set that can be read neither from its file nor from the hub (with
+            ``data.missing=skip``: only when no set can), or a broken line (``pipeline.prompts`` names the fix, the line).
     """
-    return len(load_prompt_sets(cfg.data.sets, None, cfg.data.seed))
+    return len(load_prompt_sets(cfg.data.sets, None, cfg.data.seed, missing=missing_sets(cfg)))
+
+
+def missing_sets(cfg: DictConfig) -> str:
+    """``data.missing`` (``error`` when absent): what a prompt set that cannot be read does (``pipeline.prompts``)."""
+    return str(cfg.data.get("missing", "error") or "error")
 
 
 def load_eval_inputs(cfg: DictConfig, methods: list[str], decoder=None) -> EvalInputs:
@@ -157,9 +163,9 @@ def select_prompts(cfg: DictConfig, split: str | None, inputs: EvalInputs) -> li
         ValueError: when none of the split's prompts is among the configured prompt sets.
     """
     if split is None:
-        return load_prompt_sets(cfg.data.sets, cfg.data.limit, cfg.data.seed, cfg.data.get("offset", 0))
+        return load_prompt_sets(cfg.data.sets, cfg.data.limit, cfg.data.seed, cfg.data.get("offset", 0), missing_sets(cfg))
     wanted = {prompt_id_of(i) for i in inputs.splits[split]}
-    prompts = [p for p in load_prompt_sets(cfg.data.sets, None, cfg.data.seed) if p.id in wanted]
+    prompts = [p for p in load_prompt_sets(cfg.data.sets, None, cfg.data.seed, missing=missing_sets(cfg)) if p.id in wanted]
     if not prompts:
         raise ValueError(f"none of the {len(wanted)} {split} prompts of {cfg.eval.features_dir} is in the configured prompt "
                          "sets; pass the label stage's prompt sets (data=...)")

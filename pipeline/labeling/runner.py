@@ -125,6 +125,8 @@ def run_label(cfg: DictConfig, decoder: SpeculativeDecoder | None = None,
         call's labels)}.
     Raises:
         ValueError: for a bad config (``check_label_config``, before the model loads).
+        FileNotFoundError: for a prompt set that cannot be read (``pipeline.prompts.PromptSetUnavailable``, naming the
+            fix; also before the model loads).
     """
     check_label_config(cfg)
     turns_mode = str(cfg.label.get("turns", "all"))
@@ -132,6 +134,9 @@ def run_label(cfg: DictConfig, decoder: SpeculativeDecoder | None = None,
     if cfg.label.get("num_threads"):
         torch.set_num_threads(int(cfg.label.num_threads))
     shard, num_shards = effective_shard(cfg.label.shard, cfg.label.num_shards)
+    prompts = load_prompt_sets(cfg.data.sets, cfg.data.limit, cfg.data.seed, cfg.data.get("offset", 0),
+                               str(cfg.data.get("missing", "error")))  # a missing set fails before the model loads
+    prompts = shard_prompts(prompts, shard, num_shards)
     if decoder is None:
         model_cfg = cfg.model
         if int(os.environ.get("WORLD_SIZE", 1)) > 1 and str(model_cfg.device) == "cuda":
@@ -139,8 +144,6 @@ def run_label(cfg: DictConfig, decoder: SpeculativeDecoder | None = None,
         decoder = build_decoder(model_cfg)
     set_chat_template_kwargs(decoder.target.tokenizer, template_kwargs_of(cfg.model))  # as recorded in meta.json
     settings = settings_from_cfg(cfg, decoder)
-    prompts = load_prompt_sets(cfg.data.sets, cfg.data.limit, cfg.data.seed, cfg.data.get("offset", 0))
-    prompts = shard_prompts(prompts, shard, num_shards)
 
     store = LabelStore(cfg.label.out_dir)
     meta = run_meta(cfg, settings, decoder)
