@@ -8,8 +8,9 @@
 #                                 shipped one in data/drafters/ came from scripts/gpu_draft.sh (one GPU, 6 min)
 #   make label|dataset|train|eval one stage; Hydra overrides go in ARGS="key=value ..."
 #   make bench-label              labelling speed benchmark
-#   make demo                     ~1 min: one prompt per benchmark set with ar, fixed B and verify_width; prints tokens/s, speedups,
-#                                 writes data/eval/demo/results.md and logs to W&B like make eval
+#   make demo                     one prompt per benchmark set with ar, fixed B and verify_width (about a minute on 2 cores once
+#                                 the step costs are cached; the first run also measures this machine's step costs); prints
+#                                 tokens/s, speedups, writes data/eval/demo/results.md and logs to W&B like make eval
 #   make serve                    OpenAI-compatible server on 127.0.0.1:8000 (ARGS="serve.policy=blockpilot serve.record=true ...")
 #   make notebook                 execute copies of notebooks/*.ipynb into data/notebooks/<run>/ (on the run's results)
 #
@@ -122,6 +123,7 @@ bench-label: $(STAMP)
 
 # A short look at the decoder (conf/experiment/demo.yaml): needs no labels or predictors. Like the eval stage it
 # writes results.json, results.md and the figures (data/eval/demo/) and logs to W&B; the last line is results.md's path.
+# Prompt sets missing from ../shared/data (BLOCKPILOT_SHARED_DATA) come from the hub, or are skipped with a warning.
 demo: $(STAMP)
 	$(PY) -m pipeline.evaluate experiment=demo $(PROFILE) $(ARGS)
 	@out="$$($(PY) -m pipeline.evaluate experiment=demo $(PROFILE) $(ARGS) --cfg job --resolve -p eval.out | tail -n 1)"; \
