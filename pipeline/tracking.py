@@ -3,15 +3,18 @@ a key and ``WANDB_MODE=online``. One group per pipeline run so the dashboard sho
 
 An offline run keeps everything in its binary ``.wandb`` file, readable only after ``wandb sync``. So that a
 user without an account can read a run, its ``files/`` folder also gets ``blockpilot-config.yaml`` (the
-resolved config, at start) and ``blockpilot-summary.json`` (the run's summary, when it finishes).
+resolved config, at start) and ``blockpilot-summary.json`` (the run's summary as plain JSON, when it finishes).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -48,8 +51,27 @@ def init_wandb(cfg: DictConfig, job_type: str):
     return run
 
 
+def plain(value: Any) -> Any:
+    """``value`` as plain JSON data: mappings (W&B's nested summary entries too) as dicts with string keys, lists and
+    tuples as lists, numpy / torch scalars and arrays as numbers and lists, non-finite floats as None (JSON has no
+    NaN), and anything else as its ``str()``."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    kind = type(value)  # class attributes only: W&B's summary dicts answer any attribute lookup with a KeyError
+    if isinstance(value, Mapping) or (callable(getattr(kind, "keys", None)) and callable(getattr(kind, "__getitem__", None))):
+        return {str(k): plain(value[k]) for k in value.keys()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if callable(getattr(kind, "tolist", None)):
+        return plain(value.tolist())
+    return str(value)
+
+
 def _finish_with_summary(run, finish, *args, **kwargs):
-    """Write the run's summary to ``files/blockpilot-summary.json`` (readable without W&B), then finish it."""
-    summary = {k: v for k, v in dict(run.summary).items() if not k.startswith("_")}
-    (Path(run.dir) / "blockpilot-summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True, default=str))
+    """Write the run's summary to ``files/blockpilot-summary.json`` as plain JSON (``plain``; readable without W&B),
+    then finish it."""
+    summary = {k: plain(run.summary[k]) for k in run.summary.keys() if not k.startswith("_")}
+    (Path(run.dir) / "blockpilot-summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True, allow_nan=False))
     return finish(*args, **kwargs)
