@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
@@ -56,3 +57,28 @@ def test_speedup_figure_is_readable_and_confusion_says_when_the_check_fell_back(
     note = fallback_note(results, "blockpilot")
     assert note == "deploy check fell back: always B_train=8" and fallback_note(results, "fixed") is None
     assert note in confusion([8, 8], [6, 8], [6, 8], "blockpilot vs label", note).axes[0].get_title()
+
+
+def test_speedup_figure_draws_the_bootstrap_intervals(tmp_path):
+    """Each bar with two or more prompts gets its speedup's 95% interval (the one results.md prints); one prompt: none."""
+    rows = {"ar": [row("a", "s", 10, 1000.0, [1]), row("b", "s", 10, 1000.0, [1]), row("c", "t", 10, 1000.0, [1])],
+            "fixed": [row("a", "s", 10, 500.0, [8]), row("b", "s", 10, 2000.0, [8]), row("c", "t", 10, 800.0, [8])],
+            "ema": [row("a", "s", 10, 400.0, [8]), row("b", "s", 10, 600.0, [8]), row("c", "t", 10, 900.0, [8])]}
+    results = results_of(rows)
+    results["methods"]["fixed"]["speedup"], results["methods"]["ema"]["speedup"] = 1.1, 2.0
+    results["per_set"] = {"s": {m: dict(results["methods"][m]) for m in rows}, "t": {m: dict(results["methods"][m]) for m in rows}}
+    fig = speedup_bars(results)
+    ax = fig.axes[0]
+    from matplotlib.container import ErrorbarContainer
+
+    errorbars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+    assert len(errorbars) == 2  # fixed, ema
+    segments = {m: [tuple(np.round(seg[:, 1], 6)) for seg in c.lines[2][0].get_segments()] for m, c in zip(("fixed", "ema"), errorbars)}
+    for m in ("fixed", "ema"):
+        expected = [tuple(np.round(speed_intervals(results, m, s)["speedup"], 6)) for s in (None, "s")]
+        assert segments[m] == expected, m  # "all" and set s; set t has one prompt: no interval
+    assert segments["fixed"][1] == (0.5, 2.0)
+    canvas = FigureCanvasAgg(fig)
+    canvas.figure.set_dpi(120)
+    canvas.print_png(str(tmp_path / "speedup.png"))
+    assert (tmp_path / "speedup.png").stat().st_size > 10_000

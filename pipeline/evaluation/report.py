@@ -5,7 +5,7 @@ Figures are ``matplotlib.figure.Figure`` objects built without pyplot (no global
   * ``tau_curves``: mean tau per candidate block size, one line per source set, from the labels;
   * ``optimal_b_hist``: how often each block size is a prompt's label, per source set;
   * ``confusion``: predicted block size vs label block size (counts);
-  * ``speedup_bars``: speedup vs ``ar`` per method, overall and per source set.
+  * ``speedup_bars``: speedup vs ``ar`` per method, overall and per source set, with bootstrap 95% intervals.
 ``markdown_table`` renders ``results.json`` as Markdown (headed by the run, date and commit it came from,
 ``provenance``); ``write_report`` writes all of them beside it; ``write_json``, ``log_summary`` and ``log_to_wandb``
 write the rest of an eval run's outputs.
@@ -253,8 +253,10 @@ def fallback_note(results: dict, method: str) -> str | None:
 
 
 def speedup_bars(results: dict) -> Figure:
-    """Speedup vs ``ar`` per method (bars), overall and per source set (groups on the x axis), at a fixed size
-    (9 x 4.5 in: 1080 x 540 px at the report's 120 dpi)."""
+    """Speedup vs ``ar`` per method (bars), overall and per source set (groups on the x axis), with the percentile
+    bootstrap 95% interval over prompts of each bar (``speed_intervals``, paired with ``ar``: the intervals of
+    results.md) as an error bar where there is one (none for a single prompt), at a fixed size (9 x 4.5 in: 1080 x 540 px
+    at the report's 120 dpi)."""
     frame = results_frame(results)
     methods = [m for m in results["methods"] if m != "ar"]
     sets = ["all"] + sorted(results.get("per_set", {}))
@@ -264,11 +266,20 @@ def speedup_bars(results: dict) -> Figure:
     for i, m in enumerate(methods):
         sub = frame[frame["method"] == m].set_index("set")
         values = [float(sub.loc[s, "speedup"]) if s in sub.index and sub.loc[s, "speedup"] is not None else 0.0 for s in sets]
-        ax.bar(np.arange(len(sets)) + (i - (len(methods) - 1) / 2) * width, values, width, label=m)
+        x = np.arange(len(sets)) + (i - (len(methods) - 1) / 2) * width
+        ax.bar(x, values, width, label=m)
+        spans = [speed_intervals(results, m, None if s == "all" else s)["speedup"] if method_rows(results, m, None if s == "all" else s)
+                 else [None, None] for s in sets]
+        drawn = [j for j, (lo, hi) in enumerate(spans) if lo is not None and hi is not None]
+        if drawn:
+            low = [max(0.0, values[j] - spans[j][0]) for j in drawn]
+            high = [max(0.0, spans[j][1] - values[j]) for j in drawn]
+            ax.errorbar(x[drawn], [values[j] for j in drawn], yerr=[low, high], fmt="none", ecolor="black", elinewidth=1,
+                        capsize=3)
     ax.axhline(1.0, color="grey", lw=1, ls="--", label="ar")
     ax.set_xticks(range(len(sets)), sets)
     ax.set_ylabel("speedup vs ar (tokens/s)")
-    ax.set_title("speedup per method and source set")
+    ax.set_title("speedup per method and source set (error bars: bootstrap 95% intervals over prompts)")
     ax.legend(fontsize=9, ncols=min(4, len(methods) + 1), loc="upper left", bbox_to_anchor=(0, -0.12))
     return fig
 
