@@ -421,3 +421,33 @@ def test_demo_reports_and_logs_like_the_eval_stage():
     makefile = (PROJECT_ROOT / "Makefile").read_text()
     demo = makefile[makefile.index("\ndemo:"):makefile.index("\nserve:")]
     assert "pipeline.evaluate experiment=demo" in demo and "results.md" in makefile[makefile.index("# A short look"):]
+
+
+@pytest.mark.slow
+def test_demo_runs_to_the_end_on_a_fresh_clone_without_shared_data_or_hub(tmp_path):
+    """Issue 33 item 10: ``make demo`` with no ../shared/data and no hub (loads SmolLM2): the sets it cannot read are
+    skipped with a warning naming them and the fix, HumanEval decodes, the report is written, and the W&B summary
+    file is plain JSON."""
+    import subprocess
+
+    empty = tmp_path / "shared"
+    empty.mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
+           "WANDB_MODE": "offline"}
+    env.pop("BLOCKPILOT_SHARED_DATA", None)
+    cmd = [sys.executable, "-m", "pipeline.evaluate", "experiment=demo", f"paths.shared_data={empty}",
+           f"paths.data={tmp_path}/data", f"logger.dir={tmp_path}/wandb", "decode.max_new_tokens=8"]
+    result = subprocess.run(cmd, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = result.stdout + result.stderr
+    for name in ("mbpp", "gsm8k", "math500", "mt_bench"):
+        assert log.count(f"skipping a prompt set (data.missing=skip): prompt set {name}: {empty}/{name}.jsonl") == 1, name
+    assert "BLOCKPILOT_SHARED_DATA=" in log
+    results = json.loads((tmp_path / "data" / "eval" / "demo" / "results.json").read_text())
+    assert list(results["per_set"]) == ["humaneval"] and set(results["methods"]) == {"ar", "fixed", "verify_width"}
+    assert (tmp_path / "data" / "eval" / "demo" / "results.md").exists()
+    assert (tmp_path / "data" / "eval" / "demo" / "speedup.png").exists()
+    (summary_file,) = (tmp_path / "wandb").rglob("files/blockpilot-summary.json")
+    summary = json.loads(summary_file.read_text())
+    assert summary["ar/n_prompts"] == 1 and isinstance(summary["eval/results"], dict)
+    assert "object at 0x" not in summary_file.read_text()
