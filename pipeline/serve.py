@@ -33,7 +33,6 @@ def build_recorder(cfg: DictConfig, decoder):
     """
     if not cfg.serve.record:
         return None
-    from pipeline import costs
     from pipeline.labeling.oracle import check_candidates
     from pipeline.labeling.store import LabelStore
     from pipeline.prompts import template_kwargs_of
@@ -44,7 +43,9 @@ def build_recorder(cfg: DictConfig, decoder):
     candidates = check_candidates(list(cfg.label.block_sizes), decoder)
     temperature = float(cfg.decode.temperature)
     stored = LabelStore(cfg.serve.record_dir, create=False).read_meta() if cfg.serve.record_dir else None
-    latency = costs.load_or_measure(decoder, cfg, candidates, "label.latency", (stored or {}).get("latency_model"),
+    from pipeline.timing.steps import load_or_measure
+
+    latency = load_or_measure(decoder, cfg, candidates, "label.latency", (stored or {}).get("latency_model"),
                                     cfg.serve.get("latency_path"), "serve.latency_path")
     drafter = decoder.drafter
     meta = {

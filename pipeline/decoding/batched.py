@@ -25,9 +25,10 @@ import torch
 
 from pipeline.decoding.sampling import PositionKeyedSampler, draft_confidence
 from pipeline.decoding.schedules import BlockSizeSchedule, FixedSchedule
-from pipeline.decoding.speculative import (DecodeConfig, DecodeState, PrefillResult, RequestStats, SpeculativeDecoder,
-                                           _now, crop_to)
+from pipeline.decoding.speculative import DecodeConfig, DecodeState, PrefillResult, RequestStats, SpeculativeDecoder
 from pipeline.models.batched_forward import BatchedForward
+from pipeline.models.cache import crop_to
+from pipeline.models.clock import now
 
 
 @dataclass
@@ -118,7 +119,7 @@ class BatchedDecoder:
             schedule = FixedSchedule(schedule)
         dec.check_block_size(schedule.max_block_size)
         use_drafter = schedule.max_block_size > 1
-        arrived = _now(dec.device) if arrived_s is None else arrived_s
+        arrived = now(dec.device) if arrived_s is None else arrived_s
         if isinstance(input_ids, PrefillResult):
             prefill = input_ids
             dec.check_prompt(prefill.input_ids, config.max_new_tokens)
@@ -128,18 +129,18 @@ class BatchedDecoder:
             prefill = dec.prefill(input_ids, config, want_features=use_drafter)
         sampler = PositionKeyedSampler(config.temperature, config.seed, dec.lm_head.shape[0])
         stats = RequestStats(prompt_tokens=prefill.input_ids.shape[1], prefill_ms=prefill.prefill_ms)
-        t0 = _now(dec.device)
+        t0 = now(dec.device)
         block_size = schedule.first(prefill.last_logits)
-        stats.schedule_ms = (_now(dec.device) - t0) * 1e3
+        stats.schedule_ms = (now(dec.device) - t0) * 1e3
         state = dec.new_state(prefill, use_drafter)
         req = BatchRequest(rid, config, schedule, state, sampler, stats, block_size, on_tokens, arrived_s=arrived)
-        now = _now(dec.device)
-        req.first_token_s = now
+        t = now(dec.device)
+        req.first_token_s = t
         stats.output_ids.append(state.pending)
-        req.token_times.append(now)
+        req.token_times.append(t)
         stats.stopped = state.pending in dec.stop_ids
         req.halted = on_tokens is not None and bool(on_tokens([state.pending]))
-        self._finish_if_done(req, now)
+        self._finish_if_done(req, t)
         if not req.done:
             self.active.append(req)
         return req
@@ -154,7 +155,7 @@ class BatchedDecoder:
         """End ``req`` now (a client that went away): it leaves the batch and frees its slot."""
         if not req.done:
             req.halted = True
-            self._finish_if_done(req, _now(self.decoder.device))
+            self._finish_if_done(req, now(self.decoder.device))
         if req in self.active:
             self.active.remove(req)
 
@@ -172,7 +173,7 @@ class BatchedDecoder:
         reqs = list(self.active)
         if not reqs:
             return []
-        t_step = _now(dec.device)
+        t_step = now(dec.device)
         for r in reqs:
             dec.check_block_size(r.block_size)
         sizes = [min(r.block_size, r.remaining) for r in reqs]
@@ -223,19 +224,19 @@ class BatchedDecoder:
                                    [r.state.draft_cache is not None for r in reqs])
         self.steps += 1
         self.rows.append((sum(k + 1 for k in widths), sum(sizes[i] for i in drafting), len(reqs), len(drafting)))
-        now = _now(dec.device)
+        t_end = now(dec.device)
         finished = []
         emitted = 0
         for i, r in enumerate(reqs):
             before = r.stats.new_tokens
             r.state.last_width, r.state.last_confidence = widths[i], confidences[i]
             new, _ = dec.accept(r.state, verified[i], *outs[i], r.sampler)
-            self._record(r, new, sizes[i], now)
+            self._record(r, new, sizes[i], t_end)
             emitted += r.stats.new_tokens - before
             if r.done:
                 finished.append(r)
                 self.active.remove(r)
-        self.step_log.append(((now - t_step) * 1e3, emitted))
+        self.step_log.append(((t_end - t_step) * 1e3, emitted))
         return finished
 
     def _record(self, r: BatchRequest, new: list[int], b: int, now: float) -> None:

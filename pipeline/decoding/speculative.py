@@ -9,7 +9,6 @@ drafter call (plain autoregressive decoding).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -19,7 +18,8 @@ from transformers import DynamicCache
 from pipeline.decoding.sampling import PositionKeyedSampler, draft_confidence
 from pipeline.decoding.schedules import BlockSizeSchedule, FixedSchedule
 from pipeline.models.backend import SMALLM_MAX_ROWS, LMHead, resolve_backend, set_backend
-from pipeline.models.cache import crop_to, resolve_kv_cache  # noqa: F401 (crop_to: also imported from here)
+from pipeline.models.cache import crop_to, resolve_kv_cache
+from pipeline.models.clock import now
 from pipeline.models.drafter import DFlashDrafter, check_compatible
 from pipeline.models.fast_forward import fast_draft_for, fast_forward_for
 from pipeline.models.target import Target, logit_head, new_cache
@@ -145,13 +145,6 @@ class DecodeState:
     start: int
     last_width: int = 0
     last_confidence: torch.Tensor | None = None
-
-
-def _now(device: torch.device) -> float:
-    """perf_counter after a CUDA synchronize (when on GPU), in seconds."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 class SpeculativeDecoder:
@@ -401,17 +394,17 @@ class SpeculativeDecoder:
         want = want_features and self.drafter is not None
         features, spent = [], 0.0
         for start in range(0, n, chunk):
-            t0 = _now(self.device)
+            t0 = now(self.device)
             last_logits, part = self.target_forward(input_ids[:, start: start + chunk], cache, start,
                                                     want_features=want, last_only=True)
             if part is not None:
                 features.append(part)
             if start + chunk < n:
-                spent += _now(self.device) - t0
+                spent += now(self.device) - t0
                 yield None
                 continue
             first = int(sampler.pick(last_logits, n)[0])
-            spent += _now(self.device) - t0
+            spent += now(self.device) - t0
             joined = None if not features else features[0] if len(features) == 1 else torch.cat(features, dim=1)
             yield PrefillResult(input_ids, cache, last_logits[0], joined, first, spent * 1e3)
 
@@ -439,9 +432,9 @@ class SpeculativeDecoder:
         sampler = PositionKeyedSampler(config.temperature, config.seed, self.lm_head.shape[0])
         stats = RequestStats(prompt_tokens=prefill.input_ids.shape[1], prefill_ms=prefill.prefill_ms)
 
-        t_schedule = _now(self.device)
+        t_schedule = now(self.device)
         block_size = schedule.first(prefill.last_logits)
-        t0 = _now(self.device)
+        t0 = now(self.device)
         stats.schedule_ms = (t0 - t_schedule) * 1e3
 
         state = self.new_state(prefill, use_drafter)
@@ -462,7 +455,7 @@ class SpeculativeDecoder:
             block_size = schedule.next(len(new), b)
             halted = on_tokens is not None and bool(on_tokens(new))
 
-        stats.decode_ms = (_now(self.device) - t0) * 1e3
+        stats.decode_ms = (now(self.device) - t0) * 1e3
         return stats
 
     def generate(self, input_ids: torch.Tensor, schedule: BlockSizeSchedule | int, config: DecodeConfig,

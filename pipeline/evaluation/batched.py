@@ -131,7 +131,7 @@ def bench_batch(cfg: DictConfig) -> dict:
         FileNotFoundError: for ``verify_width`` / ``budget`` without a calibration.
     """
     check_bench_config(cfg)
-    from pipeline.costs.batched import batch_costs_of
+    from pipeline.timing.batched import batch_costs_of
     from pipeline.decoding import DecodeConfig
     from pipeline.decoding.batched import BatchedDecoder, decode_all
     from pipeline.models.batched_forward import BatchedForward

@@ -23,7 +23,8 @@ from pipeline.config_checks import validate_config
 from pipeline.decoding import DecodeConfig, FixedSchedule
 from pipeline.decoding.conversation import decode_prompt
 from pipeline.decoding.schedules import FirstChoice
-from pipeline.decoding.speculative import PromptTooLongError, RequestStats, _now
+from pipeline.decoding.speculative import PromptTooLongError, RequestStats
+from pipeline.models.clock import now
 from pipeline.evaluation.inputs import (EvalInputs, check_prompts, load_eval_inputs, method_schedules, resolve_split,
                                         select_prompts, verify_width_block_size)
 from pipeline.evaluation.resume import RowLog, row_settings
@@ -69,9 +70,9 @@ class SharedDecodes:
             self.decodes += 1
             return self.decoder.generate(input_ids, schedule, config)
         prefill = self.decoder.prefill(input_ids, config, want_features=schedule.max_block_size > 1)
-        t0 = _now(self.decoder.device)
+        t0 = now(self.decoder.device)
         block_size = int(schedule.first(prefill.last_logits))
-        schedule_ms = (_now(self.decoder.device) - t0) * 1e3
+        schedule_ms = (now(self.decoder.device) - t0) * 1e3
         key = (tuple(input_ids.flatten().tolist()), block_size, config.max_new_tokens, config.temperature, config.seed)
         stored = self.memo.get(key)
         if stored is None:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.decoding.speculative import RequestStats, _now
+from pipeline.decoding.speculative import RequestStats
+from pipeline.models.clock import now
 
 
 class _StepClock:
@@ -22,7 +23,7 @@ class _StepClock:
         self.device, self.times, self.sizes = device, [], []
 
     def put(self, value: torch.Tensor) -> None:
-        self.times.append(_now(self.device))
+        self.times.append(now(self.device))
         self.sizes.append(int(value.numel()))
 
     def end(self) -> None:
@@ -72,10 +73,10 @@ class TransformersGenerate:
         if sample:
             torch.manual_seed(int(config.seed))
         clock = _StepClock(device)
-        t0 = _now(device)
+        t0 = now(device)
         out = decoder.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=generation,
                                      streamer=clock)
-        t1 = _now(device)
+        t1 = now(device)
         new = out[0, input_ids.shape[1]:].tolist()
         stopped = bool(new) and new[-1] in decoder.stop_ids
         first = clock.times[1] if len(clock.times) > 1 else t1  # put 0 is the prompt, put 1 the prefill's tokens

@@ -420,8 +420,8 @@ def load_verify_width(inputs: PolicyInputs, decoder, options: Mapping, run_dir: 
     Raises:
         FileNotFoundError: without a calibration; ValueError: without a drafter.
     """
-    from pipeline import costs
-    from pipeline.policy.verify_width import find_calibration, load_calibration
+    from pipeline.policy.calibration import find_calibration, load_calibration
+    from pipeline.timing.steps import load_or_measure
 
     vw = options.get("verify_width") or {}
     if decoder is not None and decoder.drafter is None:
@@ -433,7 +433,7 @@ def load_verify_width(inputs: PolicyInputs, decoder, options: Mapping, run_dir: 
              info.get("labels_dir", "?"))
     lat = vw.get("latency") or {}
     if cfg is not None and (lat.get("path") or decoder is not None):  # the one way to obtain the cost model
-        inputs.latency = costs.load_or_measure(decoder, cfg, list(widths) if decoder is not None else [],
+        inputs.latency = load_or_measure(decoder, cfg, list(widths) if decoder is not None else [],
                                                "policy.verify_width.latency")
 
 
@@ -446,7 +446,7 @@ def load_batch_costs(inputs: PolicyInputs, decoder, options: Mapping, model, blo
     Raises:
         ValueError: for a bad ``policy.budget.costs`` block, or as ``measure_batch_costs``.
     """
-    from pipeline.costs.batched import batch_costs_of
+    from pipeline.timing.batched import batch_costs_of
 
     settings = (options.get("budget") or {}).get("costs")
     inputs.batch_costs = batch_costs_of(decoder, settings, model, block_size, max_requests, seed, "policy.budget.costs")
