@@ -2,7 +2,7 @@
 
 Modules: ``features`` (featurizers shared by the dataset stage and the decoder), ``predictors`` (nets),
 ``module`` (Lightning training), ``fallback`` (the confidence fallback to the training block size),
-``export`` (``predictor.safetensors`` + ``predictor.json``), ``schedule`` (``PredictorSchedule``, the decoder-side ``BlockSizeSchedule``),
+``export`` (``predictor.safetensors`` + ``predictor.json``), ``schedule`` (``PredictorSchedule``, the decoder-side ``Schedule``),
 ``verify_width`` (the per-step verify width), ``baselines`` (transformers' own ``generate``), and ``registry``: every
 decoding method declared once, built by the eval stage and the server alike.
 """

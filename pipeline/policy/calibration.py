@@ -1,13 +1,13 @@
-"""The drafts' acceptance calibration and the per-step width choice: the light core of the verify-width policy.
+"""The drafts' acceptance calibration: the probability that each draft is accepted, from the drafter's confidence.
 
 A calibration maps (p_j, j), the drafter's probability of its draft j and the draft's column, to a_j, the probability
 that draft j is accepted given that drafts 1..j-1 were (``AcceptanceCalibration``: a logistic regression per column,
 fitted in the train stage on the label stage's replay samples and exported as ``calibration.json``). A step that
-verifies the first k drafts then yields on average ``expected_tokens(a)[k] = 1 + sum_{i<=k} prod_{j<=i} a_j`` tokens,
-and ``best_width`` picks the k with the most expected tokens per ms against a step's measured costs.
+verifies the first k drafts then yields on average ``1 + sum_{i<=k} prod_{j<=i} a_j`` tokens (``pipeline.policy.widths``
+chooses k from that and the step's costs).
 
 This module imports only numpy and torch (no transformers, no model code), so a process that is not ours (the vLLM
-plugin, ``pipeline.integrations.vllm``) can read a calibration and choose widths with it.
+plugin, ``pipeline.integrations.vllm``) can read a calibration.
 """
 
 from __future__ import annotations
@@ -247,37 +247,3 @@ def load_calibration(path: str | Path) -> AcceptanceCalibration:
                                 "make label/dataset) or with python -m pipeline.policy.verify_width <labels_dir> --out DIR, "
                                 "or point policy.verify_width.calibration at one")
     return AcceptanceCalibration.from_dict(json.loads(file.read_text()))
-
-
-# ---------------------------------------------------------------------------------------------------
-# the per-step choice
-# ---------------------------------------------------------------------------------------------------
-def expected_tokens(a: torch.Tensor) -> torch.Tensor:
-    """E(k) for k = 0..R from per-draft acceptance probabilities a [R]: [R+1] tokens (E(0) = 1)."""
-    a = torch.as_tensor(a, dtype=torch.float64).reshape(-1)
-    return torch.cat([torch.ones(1, dtype=torch.float64), 1 + torch.cumsum(torch.cumprod(a, 0), 0)])
-
-
-def best_width(a: torch.Tensor, draft_ms: float, verify_ms: Sequence[float], rate: float | None = None) -> tuple[int, float]:
-    """The k in 0..len(a) that maximises the step's expected tokens per ms, or, given the decode's long-run ``rate``
-    (tokens per ms), its expected tokens minus ``rate`` x its cost (the renewal-reward rule: a draft is verified when
-    its chance of acceptance pays for its share of the verify at the rate the decode already runs).
-
-    Args:
-        a: [R] calibrated acceptance probabilities of drafts 1..R.
-        draft_ms: cost of the drafter forward already run (ms).
-        verify_ms: cost of a target verify over k+1 tokens for k = 0..R (R+1 values, ms).
-        rate: None (maximise tokens per ms) or the long-run tokens per ms.
-    Returns:
-        (k, the step's expected tokens per ms at k).
-    Raises:
-        ValueError: when ``verify_ms`` does not have len(a)+1 values.
-    """
-    expected = expected_tokens(a)
-    if len(verify_ms) != len(expected):
-        raise ValueError(f"need {len(expected)} verify costs (k = 0..{len(expected) - 1}), got {len(verify_ms)}")
-    cost = float(draft_ms) + torch.as_tensor(verify_ms, dtype=torch.float64)
-    per_ms = expected / cost
-    objective = per_ms if rate is None else expected - float(rate) * cost
-    k = int(torch.argmax(objective))  # first maximum: the narrower verify on ties
-    return k, float(per_ms[k])

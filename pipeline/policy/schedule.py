@@ -15,11 +15,12 @@ from pathlib import Path
 
 import torch
 
+from pipeline.decoding.schedules import Schedule
 from pipeline.policy.export import Predictor, load_predictor
 
 
-class PredictorSchedule:
-    """``BlockSizeSchedule`` that picks B once from the target's last-token logits and keeps it.
+class PredictorSchedule(Schedule):
+    """``Schedule`` that picks B once from the target's last-token logits and keeps it.
 
     Args:
         predictor: a loaded ``Predictor`` (featurizer + net + candidates).

@@ -32,11 +32,13 @@ import numpy as np
 import torch
 
 from pipeline.costs import CostModel
-from pipeline.policy.calibration import (CALIBRATION_NAME, AcceptanceCalibration, best_width,  # noqa: F401  (the API)
-                                         calibration_samples, expected_tokens, export_calibration, find_calibration,
-                                         fit_from_labels, load_calibration, reliability)
+from pipeline.decoding.schedules import Schedule
+from pipeline.policy.calibration import (CALIBRATION_NAME, AcceptanceCalibration,  # noqa: F401  (the API)
+                                         calibration_samples, export_calibration, find_calibration, fit_from_labels,
+                                         load_calibration, reliability)
+from pipeline.policy.widths import best_width, expected_tokens  # noqa: F401  (the API)
 
-class VerifyWidthSchedule:
+class VerifyWidthSchedule(Schedule):
     """Drafts at block size B, verifies the k drafts that maximise expected tokens per ms (see module docstring).
 
     Args:
@@ -53,6 +55,8 @@ class VerifyWidthSchedule:
     Raises:
         ValueError: for B < 2 or max_skip < 0.
     """
+
+    chooses_widths = True
 
     def __init__(self, calibration: AcceptanceCalibration, costs: CostModel, block_size: int, predictor=None,
                  skip_drafts: bool = True, max_skip: int = 8, objective: str = "rate"):

@@ -352,8 +352,8 @@ def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
                 choice = {"index": 0, "text": completion.text, "finish_reason": completion.finish_reason, "logprobs": None}
             return {"id": job.request_id, "object": obj, "created": now(), "model": engine.model_name,
                     "choices": [choice], "usage": _usage(n_prompt, completion), **_extensions(req, completion)}
-        if engine.in_flight >= 1 + engine.max_queue:  # refuse before the 200 of a stream is sent
-            return error_response(503, f"the queue is full ({engine.max_queue} waiting + 1 running); retry later",
+        if engine.full():  # refuse before the 200 of a stream is sent
+            return error_response(503, engine.full_message(),
                                   kind="server_overloaded", code="queue_full")
         return StreamingResponse(stream_events(request, req, job, chat, n_prompt), media_type="text/event-stream")
 
