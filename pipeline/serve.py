@@ -123,7 +123,7 @@ def serve_options(cfg: DictConfig):
     """
     import os
 
-    from pipeline.serving.app import API_KEY_ENV, ServeOptions
+    from pipeline.serving.guards import API_KEY_ENV, ServeOptions
 
     s = cfg.serve
     hosts = s.get("allowed_hosts")

@@ -197,8 +197,8 @@ def batch_costs_of(decoder, settings, model, block_size: int, max_requests: int,
     threads, the forward path and the arguments) when its ``spot_check`` passes, else measured and stored.
 
     Args:
-        settings: ``{context, rows, repeats, cache}`` (``policy.budget.costs``, or ``bench.costs`` which defaults to it);
-            ``cache`` null measures afresh.
+        settings: ``{context, rows, repeats, cache, spot_check}`` (``policy.budget.costs``); ``cache`` null measures
+            afresh; ``spot_check`` false reuses a cached model unchecked.
         model: the ``model`` config (its ``target`` and ``drafter`` key the cache).
         block_size: B of the timed draft blocks; max_requests: the most requests timed together (``serve.max_batch``,
             the benchmark's largest concurrency).
@@ -220,6 +220,6 @@ def batch_costs_of(decoder, settings, model, block_size: int, max_requests: int,
         log.info("batched step costs: measured again and stored in %s",
                  store.put(cache_dir, PREFIX, key, "batch_costs", costs.to_dict()))
         return costs
+    check = (lambda d: spot_check(decoder, BatchCostModel.from_dict(d))) if settings.get("spot_check", True) else None
     return BatchCostModel.from_dict(store.cached(
-        cache_dir, PREFIX, key, "batch_costs", lambda: measure_batch_costs(decoder, **args).to_dict(),
-        check=lambda d: spot_check(decoder, BatchCostModel.from_dict(d))))
+        cache_dir, PREFIX, key, "batch_costs", lambda: measure_batch_costs(decoder, **args).to_dict(), check=check))

@@ -29,7 +29,7 @@ from pipeline.models.clock import synchronize
 
 log = logging.getLogger(__name__)
 
-DEFAULTS = {"path": None, "cache": None, "context_buckets": [64, 256, 512], "repeats": 5}
+DEFAULTS = {"path": None, "cache": None, "context_buckets": [64, 256, 512], "repeats": 5, "spot_check": True}
 SPOT_TOLERANCE = 1.25  # a cached point this much slower than the machine now is refused (noise only adds time)
 SPOT_FLOOR_MS = 2.0  # ... and by at least this much (a timer's jitter on sub-millisecond points is not load)
 
@@ -267,7 +267,8 @@ def load_or_measure(decoder, cfg, widths: Sequence[int], section: str = "label.l
       2. ``path`` (named ``path_setting`` in errors), else ``<section>.path``: a stored model, cache file or label
          run's ``meta.json``;
       3. ``<section>.cache``: the model measured earlier on this host for the same models (``cfg.model``), threads,
-         forward path (``decoder.forward_path()``) and arguments (``cache_key``), when ``spot_check`` passes;
+         forward path (``decoder.forward_path()``) and arguments (``cache_key``), when ``spot_check`` passes
+         (``<section>.spot_check: false`` reuses it unchecked);
       4. measured now for every width 1..max(``widths``) (``measure``, with progress), then stored in the cache.
 
     Args:
@@ -297,8 +298,9 @@ def load_or_measure(decoder, cfg, widths: Sequence[int], section: str = "label.l
         return _measure_with(decoder, s)
     key = cache_key(decoder, identity(_select(cfg, "model") or {}), s["widths"], s["context_buckets"], s["repeats"],
                     s["temperature"], s["seed"])
+    check = (lambda d: spot_check(decoder, CostModel.from_dict(d))) if s["spot_check"] else None
     data = store.cached(s["cache"], CACHE_PREFIX, key, "latency_model", lambda: _measure_with(decoder, s).to_dict(),
-                        check=lambda d: spot_check(decoder, CostModel.from_dict(d)))
+                        check=check)
     return CostModel.from_dict(data)
 
 
