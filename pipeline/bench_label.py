@@ -29,7 +29,9 @@ from omegaconf import DictConfig
 from pipeline import costs
 from pipeline.cli import stage
 from pipeline.config_checks import validate_config
-from pipeline.decoding.speculative import DecodeConfig, _now
+from pipeline.decoding.speculative import DecodeConfig
+from pipeline.models.clock import now
+from pipeline.timing.steps import measure
 from pipeline.evaluation.report import write_json
 from pipeline.labeling.brute import brute_force, reseed
 from pipeline.labeling.oracle import (LabelSettings, candidate_window, label_prompt, pick_label, predicted_tokens_per_s,
@@ -70,7 +72,7 @@ def bench_label(cfg: DictConfig, decoder=None) -> dict:
     check = bool(cfg.check)
 
     t0 = time.perf_counter()
-    latency = costs.measure(decoder, union, list(cfg.label.latency.context_buckets), int(cfg.label.latency.repeats),
+    latency = measure(decoder, union, list(cfg.label.latency.context_buckets), int(cfg.label.latency.repeats),
                             config.temperature, int(cfg.seed))  # measured afresh: its time is one of the figures
     latency_s = time.perf_counter() - t0
     tokenizer = decoder.target.tokenizer
@@ -87,23 +89,23 @@ def bench_label(cfg: DictConfig, decoder=None) -> dict:
     new_tokens = []
     for prompt in prompts:
         ids = chat_input_ids(tokenizer, prompt.turns[:1])
-        t0 = _now(decoder.device)
+        t0 = now(decoder.device)
         ar = decoder.generate(ids, 1, config)
-        ar_ms.append((_now(decoder.device) - t0) * 1e3)
+        ar_ms.append((now(decoder.device) - t0) * 1e3)
         new_tokens.append(ar.new_tokens)
 
-        t0 = _now(decoder.device)
+        t0 = now(decoder.device)
         prefill = decoder.prefill(ids, config, want_features=True)
-        prefill_wall = (_now(decoder.device) - t0) * 1e3
+        prefill_wall = (now(decoder.device) - t0) * 1e3
         brute = brute_force(decoder, prefill, union, config, consume=True)
         for k in ks:
             brute_ms[k].append(prefill_wall + sum(brute.wall_ms[b] for b in candidates[k]))
 
         labelled = {}
         for k in ks:
-            t0 = _now(decoder.device)
+            t0 = now(decoder.device)
             labelled[k] = label_prompt(decoder, ids, settings[k], latency, keep_runs=check)
-            replay_ms[k].append((_now(decoder.device) - t0) * 1e3)
+            replay_ms[k].append((now(decoder.device) - t0) * 1e3)
 
         if check:
             k = ks[-1]

@@ -3,7 +3,8 @@
     python -m pipeline.bench_step                                   # table on stdout
     python -m pipeline.bench_step out=data/bench/step.json contexts=[128,512] 'backends=[auto,eager]'
 
-For the configured target and drafter, at each context length L, the median over ``repeats`` runs of:
+For the configured target and drafter, at each context length L, the least of ``repeats`` interleaved runs
+(``pipeline.timing.steps.step_figures`` on the one timer, ``pipeline.costs.timer``) of:
 
 - ``ar_ms``: one autoregressive step (target forward over 1 token with an L-token cache, LM head,
   sampling): what ``decode`` runs per token at B=1;
@@ -27,106 +28,20 @@ from __future__ import annotations
 import json
 import logging
 import platform
-import statistics
 from pathlib import Path
-from typing import Callable
 
 import torch
 from omegaconf import DictConfig
-from transformers import DynamicCache
 
 from pipeline.cli import stage
-from pipeline.decoding.sampling import PositionKeyedSampler
-from pipeline.decoding.speculative import DecodeState, SpeculativeDecoder, _now, crop_to
+from pipeline.decoding.speculative import SpeculativeDecoder
 from pipeline.models.backend import resolve_backend
 from pipeline.models.cache import resolve_kv_cache
 from pipeline.models.loading import load_models
-from pipeline.models.target import new_cache
+from pipeline.timing.steps import step_figures
 
 log = logging.getLogger(__name__)
 KEYS = ("ar_ms", "forward_ms", "drafter_ms", "step_ms", "step_over_ar")
-
-
-def median_ms(fn: Callable[[], None], reset: Callable[[], None], repeats: int, warmup: int,
-              device: torch.device) -> float:
-    """Median wall time of ``fn`` (ms) over ``repeats`` runs after ``warmup``; ``reset`` runs untimed after each."""
-    times = []
-    for i in range(warmup + repeats):
-        t0 = _now(device)
-        fn()
-        if i >= warmup:
-            times.append((_now(device) - t0) * 1e3)
-        reset()
-    return statistics.median(times)
-
-
-@torch.inference_mode()
-def measure_context(decoder: SpeculativeDecoder, length: int, widths, block_sizes, pending: int,
-                    repeats: int, warmup: int, seed: int = 0) -> dict:
-    """The five figures of the module docstring at one context length L (tokens).
-
-    Raises:
-        ValueError: when L + the widest block does not fit the target's context, or without a drafter.
-    """
-    if decoder.drafter is None:
-        raise ValueError("bench_step needs a drafter (model.drafter=...)")
-    widest = max([*widths, *block_sizes])
-    if length + widest > decoder.max_context or length < pending + 1:
-        raise ValueError(f"context {length} (+ {widest}) does not fit the target's {decoder.max_context} positions")
-    for b in block_sizes:
-        decoder.check_block_size(b)
-    device = decoder.device
-    vocab = decoder.lm_head.shape[0]
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, min(vocab, len(decoder.target.tokenizer)), (1, length + widest), generator=generator).to(device)
-    sampler = PositionKeyedSampler(0.0, seed, vocab)
-    cache = new_cache(decoder.model, decoder.kv_cache)
-    _, features = decoder.target_forward(ids[:, :length], cache, 0, want_features=True, last_only=True)
-    draft_cache = DynamicCache()
-    decoder.drafter(decoder.embed(ids[:, :1]), features[:, : length - pending],
-                    torch.arange(0, length - pending + 1, device=device)[None], cache=draft_cache)
-    crop_to(draft_cache, length - pending)
-    state = DecodeState(cache, draft_cache, features[:, length - pending:], int(ids[0, length]), length)
-
-    def reset() -> None:
-        crop_to(cache, length)
-        crop_to(draft_cache, length - pending)
-        state.features = features[:, length - pending:]
-        state.pending, state.start = int(ids[0, length]), length
-
-    ar_state = DecodeState(cache, None, None, int(ids[0, length]), length)
-
-    def ar() -> None:
-        decoder.step(ar_state, 1, sampler)
-
-    def ar_reset() -> None:
-        crop_to(cache, length)
-        ar_state.pending, ar_state.start = int(ids[0, length]), length
-
-    for _ in range(max(1, warmup) * 10):  # settle the backend's packed weights and thread pool first
-        ar()
-        ar_reset()
-    out = {"ar_ms": median_ms(ar, ar_reset, repeats, warmup, device), "forward_ms": {}, "drafter_ms": {}, "step_ms": {}}
-    for q in widths:
-        block = ids[:, length : length + q]
-
-        def forward(block=block) -> None:
-            logits, _ = decoder.target_forward(block, cache, length, want_features=True)
-            sampler.pick(logits, length + 1)
-
-        out["forward_ms"][str(q)] = median_ms(forward, reset, repeats, warmup, device)
-    mask_id = decoder.drafter.mask_token_id
-    for b in block_sizes:
-        block = torch.full((1, b), mask_id, dtype=torch.long, device=device)
-
-        def draft(block=block) -> None:
-            block[0, 0] = state.pending
-            decoder.draft(state, block, sampler)
-
-        out["drafter_ms"][str(b)] = median_ms(draft, reset, repeats, warmup, device)
-        out["step_ms"][str(b)] = median_ms(lambda b=b: decoder.step(state, b, sampler), reset, repeats, warmup, device)
-    out["step_over_ar"] = {b: ms / out["ar_ms"] for b, ms in out["step_ms"].items()}
-    return out
 
 
 def bench_step(cfg: DictConfig) -> dict:
@@ -162,7 +77,7 @@ def bench_step(cfg: DictConfig) -> dict:
             by_context = {}
             for length in cfg.contexts:
                 log.info("bench_step: backend %s, kv cache %s, context %d", name, decoder.kv_cache, int(length))
-                by_context[str(int(length))] = measure_context(
+                by_context[str(int(length))] = step_figures(
                     decoder, int(length), [int(q) for q in cfg.widths], [int(b) for b in cfg.block_sizes],
                     int(cfg.pending_features), int(cfg.repeats), int(cfg.warmup), int(cfg.seed))
                 fig = by_context[str(int(length))]

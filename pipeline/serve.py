@@ -1,10 +1,10 @@
-"""``serve``: an OpenAI-compatible server over the speculative decoder (FastAPI + uvicorn; batch 1, or continuous
-batching with ``serve.max_batch > 1``).
+"""``serve``: an OpenAI-compatible server over the speculative decoder (FastAPI + uvicorn; continuous batching of up
+to ``serve.max_batch`` requests per step, 1 included).
 
     make serve                                                  # python -m pipeline.serve: the embedded default
     python -m pipeline.serve serve.policy=blockpilot run_name=main   # B per request from `make train`'s predictor
     make serve RUN=quick ARGS="serve.policy=verify_width"            # the run of `make all EXPERIMENT=quick`
-    python -m pipeline.serve serve.max_batch=8 serve.policy=budget  # 8 requests per step, their verify widths jointly
+    python -m pipeline.serve serve.max_batch=1 serve.policy=verify_width   # one request at a time, k chosen alone
     python -m pipeline.serve serve.record=true                  # also label served requests -> data/labels/served
 
     curl -s 127.0.0.1:8000/v1/chat/completions -H 'content-type: application/json' \\
@@ -34,7 +34,6 @@ def build_recorder(cfg: DictConfig, decoder):
     """
     if not cfg.serve.record:
         return None
-    from pipeline import costs
     from pipeline.labeling.oracle import check_candidates
     from pipeline.labeling.store import LabelStore
     from pipeline.prompts import template_kwargs_of
@@ -45,7 +44,9 @@ def build_recorder(cfg: DictConfig, decoder):
     candidates = check_candidates(list(cfg.label.block_sizes), decoder)
     temperature = float(cfg.decode.temperature)
     stored = LabelStore(cfg.serve.record_dir, create=False).read_meta() if cfg.serve.record_dir else None
-    latency = costs.load_or_measure(decoder, cfg, candidates, "label.latency", (stored or {}).get("latency_model"),
+    from pipeline.timing.steps import load_or_measure
+
+    latency = load_or_measure(decoder, cfg, candidates, "label.latency", (stored or {}).get("latency_model"),
                                     cfg.serve.get("latency_path"), "serve.latency_path")
     drafter = decoder.drafter
     meta = {
@@ -61,35 +62,44 @@ def build_recorder(cfg: DictConfig, decoder):
                     int(cfg.serve.record_flush_every))
 
 
+def sources(cfg: DictConfig):
+    """Where the server's policy reads its inputs (``pipeline.policy.setup.Sources``): ``serve.predictor_dir`` (its
+    ``verify_width`` calibration, else the drafter's), ``serve.labels_dir`` / ``features_dir`` (best_fixed),
+    ``serve.block_size``, up to ``serve.max_batch`` requests per step."""
+    from pipeline.models.loading import resolve_path
+    from pipeline.policy.setup import Sources
+
+    s = cfg.serve
+    return Sources("serve", resolve_path(str(s.predictor_dir)) if s.get("predictor_dir") else None,
+                   s.get("labels_dir"), s.get("features_dir"), s.get("block_size"), "serve.block_size",
+                   str(s.get("target", "tau")), int(s.get("max_batch") or 1), missing_hint=run_hint(cfg))
+
+
 def build_engine(cfg: DictConfig, decoder=None, thread=None):
-    """The serving engine of ``cfg`` (``conf/serve.yaml``): decoder (default ``build_decoder(cfg.model)``), policy
-    (``policy_inputs`` + ``build_policy``, the registry the eval stage builds from), recorder; an ``Engine`` (batch 1)
-    or, with ``serve.max_batch > 1``, a ``BatchEngine`` (continuous batching; ``serve.policy=budget``'s
-    ``BudgetPolicy`` chooses every step's verify widths). ``thread``: the single-worker executor the engine decodes on
-    (None: its own; ``main`` passes the one this runs on).
+    """The serving engine of ``cfg`` (``conf/serve.yaml``): the decoder (default ``build_decoder(cfg.model)``), the
+    policy from the one method table (``pipeline.policy.setup``, as the eval stage builds it), the recorder, and the run-
+    time check of the policy's cost models; ``serve.max_batch`` requests per step. ``thread``: the single-worker
+    executor the engine decodes on (None: its own; ``main`` passes the one this runs on).
 
     Raises:
-        ValueError: for a bad config (``validate_config(cfg, "serve")``, before any model loads: e.g.
-            ``serve.policy=budget`` with ``serve.max_batch=1``).
-        ValueError / FileNotFoundError: for a policy or recorder that cannot run (see ``build_policy``, ``build_recorder``).
+        ValueError: for a bad config (``validate_config(cfg, "serve")``, before any model loads).
+        ValueError / FileNotFoundError: for a policy or recorder that cannot run (a missing predictor names
+            ``make train``; see ``pipeline.policy.setup.load_inputs``, ``build_recorder``).
     """
     from pipeline.config_checks import validate_config
     from pipeline.decoding.build import build_decoder
-    from pipeline.models.loading import resolve_path
-    from pipeline.serving.batch_engine import BatchEngine
-    from pipeline.serving.engine import Engine, build_policy
+    from pipeline.policy import setup
+    from pipeline.serving.engine import Engine, Policy
 
     validate_config(cfg, "serve")
     s = cfg.serve
     decoder = decoder or build_decoder(cfg.model)
-    predictor_dir = resolve_path(str(s.predictor_dir)) if s.get("predictor_dir") else None
-    options = policy_options(cfg)
-    policy = build_policy(str(s.policy), decoder, s.get("block_size"), predictor_dir, list(cfg.model.candidates), options,
-                          policy_inputs(cfg, decoder), run_hint(cfg))
-    settings = (decoder, policy, str(s.model_name), int(s.max_queue), int(s.default_max_tokens), int(s.max_tokens),
-                int(cfg.decode.seed), build_recorder(cfg, decoder), float(cfg.decode.temperature))
-    max_batch = int(s.get("max_batch") or 1)
-    return BatchEngine(*settings, max_batch=max_batch, thread=thread) if max_batch > 1 else Engine(*settings, executor=thread)
+    src, name = sources(cfg), str(s.policy)
+    inputs = setup.load_inputs(cfg, decoder, [name], src)
+    policy = Policy.of(name, setup.build_methods(cfg, decoder, inputs, [name], src)[name])
+    return Engine(decoder, policy, str(s.model_name), int(s.max_queue), int(s.default_max_tokens), int(s.max_tokens),
+                  int(cfg.decode.seed), build_recorder(cfg, decoder), float(cfg.decode.temperature),
+                  max_batch=src.max_requests, thread=thread, watch=setup.CostWatch(cfg, decoder, inputs, src))
 
 
 def start_engine(cfg: DictConfig, thread=None):
@@ -114,7 +124,7 @@ def serve_options(cfg: DictConfig):
     """
     import os
 
-    from pipeline.serving.app import API_KEY_ENV, ServeOptions
+    from pipeline.serving.guards import API_KEY_ENV, ServeOptions
 
     s = cfg.serve
     hosts = s.get("allowed_hosts")
@@ -123,15 +133,6 @@ def serve_options(cfg: DictConfig):
                         max_body_bytes=int(s.get("max_body_bytes", 4 << 20)),
                         max_prompt_chars=int(s.get("max_prompt_chars", 1_000_000)),
                         allow_request_chat_template=bool(s.get("allow_request_chat_template", False)))
-
-
-def policy_options(cfg: DictConfig) -> dict:
-    """The ``policy`` config group as a dict, plus ``target`` (``serve.target``: which label best_fixed reads)."""
-    from omegaconf import OmegaConf
-
-    options = OmegaConf.to_container(cfg.policy, resolve=True) if cfg.get("policy") is not None else {}
-    options["target"] = str(cfg.serve.get("target", "tau"))
-    return options
 
 
 def run_hint(cfg: DictConfig) -> str:
@@ -150,48 +151,6 @@ def run_hint(cfg: DictConfig) -> str:
     return hint + f" (after make all EXPERIMENT=quick, serve with make serve RUN=quick ARGS='serve.policy={cfg.serve.policy}')"
 
 
-def policy_inputs(cfg: DictConfig, decoder):
-    """What ``serve.policy`` needs beyond a predictor, loaded as the eval stage loads it (``pipeline.policy.registry``):
-    best_fixed: the run's labels and splits (``serve.labels_dir``, ``serve.features_dir``); verify_width / hybrid: the
-    calibration (``policy.verify_width.calibration``, else ``predictors/<run_name>/verify_width``, else the drafter
-    folder's) and this machine's latency model (measured at startup for widths up to B and the candidates, or reused
-    from the cache the label and eval stages share); budget: the same calibration and the batched step cost model
-    (``policy.budget.costs``, for blocks of B and up to ``serve.max_batch`` requests: measured once per machine and
-    cached, as ``pipeline.bench_batch`` obtains it).
-
-    Raises:
-        FileNotFoundError: without labels, splits or a calibration (names the stage to run).
-    """
-    from pathlib import Path
-
-    from pipeline.policy import registry
-
-    inputs = registry.PolicyInputs()
-    method = registry.METHODS.get(str(cfg.serve.policy))
-    if method is None:
-        return inputs
-    if registry.LABELS in method.needs and method.servable is None:
-        from pipeline.labeling.store import read_label_table
-        from pipeline.policy.data import split_prompt_ids
-
-        inputs.labels, inputs.label_meta = read_label_table(cfg.serve.labels_dir)
-        inputs.splits = split_prompt_ids(cfg.serve.features_dir)
-    options = policy_options(cfg)
-    b = registry.verify_width_block_size(options, decoder, cfg.serve.get("block_size"))
-    if registry.CALIBRATION in method.needs:
-        registry.load_verify_width(inputs, decoder, options, Path(cfg.paths.data) / "predictors" / str(cfg.run_name) / "verify_width",
-                                   cfg.model.get("drafter"), [*cfg.model.candidates, b],
-                                   cfg if registry.COSTS in method.needs else None)
-    if registry.BATCH_COSTS in method.needs:
-        try:
-            decoder.check_block_size(b)
-        except ValueError as err:
-            raise ValueError(f"serve.policy={cfg.serve.policy} drafts at B={b} (policy.verify_width.block_size, else "
-                             f"serve.block_size, else the drafter's training B): {err}") from err
-        registry.load_batch_costs(inputs, decoder, options, cfg.model, b, int(cfg.serve.get("max_batch") or 1), int(cfg.seed))
-    return inputs
-
-
 @stage("serve")
 def main(cfg: DictConfig) -> None:
     import torch
@@ -207,8 +166,9 @@ def main(cfg: DictConfig) -> None:
     options = serve_options(cfg)  # checked before any model loads
     thread = decoder_thread()  # loads, warms and measures the model, then decodes: one OpenMP team (pipeline/serving/threads.py)
     engine = thread.submit(start_engine, cfg, thread).result()
-    log.info("serving %s with policy %s on http://%s:%d (queue %d%s%s)", engine.model_name, engine.policy.name,
-             cfg.serve.host, int(cfg.serve.port), engine.max_queue, ", API key required" if options.api_key else "",
+    log.info("serving %s with policy %s on http://%s:%d (%d decoding together, %d waiting at most%s%s)",
+             engine.model_name, engine.policy.name, cfg.serve.host, int(cfg.serve.port), engine.max_batch,
+             engine.max_queue, ", API key required" if options.api_key else "",
              f", recording to {cfg.serve.record_dir}" if engine.recorder else "")
     shutdown = cfg.serve.get("shutdown_timeout_s")
     try:

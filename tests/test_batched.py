@@ -26,7 +26,8 @@ from transformers import DynamicCache
 from conftest import require
 from pipeline import PROJECT_ROOT
 from pipeline.decoding import DecodeConfig, SpeculativeDecoder
-from pipeline.decoding.batched import BatchedDecoder, decode_all
+from pipeline.decoding.batched import BatchedDecoder, BatchPolicy, decode_all
+from pipeline.decoding.schedules import FixedSchedule
 from pipeline.models.backend import EXACT_FORMATS, SMALLM_MAX_ROWS, PackedLinear, pack_smallm, set_backend, smallm_available
 from pipeline.models.batched_forward import BatchedForward, chunked, segment_rows
 from pipeline.models.target import new_cache
@@ -232,18 +233,23 @@ def test_batched_forwards_are_bit_identical_to_solo(tiny, arch, restore_eager):
         assert torch.equal(solo_caches[i].layers[0].keys, batch_caches[i].layers[0].keys), i
 
 
-def _forced_widths(seed: int):
-    """An allocator giving every drafting request a random k in 0..b-1 (seeded), and a planner that sometimes skips
-    the drafter (b = 1)."""
-    rng = random.Random(seed)
+class ForcedWidths(BatchPolicy):
+    """A batch policy giving every drafting request a random k in 0..b-1 (seeded) and sometimes skipping the drafter
+    (b = 1), and admitting a request as autoregressive now and then."""
 
-    def allocator(reqs, confidences):
-        return [rng.randint(0, len(c)) for c in confidences]
+    joint_widths = True
 
-    def planner(reqs, sizes):
-        return [1 if rng.random() < 0.2 else b for b in sizes]
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
 
-    return allocator, planner
+    def admit(self, schedule, load):
+        return FixedSchedule(1) if self.rng.random() < 0.1 else schedule
+
+    def plan(self, requests, sizes):
+        return [1 if self.rng.random() < 0.2 else b for b in sizes]
+
+    def allocate(self, requests, confidences):
+        return [self.rng.randint(0, len(c)) for c in confidences]
 
 
 def _workload(decoder, data, n_max=6):
@@ -283,8 +289,8 @@ def test_batched_decode_equals_each_request_alone(tiny, arch, data, restore_eage
     got = decode_all(decoder, prompts, schedules, configs, arrivals, max_batch=max_batch)
     assert [r.stats.output_ids for r in got] == ar
     assert all(r.done and (r.stats.stopped or r.stats.new_tokens == c.max_new_tokens) for r, c in zip(got, configs))
-    allocator, planner = _forced_widths(data.draw(st.integers(0, 100), label="width seed"))
-    forced = decode_all(decoder, prompts, schedules, configs, arrivals, allocator=allocator, planner=planner)
+    policy = ForcedWidths(data.draw(st.integers(0, 100), label="width seed"))
+    forced = decode_all(decoder, prompts, schedules, configs, arrivals, policy=policy)
     assert [r.stats.output_ids for r in forced] == ar
     for r in forced:  # every step's tokens are its accepted drafts (<= k) plus one
         assert sum(r.stats.taus) + 1 == len(r.stats.output_ids)
@@ -307,8 +313,11 @@ def test_plain_steps_and_skipped_drafts(trained_decoder, tiny, restore_eager):
     assert batch.rows[0] == (3, 0, 3, 0)  # one row per request, no drafter forward
     assert all(v[1] == 0 and v[0] == v[2] for v in batch.rows)
     assert all(set(r.stats.verify_widths) == {0} for r in reqs)
-    mixed = decode_all(decoder, prompts, [8, 1, 4], configs, planner=lambda reqs, sizes: [b if i % 2 else 1 for i, b in
-                                                                                       enumerate(sizes)])
+    class OddDraft(BatchPolicy):
+        def plan(self, requests, sizes):
+            return [b if i % 2 else 1 for i, b in enumerate(sizes)]
+
+    mixed = decode_all(decoder, prompts, [8, 1, 4], configs, policy=OddDraft())
     assert [r.stats.output_ids for r in mixed] == ar
     assert set(mixed[0].stats.block_sizes) == {1} and max(mixed[2].stats.block_sizes) == 1
 
@@ -346,10 +355,9 @@ def test_cancel_frees_the_slot(tiny):
 
 @pytest.mark.slow
 def test_real_target_batched_methods_equal_batch1_ar(compose_config):
-    from pipeline.costs.batched import measure_batch_costs
     from pipeline.decoding.build import build_decoder
-    from pipeline.policy.budget import METHODS, batched_method
-    from pipeline.policy.verify_width import load_calibration
+    from pipeline.policy import setup
+    from pipeline.policy.registry import batch_policy
     from pipeline.prompts import chat_input_ids, load_prompt_set
 
     drafter_dir = PROJECT_ROOT / "data" / "drafters" / "smollm2-135m-instruct-dflash-b8"
@@ -359,17 +367,21 @@ def test_real_target_batched_methods_equal_batch1_ar(compose_config):
     prompts = [chat_input_ids(decoder.target.tokenizer, p.turns) for p in load_prompt_set("humaneval", limit=4)]
     configs = [DecodeConfig(24), DecodeConfig(16), DecodeConfig(24, 0.8, 5), DecodeConfig(20)]
     ar = [decoder.generate(p, 1, c).output_ids for p, c in zip(prompts, configs)]
-    costs = measure_batch_costs(decoder, block_size=8, context=64, max_requests=4, rows=(1, 4, 16, 32), repeats=1)
-    calibration = load_calibration(drafter_dir)
-    for method in METHODS:
-        make, allocator, planner = batched_method(method, 8, calibration, costs)
-        got = decode_all(decoder, prompts, [make() for _ in prompts], configs, arrivals=[0, 0, 1, 3],
-                         allocator=allocator, planner=planner)
+    cfg = compose_config("bench_batch", ["policy.budget.costs.rows=[1,4,16,32]", "policy.budget.costs.repeats=1",
+                                         "policy.budget.costs.context=64", "policy.budget.costs.cache=null",
+                                         "policy.verify_width.latency.cache=null", "policy.verify_width.latency.repeats=1",
+                                         "policy.verify_width.latency.context_buckets=[64]", "bench.concurrency=[4]"])
+    methods = ["ar", "fixed", "verify_width", "budget"]
+    src = setup.Sources("bench", None, max_requests=4)
+    inputs = setup.load_inputs(cfg, decoder, methods, src)
+    for method, factory in setup.build_methods(cfg, decoder, inputs, methods, src).items():
+        got = decode_all(decoder, prompts, [factory() for _ in prompts], configs, arrivals=[0, 0, 1, 3],
+                         policy=batch_policy(factory))
         assert [r.stats.output_ids for r in got] == ar, method
 
 
 # ---------------------------------------------------------------------------------------------------
-# continuous batching in the server (pipeline.serving.batch_engine)
+# continuous batching in the server (pipeline.serving.engine)
 # ---------------------------------------------------------------------------------------------------
 def test_batch_engine_serves_each_request_its_ar_text_and_frees_cancelled_slots(trained_decoder):
     import asyncio
@@ -379,16 +391,14 @@ def test_batch_engine_serves_each_request_its_ar_text_and_frees_cancelled_slots(
 
     from pipeline.prompts import messages_input_ids
     from pipeline.serving.app import create_app
-    from pipeline.serving.batch_engine import BatchEngine
     from pipeline.serving.engine import Engine, Job, QueueFull, build_policy
 
     texts = ["def add(a, b):", "Natalia sold clips to 48 of her friends.", "Write a function that sums a list."]
     tok = trained_decoder.target.tokenizer
     ids = {t: messages_input_ids(tok, [{"role": "user", "content": t}]) for t in texts}
     references = {t: trained_decoder.generate(ids[t], 1, DecodeConfig(10)).output_ids for t in texts}
-    engine = BatchEngine.from_engine(Engine(trained_decoder, build_policy("fixed", trained_decoder), "tiny", max_queue=2,
-                                            default_max_tokens=10), max_batch=4)
-    assert isinstance(engine, BatchEngine) and engine.max_queue == 2 + 4 - 1
+    engine = Engine(trained_decoder, build_policy("fixed", trained_decoder), "tiny", max_queue=2, default_max_tokens=10,
+                    max_batch=4)
     app = create_app(engine)
 
     async def scenario():

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from pipeline import PROJECT_ROOT
 from pipeline.evaluation.batched import FIELDS, bootstrap_ci, check_bench_config
-from pipeline.policy.verify_width import AcceptanceCalibration
+from pipeline.policy.calibration import AcceptanceCalibration
 
 
 def test_bench_batch_cli_writes_the_documented_json(tiny, tmp_path):
@@ -28,8 +28,10 @@ def test_bench_batch_cli_writes_the_documented_json(tiny, tmp_path):
            f"model.drafter={tiny.drafter_dir('llama', 'trained')}", "model.backend=smallm",
            f"'data.sets=[{{name: mine, source: \"{prompts}\"}}]'", "data.limit=null",
            "'bench.concurrency=[1,3]'", "bench.max_new_tokens=12", "bench.rate=50", "bench.bootstrap=50",
-           f"bench.calibration={calibration}", "'bench.costs.rows=[1,4,8]'", "bench.costs.repeats=1",
-           "bench.costs.context=16", f"bench.costs.cache={tmp_path / 'costs'}", "logger.enabled=false",
+           f"policy.verify_width.calibration={calibration}", "'policy.budget.costs.rows=[1,4,8]'",
+           "policy.budget.costs.repeats=1", "policy.budget.costs.context=16", f"policy.budget.costs.cache={tmp_path / 'costs'}",
+           "'policy.verify_width.latency.context_buckets=[16]'", "policy.verify_width.latency.repeats=1",
+           f"policy.verify_width.latency.cache={tmp_path / 'latency'}", "logger.enabled=false",
            "bench.num_threads=1", "bench.warmup=false",
            f"out={out}", f"hydra.run.dir={tmp_path / 'run'}"]
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "BLOCKPILOT_SMALLM_EXACT_ROWS": "4"}

@@ -13,11 +13,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.costs import monotone
-from pipeline.costs.batched import measure_batch_costs_cached
-from pipeline.policy.budget import (METHODS, BatchCostModel, BudgetPolicy, SoloCosts, allocate, batched_foresight_bound,
-                                    batched_method, brute_force_allocate, simulate_batched)
-from pipeline.policy.verify_width import AcceptanceCalibration
+from pipeline.costs import BatchCostModel, monotone
+from pipeline.decoding.schedules import FixedSchedule
+from pipeline.policy.budget import BudgetPolicy, batched_foresight_bound, simulate_batched
+from pipeline.policy.calibration import AcceptanceCalibration
+from pipeline.policy.widths import allocate, brute_force_allocate
+from pipeline.timing.batched import batch_costs_of
 
 
 def _linear_costs(base: float = 10.0, per_row: float = 1.0, per_request: float = 0.0, draft: float = 0.0):
@@ -69,7 +70,6 @@ def test_cost_model_interpolates_and_round_trips():
     assert costs.step_ms(4, 0, 3) == pytest.approx(12 + 1.0)
     assert costs.step_ms(4, 16, 3, 2) == pytest.approx(12 + 1.0 + 7 + 0.25)
     assert BatchCostModel.from_dict(json.loads(json.dumps(costs.to_dict()))) == costs
-    assert SoloCosts(costs).verify_ms(4, 100) == 12.0 and SoloCosts(costs).draft_ms(8, 9) == 5.0
     with pytest.raises(ValueError, match="ascending"):
         BatchCostModel([4, 1], [1.0, 2.0], [1], [1.0])
     assert monotone([3.0, 1.0, 2.0, 5.0, 4.0]) == [2.0, 2.0, 2.0, 4.5, 4.5]
@@ -128,22 +128,23 @@ def test_budget_gate_drafts_only_where_drafting_pays():
     assert free.plan([good, bad], [4, 4]) == [4, 4]
 
 
-def test_batched_methods():
-    calibration = AcceptanceCalibration([0.0] * 4, [1.0] * 4)
-    costs = _linear_costs()
-    assert batched_method("ar", 8)[0]().block_size == 1
-    assert batched_method("fixed", 8)[0]().block_size == 8
-    make, allocator, planner = batched_method("verify_width", 8, calibration, costs)
-    assert callable(getattr(make(), "choose_width")) and allocator is None and planner is None
-    make, allocator, planner = batched_method("budget", 8, calibration, costs)
-    assert make().block_size == 8 and allocator is not None and planner is not None
-    assert set(METHODS) == {"ar", "fixed", "verify_width", "budget"}
-    with pytest.raises(ValueError, match="one of"):
-        batched_method("greedy", 8)
-    with pytest.raises(ValueError, match="calibration"):
-        batched_method("budget", 8)
-    with pytest.raises(ValueError, match="B >= 2"):
-        batched_method("fixed", 1)
+def test_budget_admits_a_request_to_draft_only_at_a_load_where_drafting_pays():
+    """At admission, a request may draft only where the modelled step with drafting requests beats the plain step:
+    here a verify costs 10 ms + 2 ms per row and the drafter 2 ms per row. Alone, a confident draft of 3 pays (3.4
+    tokens for 26 ms against 1 for 12); among 16, neither one drafting request (18.4 tokens for 56 ms) nor all of them
+    (55 for 266 ms) beat the plain step (16 for 42 ms). Once requests have drafted, what they yielded replaces the
+    confident prior."""
+    calibration = AcceptanceCalibration([0.0] * 4, [1.0] * 4)  # a_j = p_j
+    costs = BatchCostModel([1, 64], [12.0, 138.0], [4, 64], [8.0, 128.0])
+    policy = BudgetPolicy(calibration, costs)
+    schedule = FixedSchedule(4)
+    assert policy.admit(schedule, 1) is schedule and policy.admitted == {1: True}
+    assert policy.admit(schedule, 16).block_size == 1 and policy.admitted[16] is False
+    assert policy.admit(FixedSchedule(1), 1).block_size == 1  # nothing to draft
+    policy.drafted_yield = (1.05, 1.0)  # drafting requests have yielded next to nothing: not even alone
+    assert policy.admit(schedule, 1).block_size == 1
+    policy.allocate([_Req()], [torch.tensor([0.999] * 3)])  # a confident draft moves the yield up
+    assert policy.drafted_yield[0] > 1.05
 
 
 def test_batched_foresight_bound_orders_the_policies():
@@ -173,14 +174,17 @@ def test_batched_foresight_bound_orders_the_policies():
 
 def test_measured_costs_are_cached(tiny, tmp_path):
     decoder = tiny.decoder("llama", "random")
-    kwargs = dict(block_size=4, context=16, max_requests=2, rows=(1, 2, 4, 8), repeats=1, cache_dir=tmp_path,
-                  identity={"target": "tiny"})
-    costs = measure_batch_costs_cached(decoder, **kwargs)
+    settings_ = {"context": 16, "rows": [1, 2, 4, 8], "repeats": 1, "cache": str(tmp_path), "spot_check": False}
+    model = {"target": "tiny", "drafter": "tiny"}
+    costs = batch_costs_of(decoder, settings_, model, block_size=4, max_requests=2)
     assert costs.verify_rows == [1, 2, 4, 8] and costs.draft_rows == [4, 8]
     assert costs.verify_ms == sorted(costs.verify_ms) and all(v > 0 for v in costs.verify_ms)
     assert costs.info["exact_batching"] is False  # eager: each request's forward alone
+    assert set(costs.spread) == {"verify", "draft"} and "check" in costs.info
     files = list(tmp_path.glob("batch-costs-*.json"))
     assert len(files) == 1
-    assert measure_batch_costs_cached(decoder, **kwargs) == costs  # read back, not remeasured
+    assert batch_costs_of(decoder, settings_, model, block_size=4, max_requests=2) == costs  # read back, not remeasured
+    fresh = batch_costs_of(decoder, settings_, model, block_size=4, max_requests=2, fresh=True)
+    assert fresh != costs and json.loads(files[0].read_text())["batch_costs"] == fresh.to_dict()
     with pytest.raises(ValueError, match="repeats"):
-        measure_batch_costs_cached(decoder, **{**kwargs, "repeats": 0, "cache_dir": None})
+        batch_costs_of(decoder, {**settings_, "repeats": 0, "cache": None}, model, block_size=4, max_requests=2)

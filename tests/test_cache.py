@@ -17,7 +17,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 import pipeline.models.cache as cache_module
 from pipeline.decoding import DecodeConfig, SpeculativeDecoder
 from pipeline.decoding.sampling import PositionKeyedSampler
-from pipeline.decoding.speculative import crop_to
+from pipeline.models.cache import crop_to
 from pipeline.models.cache import PreallocatedCache, PreallocatedLayer, resolve_kv_cache
 from pipeline.models.target import load_target, new_cache
 from pipeline.prompts import chat_input_ids

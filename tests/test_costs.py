@@ -12,8 +12,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeline import costs
-from pipeline.costs import CostModel, load_or_measure, monotone
+from pipeline.costs import CostModel, DriftMonitor, Timing, monotone, retime, suspect_points, time_points
 from pipeline.policy.verify_width import VerifyWidthSchedule
+from pipeline.timing import steps
+from pipeline.timing.steps import load_or_measure
 
 
 def synthetic_model() -> CostModel:
@@ -115,8 +117,9 @@ def config(tmp_path, tiny, **latency) -> OmegaConf:
         "model": {"target": str(tiny.target_dir("llama")), "drafter": str(tiny.drafter_dir("llama", "trained")),
                   "dtype": "float32", "device": "cpu"},
         "label": {"latency": {"path": None, "cache": str(tmp_path / "cache"), "context_buckets": [8, 32], "repeats": 1,
-                              **latency}},
-        "eval": {"verify_width": {"latency": {"cache": str(tmp_path / "cache"), "context_buckets": [8, 32], "repeats": 1}}},
+                              "spot_check": False, **latency}},
+        "eval": {"verify_width": {"latency": {"cache": str(tmp_path / "cache"), "context_buckets": [8, 32], "repeats": 1,
+                                              "spot_check": False}}},
     })
 
 
@@ -126,7 +129,7 @@ def test_load_or_measure_precedence(tmp_path, tiny, caplog):
     path.write_text(json.dumps(model.to_dict()))
     cfg = config(tmp_path, tiny, path=str(path))
     stored = {**bumpy_model().to_dict(), "fit": "linear"}
-    with caplog.at_level(logging.WARNING, logger="pipeline.costs"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.timing.steps"):
         assert load_or_measure(None, cfg, [4], stored=stored) == bumpy_model()  # the run's own model first
     assert "'linear' fit" in caplog.text
     assert load_or_measure(None, cfg, [4]) == model  # then <section>.path
@@ -176,7 +179,7 @@ def test_cached_per_machine_and_forward_path_and_remeasured_on_a_key_change(tmp_
 
 
 def test_measure_on_a_tiny_model(trained_decoder):
-    model = costs.measure(trained_decoder, [4, 8], [8, 32], repeats=1, temperature=0.5)
+    model = steps.measure(trained_decoder, [4, 8], [8, 32], repeats=1, temperature=0.5)
     assert model.block_sizes == list(range(1, 9)) and model.context_buckets == [8, 32]  # every width up to the largest B
     assert set(model.draft_points) == set(range(2, 9)) and set(model.verify_points) == set(range(1, 9))
     curve = [model.verify_ms(q, 20) for q in range(1, 9)]
@@ -185,9 +188,9 @@ def test_measure_on_a_tiny_model(trained_decoder):
     assert all(len(v) == 2 and all(x > 0 for x in v) for v in points)
     assert model.noise_ms > 0 and model.info["device"] == "cpu"
     with pytest.raises(ValueError, match="context_buckets"):
-        costs.measure(trained_decoder, [4], [10_000])
+        steps.measure(trained_decoder, [4], [10_000])
     with pytest.raises(ValueError, match="repeats"):
-        costs.measure(trained_decoder, [4], [8], repeats=0)
+        steps.measure(trained_decoder, [4], [8], repeats=0)
 
 
 def test_the_report_draws_the_curve_the_policy_reads():
@@ -212,3 +215,98 @@ def test_a_missing_file_names_the_setting_that_named_it(tmp_path, tiny):
         load_or_measure(None, cfg, [4], "eval.verify_width.latency")
     with pytest.raises(FileNotFoundError, match=r"serve\.latency_path"):
         load_or_measure(None, cfg, [4], path=tmp_path / "none.json", path_setting="serve.latency_path")
+
+
+# -- a noisy minute cannot spoil the model (issue 33) ----------------------------------------------------------------
+class FakeClock:
+    """A clock that advances by each point's cost, plus 500 ms on the runs of a point listed in ``spikes[name]``
+    (1-based, the warm-up run included)."""
+
+    def __init__(self):
+        self.t, self.runs, self.spikes, self.cost = 0.0, {}, {}, {}
+
+    def run(self, name):
+        def point():
+            self.runs[name] = self.runs.get(name, 0) + 1
+            self.t += self.cost[name] / 1e3 + (0.5 if self.runs[name] in self.spikes.get(name, ()) else 0.0)
+        return point
+
+    def __call__(self):
+        return self.t
+
+
+def test_the_timer_interleaves_points_and_keeps_the_least_sample_and_the_spread():
+    clock = FakeClock()
+    clock.cost = {"a": 10.0, "b": 20.0}
+    clock.spikes = {"a": {2, 3}, "b": {2}}  # a's first two timed runs, b's first (run 1 is the warm-up)
+    timings = time_points({"a": clock.run("a"), "b": clock.run("b")}, rounds=4, clock=clock)
+    assert timings["a"].ms == pytest.approx(10.0) and timings["b"].ms == pytest.approx(20.0)
+    assert len(timings["a"].samples) == 4 and max(timings["a"].samples) == pytest.approx(510.0)
+    assert timings["a"].spread > 0 and Timing([5.0, 5.0]).spread == 0
+    with pytest.raises(ValueError, match="rounds"):
+        time_points({"a": clock.run("a")}, rounds=0, clock=clock)
+
+
+def test_the_shape_check_finds_a_noisy_point_and_retiming_it_resolves_it():
+    assert suspect_points({1: [67.0, 38.0, 40.0], 2: [70.0, 41.0, 43.0]}) == {(1, 0), (1, 1), (2, 0), (2, 1)}
+    assert suspect_points({1: [10.0], 2: [30.0], 3: [12.0]}) == {(2, 0), (3, 0)}
+    assert suspect_points({1: [10.0, 11.0], 2: [10.5, 12.0]}) == set()  # within the tolerance
+    clock = FakeClock()
+    clock.cost = {(1, 64): 25.0, (1, 256): 27.0, (2, 64): 30.0, (2, 256): 32.0}
+    points = {name: clock.run(name) for name in clock.cost}
+    clock.spikes = {(1, 64): {1, 2, 3, 4}}  # every run of (1, 64) in the measurement: a noisy minute on it
+    timings = time_points(points, rounds=3, clock=clock)
+    assert timings[(1, 64)].ms > 400
+
+    def suspects():
+        table = {w: [timings[(w, 64)].ms, timings[(w, 256)].ms] for w in (1, 2)}
+        return {(w, (64, 256)[j]) for w, j in suspect_points(table)}
+
+    check = retime(points, timings, suspects, rounds=3, clock=clock, sleep=lambda s: None)
+    assert timings[(1, 64)].ms == pytest.approx(25.0) and check["unresolved"] == []
+    assert "(1, 64)" in check["retimed"]
+
+
+def test_the_monitor_asks_once_for_a_new_measurement_when_the_machine_runs_faster_than_the_model(caplog):
+    monitor = DriftMonitor("test costs", tolerance=1.3, window=6, min_samples=3)
+    assert [monitor.observe(100.0, 98.0) for _ in range(5)] == [None] * 5  # agrees
+    verdicts = [monitor.observe(100.0, 50.0) for _ in range(6)]  # the model reads twice the machine's time
+    assert verdicts.count("remeasure") == 1 and monitor.remeasured == 1
+    with caplog.at_level(logging.WARNING, logger="pipeline.costs.monitor"):
+        slow = [DriftMonitor("slow", 1.3, 4, 2).observe(10.0, 20.0) for _ in range(1)]
+        monitor2 = DriftMonitor("slow", 1.3, 4, 2)
+        verdicts = [monitor2.observe(10.0, 20.0) for _ in range(5)]  # slower than modelled: kept, said once
+    assert slow == [None] and verdicts == [None] * 5 and caplog.text.count("slower than the cost model") == 1
+    assert monitor.observe(0.0, 5.0) is None  # no modelled time: ignored
+    with pytest.raises(ValueError):
+        DriftMonitor("x", tolerance=1.0)
+
+
+def test_a_cache_measured_under_load_is_refused_and_measured_again(tmp_path, tiny, trained_decoder, caplog):
+    """A cached model whose points read far slower than the machine now (a noisy minute, kept for good) is refused by
+    the spot check and measured again; a model that agrees is reused."""
+    cfg = config(tmp_path, tiny, spot_check=True)
+    load_or_measure(trained_decoder, cfg, [4])
+    (path,) = (tmp_path / "cache").glob("latency-*.json")
+    stored = json.loads(path.read_text())
+    inflated = CostModel.from_dict(stored["latency_model"])
+    inflated.verify_points = {w: [v * 50 + 10 for v in row] for w, row in inflated.verify_points.items()}
+    path.write_text(json.dumps({**stored, "latency_model": inflated.to_dict()}))
+    assert "other work shared the cores" in steps.spot_check(trained_decoder, inflated)
+    with caplog.at_level(logging.WARNING, logger="pipeline.costs.store"):
+        again = load_or_measure(trained_decoder, cfg, [4])
+    assert "refusing" in caplog.text and again != inflated
+    assert json.loads(path.read_text())["latency_model"] == again.to_dict()
+    assert again.spread and set(again.spread) == {"verify", "draft", "prefill"} and "check" in again.info
+
+
+def test_remeasure_updates_the_model_every_schedule_holds(tmp_path, tiny, trained_decoder):
+    cfg = config(tmp_path, tiny)
+    held = load_or_measure(trained_decoder, cfg, [4])
+    held.verify_points = {w: [v * 100 for v in row] for w, row in held.verify_points.items()}
+    held._curves.clear()
+    before = held.verify_ms(1, 8)
+    fresh = steps.remeasure(trained_decoder, cfg, [4], "label.latency", into=held)
+    assert fresh is held and held.verify_ms(1, 8) < before / 10
+    (path,) = (tmp_path / "cache").glob("latency-*.json")
+    assert json.loads(path.read_text())["latency_model"] == held.to_dict()

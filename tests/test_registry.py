@@ -21,8 +21,9 @@ from pipeline.prompts import Prompt  # noqa: E402
 
 CONF = str(PROJECT_ROOT / "conf")
 # budget's batched step cost model, timed small (seconds) and cached in the run's data folder
-BUDGET = ["serve.max_batch=2", "policy.budget.costs.rows=[1,4,8]", "policy.budget.costs.repeats=1",
-          "policy.budget.costs.context=16"]
+COSTS = ["policy.budget.costs.rows=[1,4,8]", "policy.budget.costs.repeats=1", "policy.budget.costs.context=16",
+         "policy.budget.costs.spot_check=false", "policy.verify_width.latency.spot_check=false"]
+BUDGET = ["serve.max_batch=2", *COSTS]
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +74,10 @@ def test_every_method_builds_the_same_schedule_through_eval_and_serve(run, tiny)
     served = []
     for name, method in METHODS.items():
         if method.batched:  # served with continuous batching only; its texts are tested in test_serve.py
-            with pytest.raises(ValueError, match="set serve.max_batch=8"):
-                build_engine(serve_config(run, name, "serve.max_batch=1"), decoder)
             engine = build_engine(serve_config(run, name, *BUDGET), decoder)
             try:
                 assert engine.policy.name == name and engine.max_batch == 2
-                assert engine.budget is engine.policy.budget and engine.budget.calibration is not None
+                assert engine.batch.policy is engine.policy.batch and engine.policy.batch.calibration is not None
                 assert trace(engine.policy.make(), vocab) == trace(eval_factories["fixed"](), vocab)  # drafts at the fixed B
             finally:
                 engine.close()
@@ -146,3 +145,46 @@ def test_default_block_size_and_the_vocabulary_check_are_written_once(tiny):
         registry.build("beam", registry.Context(decoder, where="serve"))
     with pytest.raises(ValueError, match="needs labels"):
         registry.build("oracle", registry.Context(decoder))
+
+
+def bench_config(run: dict, *overrides: str):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("bench_batch", overrides=[f"paths.data={run['data']}", f"run_name={RUN}",
+                                                 f"model.target={run['target']}", f"model.drafter={run['drafter']}",
+                                                 f"model.candidates={CANDIDATES}", "bench.concurrency=[2]", *overrides])
+
+
+def graph(policy) -> dict:
+    """What a batch policy is made of: its class and, for a joint one, its calibration, cost model and options."""
+    out = {"class": type(policy).__name__}
+    if hasattr(policy, "costs"):
+        out.update(calibration=policy.calibration.to_dict(), costs=policy.costs.to_dict(), skip=policy.skip_drafts,
+                   max_skip=policy.max_skip, gate=policy.gate, margin=policy.margin)
+    return out
+
+
+def test_every_batched_method_is_the_same_object_graph_in_the_server_and_in_bench_batch(run, tiny):
+    """The one method table (issue 33 item 2): ``bench_batch`` measures what the server runs. Each method it runs is
+    built both ways from the same settings, and gives the same schedule (the same choices on the same inputs) under
+    the same kind of batch policy, with the same calibration, cost models and options."""
+    from pipeline.evaluation.batched import sources
+    from pipeline.policy import setup
+    from pipeline.policy.registry import batch_policy
+    from pipeline.serve import build_engine
+
+    decoder = tiny.decoder("llama", "trained")
+    vocab = decoder.lm_head.shape[0]
+    bench_cfg = bench_config(run, *COSTS)
+    for name in ("ar", "fixed", "verify_width", "budget"):
+        bench_cfg.bench.methods = [name]
+        inputs = setup.load_inputs(bench_cfg, decoder, [name], sources(bench_cfg))
+        factory = setup.build_methods(bench_cfg, decoder, inputs, [name], sources(bench_cfg))[name]
+        engine = build_engine(serve_config(run, name, *BUDGET), decoder)
+        try:
+            made = factory.make if isinstance(factory, registry.JointWidths) else factory
+            assert trace(engine.policy.make(), vocab) == trace(made(), vocab), name
+            assert graph(engine.policy.batch) == graph(batch_policy(factory)), name
+            if name == "verify_width":  # the batch-1 cost model its schedules read: the same measurement
+                assert engine.policy.make().cost_model.to_dict() == made().cost_model.to_dict()
+        finally:
+            engine.close()

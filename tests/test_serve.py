@@ -174,13 +174,13 @@ class GatedDecoder:
     def __getattr__(self, name):
         return getattr(self._decoder, name)
 
-    def prefill(self, *args, **kwargs):
+    def prefill_steps(self, *args, **kwargs):  # the engine prefills chunk by chunk: this gates its first chunk
         self.started.set()
         assert self.gate.wait(timeout=60), "gate never opened"
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("injected failure")
-        return self._decoder.prefill(*args, **kwargs)
+        yield from self._decoder.prefill_steps(*args, **kwargs)
 
 
 def test_a_full_queue_answers_503_and_queued_requests_complete(trained_decoder):
@@ -268,9 +268,9 @@ def test_blockpilot_policy_picks_the_predictors_block_size(tiny_run, trained_dec
 
 def test_verify_width_policy_serves_the_ar_text_and_needs_its_inputs(tiny_run, trained_decoder, tmp_path):
     """serve.policy=verify_width through the engine: lossless, with the run's calibration and a measured latency model."""
-    from pipeline.costs import measure
+    from pipeline.policy.calibration import load_calibration
     from pipeline.policy.registry import PolicyInputs
-    from pipeline.policy.verify_width import load_calibration
+    from pipeline.timing.steps import measure
 
     calibration = load_calibration(Path(tiny_run["data"]) / "predictors" / RUN / "verify_width")
     latency = measure(trained_decoder, [8], [16, 64], repeats=1)
@@ -293,13 +293,13 @@ def test_verify_width_policy_serves_the_ar_text_and_needs_its_inputs(tiny_run, t
 def test_budget_policy_serves_the_ar_texts_with_widths_chosen_jointly(tiny, tiny_run, trained_decoder, tmp_path,
                                                                      monkeypatch):
     """serve.policy=budget through build_engine: the BudgetPolicy of bench_batch (the run's verify-width calibration,
-    this machine's batched step costs measured once and cached), lossless at T=0; refused at batch 1 before loading."""
+    this machine's batched step costs measured once and cached), lossless at T=0 whether a request was admitted to
+    draft or to decode autoregressively; a bad cost-model block is refused before loading."""
     import asyncio
 
     import httpx
 
     from pipeline.policy.budget import BudgetPolicy
-    from pipeline.serving.batch_engine import BatchEngine
 
     overrides = [f"paths.data={tiny_run['data']}", f"run_name={RUN}", f"model.target={tiny.target_dir('llama')}",
                  f"model.drafter={tiny.drafter_dir('llama', 'trained')}", f"model.name={MODEL}", "serve.policy=budget",
@@ -310,13 +310,14 @@ def test_budget_policy_serves_the_ar_texts_with_widths_chosen_jointly(tiny, tiny
         raise AssertionError("a model was loaded before the config was checked")
 
     monkeypatch.setattr("pipeline.decoding.build.build_decoder", refuse)
-    with composed("serve", [*overrides, "serve.max_batch=1"]) as cfg, \
-            pytest.raises(ValueError, match=r"serve.max_batch=1 .*set serve.max_batch=8"):
+    with composed("serve", [*overrides, "serve.max_batch=4", "policy.budget.costs.rows=[]"]) as cfg, \
+            pytest.raises(ValueError, match=r"policy.budget.costs.rows"):
         build_engine(cfg)
     with composed("serve", [*overrides, "serve.max_batch=4"]) as cfg:
         engine = build_engine(cfg, decoder=trained_decoder)
-    assert isinstance(engine, BatchEngine) and isinstance(engine.budget, BudgetPolicy) and engine.max_batch == 4
-    assert engine.budget.skip_drafts and engine.budget.max_skip == 8  # policy.verify_width's skip rule
+    budget = engine.policy.batch
+    assert isinstance(budget, BudgetPolicy) and engine.batch.policy is budget and engine.max_batch == 4
+    assert budget.skip_drafts and budget.max_skip == 8  # policy.verify_width's skip rule
     assert [p.name for p in (tmp_path / "costs").glob("batch-costs-*.json")]  # measured once, cached for the next start
     app = create_app(engine)
     texts = PROMPTS + ["Write a function that returns the product of two numbers.", "0123456789 + - * /"]
@@ -331,14 +332,14 @@ def test_budget_policy_serves_the_ar_texts_with_widths_chosen_jointly(tiny, tiny
     try:
         responses = asyncio.run(scenario())
         assert max(v[2] for v in engine.batch.rows) > 1  # requests shared steps
-        widths = list(engine.budget.widths)
-        assert widths and min(widths) >= 0 and max(widths) <= 7
+        assert budget.admitted and set(budget.admitted) <= {1, 2, 3, 4}  # each admission at its load
+        assert all(0 <= k <= 7 for k in budget.widths)
     finally:
         engine.close()
     for i, response in enumerate(responses):
         assert response.status_code == 200, response.text
         info = (sse_events(response.text)[-1] if i % 2 else response.json())["blockpilot"]
-        assert info["policy"] == "budget" and info["block_size"] == 8
+        assert info["policy"] == "budget" and info["block_size"] in (1, 8)  # admitted to decode alone, or to draft
         assert info["token_ids"] == ar_reference(trained_decoder, texts[i % len(texts)], 20)
     assert engine.served == 8 and engine.failed == 0
 
@@ -347,7 +348,7 @@ def test_budget_policy_serves_the_ar_texts_with_widths_chosen_jointly(tiny, tiny
 def test_the_server_decodes_on_the_thread_that_loaded_the_model(tiny, max_batch):
     """``python -m pipeline.serve`` builds and warms the engine on its decoder thread and decodes there
     (pipeline/serving/threads.py: one OpenMP team): every target forward of a served request runs on that thread, for
-    the batch-1 Engine and the BatchEngine alike."""
+    one request at a time and batched alike."""
     from pipeline.serve import start_engine
     from pipeline.serving.threads import decoder_thread
 

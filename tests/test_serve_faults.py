@@ -34,7 +34,8 @@ from pipeline import PROJECT_ROOT
 from pipeline.decoding import DecodeConfig, SpeculativeDecoder
 from pipeline.labeling.store import read_labels, read_shard
 from pipeline.serve import serve_options
-from pipeline.serving.app import ServeOptions, create_app
+from pipeline.serving.app import create_app
+from pipeline.serving.guards import ServeOptions
 from pipeline.serving.engine import Engine, build_policy
 
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -310,27 +311,28 @@ def test_health_names_the_forward_path(trained_decoder):
 
 
 class SlowDecoder:
-    """A real decoder (stop tokens off, so every decode runs to max_tokens) that sleeps ``delay`` s per step and keeps
-    each decode's stats: a decode that is not stopped takes ``max_tokens * delay`` seconds at B=1."""
+    """A real decoder (stop tokens off, so every decode runs to max_tokens) that sleeps ``delay`` s per request step
+    (each accepted verify) and counts the prefills and steps it ran: a decode that is not stopped takes
+    ``max_tokens * delay`` seconds at B=1."""
 
     def __init__(self, decoder: SpeculativeDecoder, delay: float = 0.02):
         decoder.stop_ids = set()
         self._decoder, self.delay = decoder, delay
-        self.started, self.finished, self.results = threading.Event(), threading.Event(), []
+        self.started = threading.Event()
+        self.prefills = self.steps = 0
 
     def __getattr__(self, name):
         return getattr(self._decoder, name)
 
-    def decode(self, prefill, schedule, config, on_tokens=None):
-        def slow(ids):
-            self.started.set()
-            time.sleep(self.delay)
-            return on_tokens(ids) if on_tokens is not None else False
+    def prefill_steps(self, *args, **kwargs):
+        self.prefills += 1
+        yield from self._decoder.prefill_steps(*args, **kwargs)
 
-        stats = self._decoder.decode(prefill, schedule, config, slow)
-        self.results.append(stats)
-        self.finished.set()
-        return stats
+    def accept(self, *args, **kwargs):
+        self.started.set()
+        self.steps += 1
+        time.sleep(self.delay)
+        return self._decoder.accept(*args, **kwargs)
 
 
 def free_port() -> int:
@@ -385,9 +387,8 @@ def test_a_client_that_goes_away_stops_its_decode_and_frees_its_slot(tiny, strea
             else:
                 assert slow.started.wait(60)  # decoding; the client gives up (as on a read timeout)
             conn.close()
-            assert slow.finished.wait(60)
             wait_for(lambda: engine.in_flight == 0, "the slot to be freed")
-            assert len(slow.results[0].output_ids) < MAX_TOKENS  # stopped early, not after 400 tokens
+            assert slow.steps < MAX_TOKENS  # stopped early, not after 400 tokens
             assert engine.aborted == 1 and engine.failed == 0
             follow = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                                 json={"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 8})
@@ -414,7 +415,7 @@ def test_a_request_whose_client_left_while_queued_is_dropped(tiny):
             response = first.getresponse()
             assert response.status == 200 and json.loads(response.read())["usage"]["completion_tokens"] == 100
             wait_for(lambda: engine.in_flight == 0, "the queue to empty")
-            assert len(slow.results) == 1 and engine.aborted == 1  # the queued request never decoded
+            assert slow.prefills == 1 and engine.aborted == 1  # the queued request never decoded
     finally:
         engine.close()
 
@@ -423,12 +424,11 @@ CLIENTS, LEAVING, SHORT, LONG = 50, 10, 12, 400  # every 5th client leaves; a le
 
 
 def test_fifty_streamed_clients_on_a_batching_server_ten_of_them_leaving_mid_stream(tiny):
-    """A real uvicorn server over a ``BatchEngine`` (8 requests per step, fixed B = 8): 50 concurrent streamed chat
+    """A real uvicorn server over an ``Engine`` (8 requests per step, fixed B = 8): 50 concurrent streamed chat
     completions; 10 clients close their connection after their first text chunk. The other 40 get exactly the text of
     their batch-1 ``ar`` decode, nobody gets a 5xx, the leavers' decodes end as ``abort`` at once, and afterwards
     ``/health`` shows nothing running or waiting."""
     from pipeline.prompts import messages_input_ids
-    from pipeline.serving.batch_engine import BatchEngine
 
     decoder = tiny.decoder("llama", "trained")
     decoder.stop_ids = set()  # every decode runs to max_tokens: a leaver is still decoding when it goes
@@ -436,7 +436,7 @@ def test_fifty_streamed_clients_on_a_batching_server_ten_of_them_leaving_mid_str
     texts = PROMPTS + ["Write a function that returns the product of two numbers.", "0123456789 + - * /"]
     references = {t: decoder.generate(messages_input_ids(tokenizer, [{"role": "user", "content": t}]), 1,
                                       DecodeConfig(SHORT)).output_ids for t in texts}
-    engine = BatchEngine(decoder, build_policy("fixed", decoder), MODEL, max_queue=CLIENTS, default_max_tokens=SHORT,
+    engine = Engine(decoder, build_policy("fixed", decoder), MODEL, max_queue=CLIENTS, default_max_tokens=SHORT,
                          max_tokens=LONG, max_batch=8)
 
     async def client(port: int, i: int) -> dict:
@@ -595,13 +595,12 @@ def test_200_sequential_requests_keep_resident_memory_within_5_percent(tiny, tmp
 
 def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps(tiny):
     """``model.prefill_chunk``: ``prefill_steps`` yields once per chunk (None, then the ``PrefillResult`` over the whole
-    prompt); a ``BatchEngine`` prefills a long prompt chunk by chunk while another request decodes (batched steps run
+    prompt); the engine prefills a long prompt chunk by chunk while another request decodes (batched steps run
     between its chunks, one chunk between two steps), and both texts equal their batch-1 decodes on the same decoder,
     whose own prefill takes the same chunks."""
     import math
 
     from pipeline.prompts import messages_input_ids
-    from pipeline.serving.batch_engine import BatchEngine
 
     decoder = tiny.decoder("llama", "trained")
     decoder.stop_ids = set()
@@ -615,7 +614,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps
     assert steps[:-1] == [None] * (math.ceil(n / 4) - 1)
     assert steps[-1].cache.get_seq_length() == n and steps[-1].features.shape[1] == n
     references = {k: decoder.generate(ids[k], 1, DecodeConfig(m)).output_ids for k, (_, m) in texts.items()}
-    engine = BatchEngine(decoder, build_policy("ar", decoder), MODEL, max_batch=4, default_max_tokens=8)
+    engine = Engine(decoder, build_policy("ar", decoder), MODEL, max_batch=4, default_max_tokens=8)
     chunks_at: list[int] = []  # the batched step count when each chunk of the long prompt ran
     prefill_steps = decoder.prefill_steps
 

@@ -2,8 +2,8 @@
 
 A batched step (``BatchedDecoder.step``) takes every active request's next block size b_i (from its schedule, capped
 by its remaining token budget; a planner may make it 1 = skip the drafter), runs ONE drafter forward over all drafting
-requests' blocks, chooses each request's verify width k_i (its own verify-width policy, a joint allocator such as
-``pipeline.policy.budget.BudgetAllocator``, or b_i - 1), runs ONE target forward over all verified rows (request i
+requests' blocks, chooses each request's verify width k_i (its own verify-width policy, the ``BatchPolicy``'s joint
+allocation such as ``pipeline.policy.budget.BudgetPolicy``'s, or b_i - 1), runs ONE target forward over all verified rows (request i
 contributes k_i + 1), then per request keeps the longest matching prefix plus the bonus token, rolls its caches back and
 samples with its own position-keyed sampler. The forwards are ``pipeline.models.batched_forward.BatchedForward``:
 linears once over the concatenated rows, attention per request over its own cache, so each request's logits are bit
@@ -24,10 +24,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from pipeline.decoding.sampling import PositionKeyedSampler, draft_confidence
-from pipeline.decoding.schedules import BlockSizeSchedule, FixedSchedule
-from pipeline.decoding.speculative import (DecodeConfig, DecodeState, PrefillResult, RequestStats, SpeculativeDecoder,
-                                           _now, crop_to)
+from pipeline.decoding.schedules import Schedule, FixedSchedule
+from pipeline.decoding.speculative import DecodeConfig, DecodeState, PrefillResult, RequestStats, SpeculativeDecoder
 from pipeline.models.batched_forward import BatchedForward
+from pipeline.models.cache import crop_to
+from pipeline.models.clock import now
 
 
 @dataclass
@@ -48,7 +49,7 @@ class BatchRequest:
 
     rid: Any
     config: DecodeConfig
-    schedule: BlockSizeSchedule
+    schedule: Schedule
     state: DecodeState
     sampler: PositionKeyedSampler
     stats: RequestStats
@@ -67,10 +68,31 @@ class BatchRequest:
         return self.config.max_new_tokens - self.stats.new_tokens
 
 
-# A joint width choice: given the drafting requests and their drafts' probabilities [b_i - 1] each, the k_i of each.
-Allocator = Callable[[Sequence[BatchRequest], Sequence[torch.Tensor]], Sequence[int]]
-# A block-size plan: given the active requests and the b_i their schedules chose, the b_i to use (1 = skip drafting).
-Planner = Callable[[Sequence[BatchRequest], Sequence[int]], Sequence[int]]
+class BatchPolicy:
+    """How the requests of a batched step share it. This base leaves every choice to each request's own schedule;
+    a joint policy (``pipeline.policy.budget.BudgetPolicy``) overrides the three hooks.
+
+    Attributes:
+        joint_widths: True when ``allocate`` chooses the verify widths of the step's drafting requests together (the
+            decoder then computes every drafting request's confidences); False: each request's schedule chooses its own
+            (``Schedule.choose_width``), or verifies all its drafts.
+    """
+
+    joint_widths: bool = False
+
+    def admit(self, schedule: Schedule, load: int) -> Schedule:
+        """The schedule a request joins with, given ``load``: the requests in the system as it joins (itself, the
+        ones decoding and the ones waiting). The base keeps the request's own."""
+        return schedule
+
+    def plan(self, requests: Sequence[BatchRequest], sizes: Sequence[int]) -> list[int]:
+        """The block size of each request this step (1: no draft), from the B its schedule chose (``sizes``)."""
+        return list(sizes)
+
+    def allocate(self, requests: Sequence[BatchRequest], confidences: Sequence[torch.Tensor]) -> list[int]:
+        """The verify width k_i of each drafting request, from its drafts' probabilities [b_i - 1] (``joint_widths``
+        only)."""
+        raise NotImplementedError
 
 
 class BatchedDecoder:
@@ -78,35 +100,33 @@ class BatchedDecoder:
 
     Args:
         decoder: the loaded decoder (target, drafter, backend); its prefill runs per request.
-        allocator: None (each request's own ``choose_width`` when its schedule has one, else k = b - 1), or a joint
-            width choice over all drafting requests of a step (``pipeline.policy.budget.BudgetAllocator``).
-        planner: None (each request's schedule's B), or a hook that may lower any b_i (1 = a plain step without
-            drafting) before the step's draft.
+        policy: how the step is shared (``BatchPolicy``: admission, each step's block sizes and verify widths); None:
+            the base policy (each request's own schedule decides).
     Attributes:
         active: the requests not yet done, in arrival order; steps: batched steps run; rows: per step, the
             (verified rows, drafted rows, requests, drafting requests) it ran; step_log: per step (wall ms, tokens
             emitted).
     """
 
-    def __init__(self, decoder: SpeculativeDecoder, allocator: Allocator | None = None, planner: Planner | None = None):
+    def __init__(self, decoder: SpeculativeDecoder, policy: BatchPolicy | None = None):
         self.decoder = decoder
         self.forward = BatchedForward(decoder)
-        self.allocator = allocator
-        self.planner = planner
+        self.policy = policy if policy is not None else BatchPolicy()
         self.active: list[BatchRequest] = []
         self.steps = 0
         self.rows: list[tuple[int, int, int, int]] = []
         self.step_log: list[tuple[float, int]] = []
 
     # -------------------------------------------------------------------------------------------
-    def add(self, input_ids: torch.Tensor | PrefillResult, schedule: BlockSizeSchedule | int, config: DecodeConfig,
+    def add(self, input_ids: torch.Tensor | PrefillResult, schedule: Schedule | int, config: DecodeConfig,
             rid: Any = None, on_tokens: Callable[[list[int]], bool | None] | None = None,
-            arrived_s: float | None = None) -> BatchRequest:
+            arrived_s: float | None = None, load: int | None = None) -> BatchRequest:
         """Prefill a request alone (or take its ``PrefillResult``) and make it join the batch at the next step.
 
         Args:
             input_ids: [1, n] or [n] prompt ids, or a prefill already run (with drafter features when B > 1).
-            schedule: its block-size schedule, or an int (a fixed B; 1 = autoregressive, no drafter).
+            schedule: its block-size schedule, or an int (a fixed B; 1 = autoregressive, no drafter); the policy's
+                ``admit`` may replace it, given ``load`` (None: the active requests + this one).
         Returns:
             the ``BatchRequest`` (already ``done`` when its first token is a stop token or max_new_tokens is 1).
         Raises:
@@ -116,9 +136,10 @@ class BatchedDecoder:
         if isinstance(schedule, int):
             dec.check_block_size(schedule)
             schedule = FixedSchedule(schedule)
+        schedule = self.policy.admit(schedule, len(self.active) + 1 if load is None else int(load))
         dec.check_block_size(schedule.max_block_size)
         use_drafter = schedule.max_block_size > 1
-        arrived = _now(dec.device) if arrived_s is None else arrived_s
+        arrived = now(dec.device) if arrived_s is None else arrived_s
         if isinstance(input_ids, PrefillResult):
             prefill = input_ids
             dec.check_prompt(prefill.input_ids, config.max_new_tokens)
@@ -128,18 +149,18 @@ class BatchedDecoder:
             prefill = dec.prefill(input_ids, config, want_features=use_drafter)
         sampler = PositionKeyedSampler(config.temperature, config.seed, dec.lm_head.shape[0])
         stats = RequestStats(prompt_tokens=prefill.input_ids.shape[1], prefill_ms=prefill.prefill_ms)
-        t0 = _now(dec.device)
-        block_size = schedule.first(prefill.last_logits)
-        stats.schedule_ms = (_now(dec.device) - t0) * 1e3
+        t0 = now(dec.device)
+        block_size = stats.first_block_size = int(schedule.first(prefill.last_logits))
+        stats.schedule_ms = (now(dec.device) - t0) * 1e3
         state = dec.new_state(prefill, use_drafter)
         req = BatchRequest(rid, config, schedule, state, sampler, stats, block_size, on_tokens, arrived_s=arrived)
-        now = _now(dec.device)
-        req.first_token_s = now
+        t = now(dec.device)
+        req.first_token_s = t
         stats.output_ids.append(state.pending)
-        req.token_times.append(now)
+        req.token_times.append(t)
         stats.stopped = state.pending in dec.stop_ids
         req.halted = on_tokens is not None and bool(on_tokens([state.pending]))
-        self._finish_if_done(req, now)
+        self._finish_if_done(req, t)
         if not req.done:
             self.active.append(req)
         return req
@@ -154,7 +175,7 @@ class BatchedDecoder:
         """End ``req`` now (a client that went away): it leaves the batch and frees its slot."""
         if not req.done:
             req.halted = True
-            self._finish_if_done(req, _now(self.decoder.device))
+            self._finish_if_done(req, now(self.decoder.device))
         if req in self.active:
             self.active.remove(req)
 
@@ -172,13 +193,12 @@ class BatchedDecoder:
         reqs = list(self.active)
         if not reqs:
             return []
-        t_step = _now(dec.device)
+        t_step = now(dec.device)
         for r in reqs:
             dec.check_block_size(r.block_size)
         sizes = [min(r.block_size, r.remaining) for r in reqs]
-        if self.planner is not None:
-            planned = [int(b) for b in self.planner(reqs, sizes)]
-            sizes = [max(1, min(p, b)) for p, b in zip(planned, sizes)]
+        planned = [int(b) for b in self.policy.plan(reqs, sizes)]
+        sizes = [max(1, min(p, b)) for p, b in zip(planned, sizes)]
         mask_id = dec.drafter.mask_token_id if dec.drafter is not None else 0
         blocks = []
         for r, b in zip(reqs, sizes):
@@ -189,7 +209,7 @@ class BatchedDecoder:
         # one drafter forward over every drafting request's block
         drafting = [i for i, b in enumerate(sizes) if b > 1]
         confidences: list[torch.Tensor | None] = [None] * len(reqs)
-        want_conf = self.allocator is not None
+        want_conf = self.policy.joint_widths
         if drafting:
             states = [reqs[i].state for i in drafting]
             hidden = self.forward.draft_hidden([blocks[i] for i in drafting], [s.features for s in states],
@@ -202,19 +222,20 @@ class BatchedDecoder:
                 r = reqs[i]
                 columns = r.sampler.pick_columns(logits[j], r.state.start + 1, dec.draft_vocab)
                 blocks[i][0, 1:] = columns if dec.draft_vocab is None else dec.draft_vocab[columns]
-                if want_conf or callable(getattr(r.schedule, "choose_width", None)):
+                if want_conf or r.schedule.chooses_widths:
                     confidences[i] = draft_confidence(logits[j], columns, r.sampler.temperature)
 
         # every request's verify width
         widths = [0] * len(reqs)
-        if self.allocator is not None and drafting:
-            chosen = self.allocator([reqs[i] for i in drafting], [confidences[i] for i in drafting])
+        if self.policy.joint_widths and drafting:
+            chosen = self.policy.allocate([reqs[i] for i in drafting], [confidences[i] for i in drafting])
             for i, k in zip(drafting, chosen):
                 widths[i] = int(k)
         else:
             for i in drafting:
-                choose = getattr(reqs[i].schedule, "choose_width", None)
-                widths[i] = int(choose(confidences[i], reqs[i].state.start)) if callable(choose) else sizes[i] - 1
+                schedule = reqs[i].schedule
+                widths[i] = (int(schedule.choose_width(confidences[i], reqs[i].state.start)) if schedule.chooses_widths
+                             else sizes[i] - 1)
         widths = [max(0, min(k, b - 1)) for k, b in zip(widths, sizes)]
 
         # one target forward over every request's k_i + 1 rows
@@ -223,19 +244,19 @@ class BatchedDecoder:
                                    [r.state.draft_cache is not None for r in reqs])
         self.steps += 1
         self.rows.append((sum(k + 1 for k in widths), sum(sizes[i] for i in drafting), len(reqs), len(drafting)))
-        now = _now(dec.device)
+        t_end = now(dec.device)
         finished = []
         emitted = 0
         for i, r in enumerate(reqs):
             before = r.stats.new_tokens
             r.state.last_width, r.state.last_confidence = widths[i], confidences[i]
             new, _ = dec.accept(r.state, verified[i], *outs[i], r.sampler)
-            self._record(r, new, sizes[i], now)
+            self._record(r, new, sizes[i], t_end)
             emitted += r.stats.new_tokens - before
             if r.done:
                 finished.append(r)
                 self.active.remove(r)
-        self.step_log.append(((now - t_step) * 1e3, emitted))
+        self.step_log.append(((t_end - t_step) * 1e3, emitted))
         return finished
 
     def _record(self, r: BatchRequest, new: list[int], b: int, now: float) -> None:
@@ -259,10 +280,10 @@ class BatchedDecoder:
             self.step()
 
 
-def decode_all(decoder: SpeculativeDecoder, prompts: Sequence[torch.Tensor], schedules: Sequence[BlockSizeSchedule | int],
+def decode_all(decoder: SpeculativeDecoder, prompts: Sequence[torch.Tensor], schedules: Sequence[Schedule | int],
                configs: Sequence[DecodeConfig], arrivals: Sequence[int] | None = None, max_batch: int | None = None,
-               allocator: Allocator | None = None, planner: Planner | None = None,
-               arrival_times_s: Sequence[float] | None = None, batch: BatchedDecoder | None = None) -> list[BatchRequest]:
+               policy: BatchPolicy | None = None, arrival_times_s: Sequence[float] | None = None,
+               batch: BatchedDecoder | None = None) -> list[BatchRequest]:
     """Decode a workload of requests in batched steps.
 
     Request i becomes ready at batched step ``arrivals[i]`` (default: all at step 0), or, with ``arrival_times_s``, at
@@ -273,7 +294,7 @@ def decode_all(decoder: SpeculativeDecoder, prompts: Sequence[torch.Tensor], sch
     Args:
         prompts: [1, n_i] or [n_i] prompt ids; schedules: per request a schedule or a fixed B; configs: per request.
         batch: the ``BatchedDecoder`` to run on (its ``step_log`` and ``rows`` then describe the run); None: a new one
-            with ``allocator`` and ``planner``.
+            with ``policy``. A request's load at admission is the active requests, itself and the ready ones waiting.
     Returns:
         the ``BatchRequest`` of each prompt, in the order given (all done).
     Raises:
@@ -287,7 +308,7 @@ def decode_all(decoder: SpeculativeDecoder, prompts: Sequence[torch.Tensor], sch
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     import time
 
-    batch = batch if batch is not None else BatchedDecoder(decoder, allocator, planner)
+    batch = batch if batch is not None else BatchedDecoder(decoder, policy)
     order = list(range(n))
     if arrival_times_s is not None:
         order.sort(key=lambda i: arrival_times_s[i])
@@ -316,6 +337,11 @@ def decode_all(decoder: SpeculativeDecoder, prompts: Sequence[torch.Tensor], sch
                     break
                 arrived = t0 if arrivals is None else None  # all at once: queueing counts from the start
             waiting.pop(0)
-            out[i] = batch.add(prompts[i], schedules[i], configs[i], rid=i, arrived_s=arrived)
+            if arrival_times_s is not None:
+                ready = sum(1 for j in waiting if arrival_times_s[j] <= now_s)
+            else:
+                ready = sum(1 for j in waiting if arrivals is None or arrivals[j] <= batch.steps)
+            load = min(len(batch.active) + 1 + ready, max_batch or n)
+            out[i] = batch.add(prompts[i], schedules[i], configs[i], rid=i, arrived_s=arrived, load=load)
         batch.step()
     return out  # type: ignore[return-value]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from pipeline.decoding.schedules import BlockSizeSchedule
+from pipeline.decoding.schedules import Schedule
 from pipeline.decoding.speculative import DecodeConfig, RequestStats, SpeculativeDecoder
 from pipeline.prompts import Prompt, chat_input_ids
 
@@ -12,7 +12,7 @@ from pipeline.prompts import Prompt, chat_input_ids
 def decode_prompt(
     decoder: SpeculativeDecoder,
     prompt: Prompt,
-    make_schedule: Callable[[], BlockSizeSchedule | int],
+    make_schedule: Callable[[], Schedule | int],
     config: DecodeConfig,
 ) -> list[RequestStats]:
     """Decode all turns of ``prompt``; turn k's request holds turns 0..k and replies 0..k-1.

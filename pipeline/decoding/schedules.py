@@ -1,33 +1,65 @@
 """Block-size schedules: how the decoder picks B for each draft-verify step.
 
-A schedule sees the target's last-token logits once after prefill (``first``) and the acceptance
-length of every step (``next``); one whose ``static`` attribute is true keeps ``first``'s B for the
-whole request. ``FixedSchedule`` is the usual single-B decoder, the BlockPilot
+A schedule (``Schedule``) sees the target's last-token logits once after prefill (``first``) and the acceptance
+length of every step (``next``); one whose ``static`` attribute is true keeps ``first``'s B for the whole request; one
+whose ``chooses_widths`` is true also picks each step's verify width (``choose_width``). ``FixedSchedule`` is the usual single-B decoder, the BlockPilot
 predictor wraps a policy in ``first`` (see ``pipeline.policy``), and ``EMASchedule`` is the per-round
 adaptive baseline of the SGLang DFlash work.
-``FirstChoice`` wraps any schedule and records the B its ``first`` picked (the eval stage and the server report it).
+The decoder records the B that ``first`` picked in ``RequestStats.first_block_size`` (the eval stage and the server
+report it).
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 
 
-class BlockSizeSchedule(Protocol):
-    """Chooses the block size B (tokens per block, the anchor included; B=1 is autoregressive)."""
+class Schedule:
+    """How one request picks its block size B each step and, optionally, how many drafts each step verifies.
 
-    max_block_size: int
+    The decoder (``SpeculativeDecoder.decode``, ``BatchedDecoder``), the eval stage and the server call exactly this
+    interface; every schedule of the project subclasses it.
+
+    Attributes:
+        max_block_size: the largest B it may pick (the decoder checks it against the drafter's limit; 1: no drafter).
+        static: True when B never changes after ``first`` (the eval stage may then share the decode of one B).
+        chooses_widths: True when ``choose_width`` picks each step's verify width k (the decoder then computes the
+            drafter's confidences for it); False: every step verifies all its B-1 drafts.
+    """
+
+    max_block_size: int = 1
+    static: bool = False
+    chooses_widths: bool = False
 
     def first(self, last_logits: torch.Tensor) -> int:
         """B for the first step, from the target's prefill logits at the last prompt token ([V])."""
+        raise NotImplementedError
 
     def next(self, tau: int, block_size: int) -> int:
         """B for the next step, given the last step's acceptance length tau (tokens) and its B."""
+        return block_size
+
+    def choose_width(self, confidence: torch.Tensor, start: int) -> int:
+        """The verify width k (0..len(confidence)) of a step whose drafts have the drafter's probabilities
+        ``confidence`` [B-1], at cache position ``start`` (only called when ``chooses_widths``)."""
+        return len(confidence)
 
 
-class FixedSchedule:
+class ExternalDecode:
+    """A method that decodes a request itself instead of scheduling the project's decoder (transformers' ``generate``,
+    ``pipeline.policy.baselines``; vLLM, ``pipeline.integrations.vllm``): the eval stage calls ``run_request``."""
+
+    max_block_size: int = 1
+    static: bool = False
+
+    def run_request(self, decoder, input_ids: torch.Tensor, config) -> "RequestStats":  # noqa: F821
+        """Decode one request ([1, n] prompt ids) under ``config`` (``DecodeConfig``); its ``RequestStats``."""
+        raise NotImplementedError
+
+
+class FixedSchedule(Schedule):
     """One block size for the whole request."""
 
     static = True  # B never changes after ``first`` (the eval stage may share such decodes)
@@ -42,7 +74,7 @@ class FixedSchedule:
         return self.block_size
 
 
-class EMASchedule:
+class EMASchedule(Schedule):
     """Per-step adaptive B from a moving average of recent acceptance lengths.
 
     After each step, ``ema = alpha * tau + (1 - alpha) * ema``; the next B is the smallest candidate
@@ -67,28 +99,3 @@ class EMASchedule:
         self.ema = self.alpha * tau + (1 - self.alpha) * self.ema
         goal = self.ema + self.margin
         return next((c for c in self.candidates if c >= goal), self.candidates[-1])
-
-
-class FirstChoice:
-    """Wraps a schedule and records the block size its ``first`` picked (``chosen``, tokens)."""
-
-    def __init__(self, schedule):
-        self.schedule = FixedSchedule(schedule) if isinstance(schedule, int) else schedule
-        self.max_block_size = self.schedule.max_block_size
-        self.chosen: int | None = None
-
-    def first(self, last_logits: torch.Tensor) -> int:
-        self.chosen = self.schedule.first(last_logits)
-        return self.chosen
-
-    def next(self, tau: int, block_size: int) -> int:
-        return self.schedule.next(tau, block_size)
-
-    def __getattr__(self, name: str):  # choose_width of a verify-width schedule, and any other optional hook
-        if name == "schedule":
-            raise AttributeError(name)
-        return getattr(self.schedule, name)
-
-    @property
-    def static(self) -> bool:
-        return bool(getattr(self.schedule, "static", False))

@@ -2,14 +2,13 @@
 one target forward, keep the longest matching prefix plus the bonus token, roll the caches back.
 
 Follows the generate loop of z-lab/dflash ``dflash/model.py``, with three changes: B is chosen per
-request (and may change per step through a ``BlockSizeSchedule``), sampling at T>0 is position-keyed
+request (and may change per step through a ``Schedule``), sampling at T>0 is position-keyed
 (``pipeline.decoding.sampling``) so outputs do not depend on B, and B=1 runs the same loop with no
 drafter call (plain autoregressive decoding).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -17,9 +16,10 @@ import torch
 from transformers import DynamicCache
 
 from pipeline.decoding.sampling import PositionKeyedSampler, draft_confidence
-from pipeline.decoding.schedules import BlockSizeSchedule, FixedSchedule
+from pipeline.decoding.schedules import Schedule, FixedSchedule
 from pipeline.models.backend import SMALLM_MAX_ROWS, LMHead, resolve_backend, set_backend
-from pipeline.models.cache import crop_to, resolve_kv_cache  # noqa: F401 (crop_to: also imported from here)
+from pipeline.models.cache import crop_to, resolve_kv_cache
+from pipeline.models.clock import now
 from pipeline.models.drafter import DFlashDrafter, check_compatible
 from pipeline.models.fast_forward import fast_draft_for, fast_forward_for
 from pipeline.models.target import Target, logit_head, new_cache
@@ -80,6 +80,7 @@ class RequestStats:
         confidences: the drafter's probability of its first draft at each step (None for a step without one).
         prefill_ms: prefill time (ms); decode_ms: time of all steps after prefill (ms);
         schedule_ms: time spent choosing B after prefill (the policy's overhead, ms).
+        first_block_size: the B the schedule's ``first`` picked (None before it ran).
     """
 
     prompt_tokens: int
@@ -92,6 +93,7 @@ class RequestStats:
     decode_ms: float = 0.0
     schedule_ms: float = 0.0
     stopped: bool = False
+    first_block_size: int | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -145,13 +147,6 @@ class DecodeState:
     start: int
     last_width: int = 0
     last_confidence: torch.Tensor | None = None
-
-
-def _now(device: torch.device) -> float:
-    """perf_counter after a CUDA synchronize (when on GPU), in seconds."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 class SpeculativeDecoder:
@@ -401,22 +396,22 @@ class SpeculativeDecoder:
         want = want_features and self.drafter is not None
         features, spent = [], 0.0
         for start in range(0, n, chunk):
-            t0 = _now(self.device)
+            t0 = now(self.device)
             last_logits, part = self.target_forward(input_ids[:, start: start + chunk], cache, start,
                                                     want_features=want, last_only=True)
             if part is not None:
                 features.append(part)
             if start + chunk < n:
-                spent += _now(self.device) - t0
+                spent += now(self.device) - t0
                 yield None
                 continue
             first = int(sampler.pick(last_logits, n)[0])
-            spent += _now(self.device) - t0
+            spent += now(self.device) - t0
             joined = None if not features else features[0] if len(features) == 1 else torch.cat(features, dim=1)
             yield PrefillResult(input_ids, cache, last_logits[0], joined, first, spent * 1e3)
 
     @torch.inference_mode()
-    def decode(self, prefill: PrefillResult, schedule: BlockSizeSchedule | int, config: DecodeConfig,
+    def decode(self, prefill: PrefillResult, schedule: Schedule | int, config: DecodeConfig,
                on_tokens: Callable[[list[int]], bool | None] | None = None) -> RequestStats:
         """Decode after ``prefill`` with block sizes from ``schedule`` (an int means a fixed B).
 
@@ -439,16 +434,16 @@ class SpeculativeDecoder:
         sampler = PositionKeyedSampler(config.temperature, config.seed, self.lm_head.shape[0])
         stats = RequestStats(prompt_tokens=prefill.input_ids.shape[1], prefill_ms=prefill.prefill_ms)
 
-        t_schedule = _now(self.device)
-        block_size = schedule.first(prefill.last_logits)
-        t0 = _now(self.device)
+        t_schedule = now(self.device)
+        block_size = stats.first_block_size = int(schedule.first(prefill.last_logits))
+        t0 = now(self.device)
         stats.schedule_ms = (t0 - t_schedule) * 1e3
 
         state = self.new_state(prefill, use_drafter)
         stats.output_ids.append(state.pending)
         stats.stopped = state.pending in self.stop_ids
         halted = on_tokens is not None and bool(on_tokens([state.pending]))
-        choose_width = getattr(schedule, "choose_width", None)  # a verify-width policy: k per step
+        choose_width = schedule.choose_width if schedule.chooses_widths else None  # a verify-width policy: k per step
         while not halted and not stats.stopped and stats.new_tokens < config.max_new_tokens:
             self.check_block_size(block_size)
             b = min(block_size, config.max_new_tokens - stats.new_tokens)
@@ -462,10 +457,10 @@ class SpeculativeDecoder:
             block_size = schedule.next(len(new), b)
             halted = on_tokens is not None and bool(on_tokens(new))
 
-        stats.decode_ms = (_now(self.device) - t0) * 1e3
+        stats.decode_ms = (now(self.device) - t0) * 1e3
         return stats
 
-    def generate(self, input_ids: torch.Tensor, schedule: BlockSizeSchedule | int, config: DecodeConfig,
+    def generate(self, input_ids: torch.Tensor, schedule: Schedule | int, config: DecodeConfig,
                  on_tokens: Callable[[list[int]], bool | None] | None = None) -> RequestStats:
         """Prefill then decode one request; see ``prefill`` and ``decode``."""
         if isinstance(schedule, int):

@@ -25,19 +25,20 @@ def check_bench_config(cfg: DictConfig) -> None:
     """Check ``cfg.bench`` before any model loads.
 
     Raises:
-        ValueError: for an empty or non-positive concurrency list, an unknown method or arrival pattern, a
-            non-positive rate, max_new_tokens or bootstrap count, a negative temperature, or (for verify_width and
-            budget) a bad ``bench.costs`` block; each names the key.
+        ValueError: for an empty or non-positive concurrency list, a method the batched decoder cannot run, an unknown
+            arrival pattern, a non-positive rate, max_new_tokens or bootstrap count, a negative temperature, or (for
+            budget) a bad ``policy.budget.costs`` block; each names the key.
     """
-    from pipeline.policy.budget import METHODS
+    from pipeline.policy.registry import METHODS, SERVABLE
 
     b = cfg.bench
     conc = list(b.concurrency or [])
     if not conc or any(int(c) < 1 for c in conc):
         raise ValueError(f"bench.concurrency must be a non-empty list of ints >= 1, got {conc}")
-    bad = [m for m in b.methods or [] if m not in METHODS]
+    bad = [m for m in b.methods or [] if m not in SERVABLE]
     if not b.methods or bad:
-        raise ValueError(f"bench.methods must be a non-empty subset of {list(METHODS)}, got {list(b.methods or [])}")
+        raise ValueError(f"bench.methods must be a non-empty subset of the methods the batched decoder runs, "
+                         f"{list(SERVABLE)}; got {list(b.methods or [])}")
     bad = [a for a in b.arrivals or [] if a not in ARRIVALS]
     if not b.arrivals or bad:
         raise ValueError(f"bench.arrivals must be a non-empty subset of {list(ARRIVALS)}, got {list(b.arrivals or [])}")
@@ -53,10 +54,10 @@ def check_bench_config(cfg: DictConfig) -> None:
         raise ValueError(f"bench.requests must be >= 1 or null (every prompt), got {b.requests}")
     if b.split not in (None, "train", "validation", "test"):
         raise ValueError(f"bench.split must be null, train, validation or test, got {b.split!r}")
-    if any(m in ("verify_width", "budget") for m in b.methods):
+    if any(METHODS[m].batched for m in b.methods):
         from pipeline.costs.batched import check_batch_cost_settings
 
-        check_batch_cost_settings(b.get("costs"), "bench.costs")
+        check_batch_cost_settings(((cfg.get("policy") or {}).get("budget") or {}).get("costs"), "policy.budget.costs")
 
 
 def percentile(values, q: float) -> float:
@@ -123,21 +124,33 @@ def load_bench_prompts(cfg: DictConfig, tokenizer) -> list:
     return [chat_input_ids(tokenizer, p.turns) for p in prompts]
 
 
+def sources(cfg: DictConfig):
+    """Where the benchmark's methods read their inputs (``pipeline.policy.setup.Sources``): the run's predictors
+    folder (its ``verify_width`` calibration, else the drafter's), ``bench.block_size``, up to the largest concurrency."""
+    from pipeline.policy.setup import Sources
+
+    return Sources("bench", str(Path(cfg.paths.data) / "predictors" / str(cfg.run_name)),
+                   block_size=cfg.bench.get("block_size"), block_size_key="bench.block_size",
+                   max_requests=max(int(c) for c in cfg.bench.concurrency))
+
+
 def bench_batch(cfg: DictConfig) -> dict:
     """Run the benchmark (see the module doc); returns the JSON-ready dict.
+
+    Every method is built by the one method table (``pipeline.policy.setup``, as the server builds it), afresh for each
+    run (a policy's learned state does not carry from one run to the next).
 
     Raises:
         ValueError: for a bad ``bench`` setting (before loading), or a drafting method without a drafter.
         FileNotFoundError: for ``verify_width`` / ``budget`` without a calibration.
     """
     check_bench_config(cfg)
-    from pipeline.costs.batched import batch_costs_of
     from pipeline.decoding import DecodeConfig
     from pipeline.decoding.batched import BatchedDecoder, decode_all
-    from pipeline.models.batched_forward import BatchedForward
     from pipeline.decoding.build import build_decoder
-    from pipeline.policy.budget import batched_method
-    from pipeline.policy.verify_width import find_calibration, load_calibration
+    from pipeline.models.batched_forward import BatchedForward
+    from pipeline.policy import setup
+    from pipeline.policy.registry import batch_policy
 
     b = cfg.bench
     torch.manual_seed(int(cfg.seed))
@@ -149,19 +162,19 @@ def bench_batch(cfg: DictConfig) -> dict:
         raise ValueError(f"methods {drafting} need a drafter: set model.drafter or use bench.methods=[ar]")
     decoder = build_decoder(cfg.model)
     tokenizer = decoder.target.tokenizer
-    block_size = int(b.block_size or (decoder.drafter.block_size if decoder.drafter is not None else 1))
-    calibration = costs = None
-    if any(m in ("verify_width", "budget") for m in methods):
-        calibration = load_calibration(find_calibration(b.calibration, Path(cfg.paths.data) / "predictors" / str(cfg.run_name)
-                                                        / "verify_width", cfg.model.drafter))
-        costs = batch_costs_of(decoder, b.costs, cfg.model, block_size, max(int(c) for c in b.concurrency),
-                               int(cfg.seed), "bench.costs")
+    src = sources(cfg)
+    inputs = setup.load_inputs(cfg, decoder, methods, src)
+    setup.build_methods(cfg, decoder, inputs, methods, src)  # a B the drafter cannot draft fails before any decode
     prompts = load_bench_prompts(cfg, tokenizer)
     configs = [DecodeConfig(int(b.max_new_tokens), float(b.temperature), int(cfg.seed) + i) for i in range(len(prompts))]
+
+    def run(method: str, prompts, configs, **kwargs) -> tuple[list, BatchedDecoder]:
+        factory = setup.build_methods(cfg, decoder, inputs, [method], src)[method]
+        batch = BatchedDecoder(decoder, batch_policy(factory))
+        return decode_all(decoder, prompts, [factory() for _ in prompts], configs, batch=batch, **kwargs), batch
+
     if b.warmup:
-        make, allocator, planner = batched_method(drafting[0] if drafting else "ar", block_size, calibration, costs)
-        decode_all(decoder, prompts[:2], [make() for _ in prompts[:2]], [DecodeConfig(4)] * len(prompts[:2]),
-                   allocator=allocator, planner=planner)
+        run(drafting[0] if drafting else "ar", prompts[:2], [DecodeConfig(4)] * len(prompts[:2]))
 
     log.info("bench_batch: batch-1 ar over %d requests", len(prompts))
     t0 = time.perf_counter()
@@ -184,9 +197,7 @@ def bench_batch(cfg: DictConfig) -> dict:
             # methods run one after another, so a host that drifts (15-30% here) favours whichever runs on the faster
             # side: every other concurrency level runs them in reverse order
             for method in methods if level % 2 == 0 else methods[::-1]:
-                make, allocator, planner = batched_method(method, block_size, calibration, costs, int(b.max_skip))
-                batch = BatchedDecoder(decoder, allocator, planner)
-                reqs = decode_all(decoder, prompts, [make() for _ in prompts], configs, max_batch=int(c), batch=batch,
+                reqs, batch = run(method, prompts, configs, max_batch=int(c),
                                   arrival_times_s=None if times is None else [float(t) for t in times])
                 fig = run_metrics(reqs, batch, references, tokenizer, int(b.bootstrap), int(cfg.seed))
                 fig["speedup_vs_batch1_ar"] = fig["tokens_per_s"] / batch1
@@ -196,6 +207,8 @@ def bench_batch(cfg: DictConfig) -> dict:
                          fig["exact_match"])
             per_c[str(int(c))] = {m: per_c[str(int(c))][m] for m in methods}  # reported in the configured order
     foresight = None
+    costs = inputs.batch_costs
+    block_size = setup.drafted_block_size(cfg, decoder, src)
     if b.get("labels_dir") and costs is not None:
         from pipeline.labeling.store import read_label_table
         from pipeline.policy.budget import batched_foresight_bound

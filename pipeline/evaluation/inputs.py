@@ -1,9 +1,9 @@
 """What an eval run reads before it decodes: the split, the prompts, and the artifacts its methods need.
 
 ``check_prompts`` reads the configured prompt files before any model loads (a broken JSONL line is reported at once);
-``load_eval_inputs`` loads labels, split ids, predictors and the verify-width calibration + cost model through
-``pipeline.policy.registry`` (the server loads them the same way); ``method_schedules`` builds every method's
-schedule factory from the registry.
+``load_eval_inputs`` loads labels, split ids, predictors and the verify-width calibration + cost model through the one
+builder of every stage's methods (``pipeline.policy.setup``, as the server and ``bench_batch`` load them);
+``method_schedules`` builds every method's schedule factory there.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from pipeline.policy import registry
+from pipeline.policy import registry, setup
 from pipeline.policy.registry import METHODS, PerPrompt, PolicyInputs  # noqa: F401  (PerPrompt: re-exported)
 from pipeline.prompts import Prompt, check_label_template_kwargs, load_prompt_sets, prompt_id_of
 
@@ -26,9 +26,17 @@ WIDTH_METHODS = tuple(m for m, d in METHODS.items() if registry.CALIBRATION in d
 SPLIT_METHODS = tuple(m for m, d in METHODS.items() if d.label_split)
 
 
-def policy_options(cfg: DictConfig) -> dict:
-    """The ``policy`` config group as a plain dict (``{method: {option: value}}``)."""
-    return OmegaConf.to_container(cfg.policy, resolve=True) if cfg.get("policy") is not None else {}
+def sources(cfg: DictConfig):
+    """Where the eval stage's methods read their inputs (``pipeline.policy.setup.Sources``): ``eval.predictor_dir`` (the
+    predictors, and the run's calibration in its ``verify_width``), ``eval.labels_dir`` / ``features_dir``,
+    ``decode.block_size``; a predictor must choose among ``model.candidates``."""
+    from pipeline.policy.setup import Sources
+
+    hint = (f"run the train stage: make train (python -m pipeline.train run_name={cfg.run_name}; for full_vocab: "
+            "predictor=full_vocab, after make dataset features=full_vocab on labels with label.store_full_logits=true)")
+    return Sources("eval", str(cfg.eval.predictor_dir), str(cfg.eval.labels_dir), str(cfg.eval.features_dir),
+                   cfg.decode.get("block_size"), "decode.block_size", str(cfg.eval.get("target", "tau")),
+                   check_candidates=True, missing_hint=hint)
 
 
 def resolve_split(cfg: DictConfig, methods: list[str]) -> str | None:
@@ -87,11 +95,7 @@ def load_eval_inputs(cfg: DictConfig, methods: list[str], decoder=None) -> EvalI
             inputs.splits = split_prompt_ids(cfg.eval.features_dir)
         except FileNotFoundError as err:
             raise FileNotFoundError(f"eval.split={split} / best_fixed need the dataset stage's splits: {err}") from err
-    wanted = {METHODS[m].predictor for m in methods if m in METHODS and METHODS[m].predictor}
-    for method in [m for m in PREDICTOR_METHODS if m in wanted]:
-        inputs.predictors[method] = load_method_predictor(cfg, method, decoder)
-    if any(m in WIDTH_METHODS for m in methods):
-        load_verify_width_inputs(cfg, inputs, decoder)
+    setup.load_inputs(cfg, decoder, methods, sources(cfg), inputs)  # predictors, calibration, cost model
     meta = inputs.label_meta
     check_label_template_kwargs(meta, cfg.model, str(labels_dir))  # prompts of other token ids: labels of other text
     if meta:
@@ -102,58 +106,18 @@ def load_eval_inputs(cfg: DictConfig, methods: list[str], decoder=None) -> EvalI
     return inputs
 
 
-def load_method_predictor(cfg: DictConfig, method: str, decoder=None):
-    """The exported predictor of ``method`` (``eval.predictor_dir/<policy.<method>.predictor>``), checked against
-    ``model.candidates`` and the decoder (``registry.load_method_predictor``).
-
-    Raises:
-        FileNotFoundError: without an exported predictor (names ``make train``).
-        ValueError: when its candidates differ from ``model.candidates``, or it does not fit the decoder.
-    """
-    directory = registry.predictor_folder(cfg.eval.predictor_dir, method, policy_options(cfg))
-    hint = "" if method == "blockpilot" else " predictor=full_vocab (after make dataset features=full_vocab, labels with label.store_full_logits=true)"
-    return registry.load_method_predictor(
-        method, directory, decoder, list(cfg.model.candidates), str(cfg.model.device),
-        f"run the train stage: make train (python -m pipeline.train run_name={cfg.run_name}{hint})")
-
-
-def verify_width_block_size(cfg: DictConfig, decoder) -> int:
-    """B drafted by ``verify_width``: ``policy.verify_width.block_size``, else ``decode.block_size``, else the training B."""
-    return registry.verify_width_block_size(policy_options(cfg), decoder, cfg.decode.get("block_size"))
-
-
-def load_verify_width_inputs(cfg: DictConfig, inputs: EvalInputs, decoder) -> None:
-    """The calibration (``policy.verify_width.calibration``, else ``<eval.predictor_dir>/verify_width``, else the
-    drafter folder's) and this machine's latency model, measured (or reused from ``policy.verify_width.latency.cache``,
-    shared with the label stage) for every width up to the largest candidate or B, into ``inputs``.
-
-    Raises:
-        FileNotFoundError: without a calibration; ValueError: without a drafter.
-    """
-    widths = [*cfg.model.candidates, verify_width_block_size(cfg, decoder)] if decoder is not None else []
-    registry.load_verify_width(inputs, decoder, policy_options(cfg), Path(cfg.eval.predictor_dir) / "verify_width",
-                               cfg.model.get("drafter"), widths, cfg)
-
-
-def policy_context(cfg: DictConfig, decoder, inputs: EvalInputs | None) -> registry.Context:
-    """The registry's build context of an eval run."""
-    return registry.Context(decoder, policy_options(cfg), inputs if inputs is not None else EvalInputs(),
-                            [int(c) for c in cfg.model.candidates], cfg.decode.get("block_size"), "decode.block_size",
-                            str(cfg.eval.get("target", "tau")), "eval")
-
-
 def method_schedules(cfg: DictConfig, decoder, inputs: EvalInputs | None = None, methods: list[str] | None = None) -> dict:
-    """Schedule factories of ``methods`` (``registry.build``), or of every method available with ``inputs``
-    (``registry.available``: ``ar``, ``fixed``, ``ema`` and the transformers baselines always; the others when their
-    labels, splits, predictor or calibration are loaded).
+    """Schedule factories of ``methods`` (the one method table, ``pipeline.policy.setup``), or of every method available
+    with ``inputs`` (``registry.available``: ``ar``, ``fixed``, ``ema`` and the transformers baselines always; the
+    others when their labels, splits, predictor or calibration are loaded).
 
     Raises:
         ValueError: for an unknown method, one whose inputs are missing, or a B the drafter cannot draft (named).
     """
-    ctx = policy_context(cfg, decoder, inputs)
+    inputs = inputs if inputs is not None else EvalInputs()
     if methods is None:
-        return registry.available(ctx)
-    return {m: registry.build(m, ctx) for m in dict.fromkeys(methods)}
+        return registry.available(setup.context(cfg, decoder, inputs, sources(cfg)))
+    return setup.build_methods(cfg, decoder, inputs, methods, sources(cfg))
 
 
 def select_prompts(cfg: DictConfig, split: str | None, inputs: EvalInputs) -> list[Prompt]:

@@ -21,11 +21,12 @@ from tqdm.auto import tqdm
 
 from pipeline.decoding import DecodeConfig, FixedSchedule
 from pipeline.decoding.conversation import decode_prompt
-from pipeline.decoding.schedules import FirstChoice
-from pipeline.decoding.speculative import PromptTooLongError, RequestStats, _now
+from pipeline.decoding.schedules import ExternalDecode, Schedule
+from pipeline.decoding.speculative import PromptTooLongError, RequestStats
 from pipeline.evaluation.checks import check_eval_config
+from pipeline.models.clock import now
 from pipeline.evaluation.inputs import (EvalInputs, check_prompts, load_eval_inputs, method_schedules, resolve_split,
-                                        select_prompts, verify_width_block_size)
+                                        select_prompts, sources)
 from pipeline.evaluation.resume import RowLog, row_settings
 from pipeline.evaluation.stats import speed_gains, summarize_all
 from pipeline.decoding.build import build_decoder
@@ -38,8 +39,8 @@ log = logging.getLogger(__name__)
 class SharedDecodes:
     """Decoder front end for the eval stage that runs each (request, B) decode once (see the module docstring).
 
-    Quacks like ``SpeculativeDecoder`` for ``decode_prompt`` (``target``, ``generate``). A schedule with a
-    ``run_request`` hook (transformers' ``generate``, ``pipeline.policy.baselines``) decodes the request itself. For a
+    Quacks like ``SpeculativeDecoder`` for ``decode_prompt`` (``target``, ``generate``). An ``ExternalDecode``
+    (transformers' ``generate``, ``pipeline.policy.baselines``) decodes the request itself. For a
     schedule with ``static = True`` (and ``share``) it prefills, times ``schedule.first`` as ``schedule_ms``, and decodes
     with that fixed B, or copies the stored decode of the same (request ids, B, decoding config) with this request's own
     ``prefill_ms`` and ``schedule_ms``. Other schedules go straight to the decoder. ``clear()`` forgets the stored
@@ -47,12 +48,14 @@ class SharedDecodes:
 
     Args:
         decoder: the ``SpeculativeDecoder``; share: reuse decodes (False: every request decodes on its own).
+        watch: a ``pipeline.policy.setup.CostWatch`` given every decode the decoder runs (the run-time check of the
+            cost model the verify-width methods read), or None.
     Attributes:
         decodes: decodes actually run; reused: requests served from a stored decode.
     """
 
-    def __init__(self, decoder, share: bool = True):
-        self.decoder, self.share = decoder, bool(share)
+    def __init__(self, decoder, share: bool = True, watch=None):
+        self.decoder, self.share, self.watch = decoder, bool(share), watch
         self.target = decoder.target
         self.memo: dict[tuple, RequestStats] = {}
         self.decodes = self.reused = 0
@@ -60,28 +63,33 @@ class SharedDecodes:
     def clear(self) -> None:
         self.memo.clear()
 
-    def generate(self, input_ids: torch.Tensor, schedule, config: DecodeConfig) -> RequestStats:
-        run_request = getattr(schedule, "run_request", None)
-        if run_request is not None:
+    def generate(self, input_ids: torch.Tensor, schedule: Schedule | ExternalDecode, config: DecodeConfig) -> RequestStats:
+        if isinstance(schedule, ExternalDecode):
             self.decodes += 1
-            return run_request(self.decoder, input_ids, config)
-        if not (self.share and getattr(schedule, "static", False)):
+            return schedule.run_request(self.decoder, input_ids, config)
+        if not (self.share and schedule.static):
             self.decodes += 1
-            return self.decoder.generate(input_ids, schedule, config)
+            return self._watched(self.decoder.generate(input_ids, schedule, config))
         prefill = self.decoder.prefill(input_ids, config, want_features=schedule.max_block_size > 1)
-        t0 = _now(self.decoder.device)
+        t0 = now(self.decoder.device)
         block_size = int(schedule.first(prefill.last_logits))
-        schedule_ms = (_now(self.decoder.device) - t0) * 1e3
+        schedule_ms = (now(self.decoder.device) - t0) * 1e3
         key = (tuple(input_ids.flatten().tolist()), block_size, config.max_new_tokens, config.temperature, config.seed)
         stored = self.memo.get(key)
         if stored is None:
             self.decodes += 1
-            stored = self.memo[key] = self.decoder.decode(prefill, FixedSchedule(block_size), config)
+            stored = self.memo[key] = self._watched(self.decoder.decode(prefill, FixedSchedule(block_size), config))
         else:
             self.reused += 1
         return dataclasses.replace(stored, output_ids=list(stored.output_ids), taus=list(stored.taus),
                                    block_sizes=list(stored.block_sizes), prefill_ms=prefill.prefill_ms,
-                                   schedule_ms=schedule_ms)
+                                   schedule_ms=schedule_ms, first_block_size=block_size)
+
+
+    def _watched(self, stats: RequestStats) -> RequestStats:
+        if self.watch is not None:
+            self.watch.request(stats)
+        return stats
 
 
 def merge_turns(prompt_id: str, source_set: str, stats: list) -> dict:
@@ -100,6 +108,8 @@ def merge_turns(prompt_id: str, source_set: str, stats: list) -> dict:
         "verify_widths": [k for s in stats for k in s.verify_widths],
         "confidences": [c for s in stats for c in s.confidences],
         "output_ids": [t for s in stats for t in s.output_ids],
+        "chosen_b": stats[0].first_block_size if stats else None,  # the first turn's B
+        "chosen_bs": [s.first_block_size for s in stats],            # every turn's B (one request per turn)
     }
 
 
@@ -120,15 +130,8 @@ def verify_width_bound(inputs: EvalInputs, block_size: int, prompt_ids: set[str]
         return None
 
 
-def _factory(available: dict, method: str, prompt: Prompt, chosen: list):
-    make = available[method].bind(prompt) if isinstance(available[method], PerPrompt) else available[method]
-
-    def build():
-        schedule = FirstChoice(make())
-        chosen.append(schedule)
-        return schedule
-
-    return build
+def _factory(available: dict, method: str, prompt: Prompt):
+    return available[method].bind(prompt) if isinstance(available[method], PerPrompt) else available[method]
 
 
 def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, inputs: EvalInputs | None = None,
@@ -172,7 +175,10 @@ def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, input
     prompts = select_prompts(cfg, split, inputs)
     decode_cfg = DecodeConfig(cfg.decode.max_new_tokens, cfg.decode.temperature, cfg.decode.seed)
     row_log = RowLog(rows_path, row_settings(cfg, methods, split, inputs, decoder))
-    runner = SharedDecodes(decoder, bool(cfg.eval.get("share_decodes", True)))
+    from pipeline.policy.setup import CostWatch
+
+    watch = CostWatch(cfg, decoder, inputs, sources(cfg))
+    runner = SharedDecodes(decoder, bool(cfg.eval.get("share_decodes", True)), watch)
 
     todo = [p for p in prompts if p.id not in row_log.done]
     if cfg.eval.warmup:
@@ -180,7 +186,7 @@ def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, input
         for prompt in todo:  # the first prompt that fits the context
             try:
                 for m in methods:
-                    decode_prompt(warm, prompt, _factory(available, m, prompt, []),
+                    decode_prompt(warm, prompt, _factory(available, m, prompt),
                                   DecodeConfig(8, decode_cfg.temperature, decode_cfg.seed))
                 break
             except PromptTooLongError:
@@ -190,11 +196,8 @@ def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, input
         prompt_rows = {}
         try:
             for m in methods:
-                chosen: list[FirstChoice] = []
-                stats = decode_prompt(runner, prompt, _factory(available, m, prompt, chosen), decode_cfg)
+                stats = decode_prompt(runner, prompt, _factory(available, m, prompt), decode_cfg)
                 row = merge_turns(prompt.id, prompt.source_set, stats)
-                row["chosen_b"] = chosen[0].chosen if chosen else None  # the first turn's B
-                row["chosen_bs"] = [c.chosen for c in chosen]           # every turn's B (one request per turn)
                 prompt_rows[m] = row
         except PromptTooLongError as err:
             log.warning("skipping prompt %r: %s", prompt.id, err)
@@ -237,7 +240,9 @@ def collect_results(cfg: DictConfig, methods: list[str], prompts: list[Prompt], 
     results["gains"] = {"all": speed_gains(results), **{s: speed_gains(results, s) for s in results["per_set"]}}
     if inputs.calibration is not None:
         stored = json.loads(Path(inputs.calibration_path).read_text()) if inputs.calibration_path else {}
-        block_size = verify_width_block_size(cfg, decoder)
+        from pipeline.policy.setup import drafted_block_size
+
+        block_size = drafted_block_size(cfg, decoder, sources(cfg))
         results["verify_width"] = {"calibration": inputs.calibration_path, "block_size": block_size,
                                    "calibration_info": inputs.calibration.info,
                                    "reliability": stored.get("reliability"), "reliability_split": stored.get("reliability_split"),

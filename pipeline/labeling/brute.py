@@ -11,7 +11,8 @@ import copy
 from dataclasses import dataclass, replace
 
 from pipeline.decoding.sampling import PositionKeyedSampler
-from pipeline.decoding.speculative import DecodeConfig, PrefillResult, RequestStats, SpeculativeDecoder, _now
+from pipeline.decoding.speculative import DecodeConfig, PrefillResult, RequestStats, SpeculativeDecoder
+from pipeline.models.clock import now
 
 
 def reseed(prefill: PrefillResult, config: DecodeConfig, copy_cache: bool = True) -> PrefillResult:
@@ -50,8 +51,8 @@ def brute_force(decoder: SpeculativeDecoder, prefill: PrefillResult, candidates:
     stats, wall = {}, {}
     order = sorted(set(int(b) for b in candidates))
     for i, b in enumerate(order):
-        t0 = _now(decoder.device)
+        t0 = now(decoder.device)
         start = reseed(prefill, config, copy_cache=not (consume and i == len(order) - 1))
         stats[b] = decoder.decode(start, b, config)
-        wall[b] = (_now(decoder.device) - t0) * 1e3
+        wall[b] = (now(decoder.device) - t0) * 1e3
     return BruteResult(stats, wall)

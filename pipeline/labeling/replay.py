@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.decoding.sampling import PositionKeyedSampler, draft_confidence
-from pipeline.decoding.speculative import DecodeConfig, PrefillResult, SpeculativeDecoder, _now
+from pipeline.decoding.speculative import DecodeConfig, PrefillResult, SpeculativeDecoder
+from pipeline.models.clock import now
 from pipeline.models.drafter import DFlashDrafter, lm_head_logits
 
 LM_HEAD_MODES = ("auto", "lazy", "full")
@@ -117,7 +118,7 @@ def target_trace(decoder: SpeculativeDecoder, prefill: PrefillResult, config: De
     short = [first_scores.topk(k, dim=-1).indices] if k > 0 else None
     stopped = tokens[0] in decoder.stop_ids
     start = n
-    t0 = _now(decoder.device)
+    t0 = now(decoder.device)
     while not stopped and len(tokens) < config.max_new_tokens:
         block = torch.tensor([[tokens[-1]]], dtype=torch.long, device=decoder.device)
         logits, new_features = decoder.target_forward(block, prefill.cache, start, want_features=True)
@@ -131,7 +132,7 @@ def target_trace(decoder: SpeculativeDecoder, prefill: PrefillResult, config: De
         features.append(new_features)
         stopped = token in decoder.stop_ids
         start += 1
-    decode_ms = (_now(decoder.device) - t0) * 1e3
+    decode_ms = (now(decoder.device) - t0) * 1e3
     shortlist_ids = torch.cat(short) if short is not None else None
     return Trace(tokens, torch.cat(features, dim=1), n, stopped, decode_ms, sampler, shortlist_ids, gaps)
 

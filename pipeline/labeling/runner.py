@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from pipeline import costs
+from pipeline.timing.steps import load_or_measure
 from pipeline.decoding.speculative import DecodeConfig, PromptTooLongError, SpeculativeDecoder
 from pipeline.labeling.checks import check_label_config
 from pipeline.labeling.oracle import LabelSettings, check_candidates, label_prompt
@@ -150,7 +151,7 @@ def run_label(cfg: DictConfig, decoder: SpeculativeDecoder | None = None,
     latency = None
     if settings.mode == "replay":  # the run's stored model, else label.latency.path, else this machine's (cached)
         stored = store.read_meta() or {}
-        latency = costs.load_or_measure(decoder, cfg, settings.candidates, "label.latency", stored.get("latency_model"))
+        latency = load_or_measure(decoder, cfg, settings.candidates, "label.latency", stored.get("latency_model"))
         meta["latency_model"] = latency.to_dict()
     meta = store.ensure_meta(meta)
     if settings.mode == "replay":

@@ -43,11 +43,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import logging
 import os
 import platform
-import time
 from pathlib import Path
 
 import torch
@@ -71,7 +69,6 @@ SMALLM_MAX_ROWS = 32  # smallm runs inputs of up to this many rows; more go to P
 # on a Zen 4 one the exact forms won at every width up to 24. ``exact_crossover`` measures it once per machine.
 EXACT_ROWS_ENV = "BLOCKPILOT_SMALLM_EXACT_ROWS"  # an int forces every format's crossover (no measurement)
 _TUNE_ROWS = (2, 3, 4, 6, 8, 12, 16, 24, 32)
-_TUNE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "blockpilot"
 
 
 
@@ -97,17 +94,15 @@ def _cpu_name() -> str:
 
 
 def _time_pair_ms(first, second, weights, repeats: int = 7, warmup: int = 2) -> tuple[float, float]:
-    """The least ms of one pass of ``first`` and of ``second`` over ``weights``, the two interleaved run by run (the
-    least, not the median: other work on the cores only ever adds time)."""
-    times: tuple[list, list] = ([], [])
-    for i in range(warmup + repeats):
-        for fn, out in zip((first, second), times):
-            t0 = time.perf_counter()
-            for w in weights:
-                fn(w)
-            if i >= warmup:
-                out.append((time.perf_counter() - t0) * 1e3)
-    return min(times[0]), min(times[1])
+    """The least ms of one pass of ``first`` and of ``second`` over ``weights``, the two interleaved round by round (the
+    one timer of every per-machine measurement, ``pipeline.costs.timer``)."""
+    from pipeline.costs import time_points
+
+    def over(fn):
+        return lambda: [fn(w) for w in weights]
+
+    timings = time_points({"first": over(first), "second": over(second)}, rounds=repeats, warmup=warmup)
+    return timings["first"].ms, timings["second"].ms
 
 
 def measure_crossover(n: int = 1536, k: int = 576, megabytes: float = 160.0, rows=_TUNE_ROWS,
@@ -163,8 +158,9 @@ def exact_crossover() -> dict[str, int]:
     wider calls use float32 panels (the same bits). ``SMALLM_MAX_ROWS`` means never (no float32 panels are kept).
 
     ``$BLOCKPILOT_SMALLM_EXACT_ROWS`` (an int) sets every format's; otherwise it is measured once per machine
-    (``measure_crossover``, ~5 s) and cached in ``~/.cache/blockpilot/`` under a key of the kernel source, the CPU
-    model and torch's thread count.
+    (``measure_crossover``, ~5 s, on the one timer of ``pipeline.costs.timer``) and kept in the one per-machine cache
+    (``pipeline.costs.store``: ``data/cache/costs/``, or ``$BLOCKPILOT_COST_CACHE``) under a key of the kernel source,
+    the CPU model and torch's thread count.
 
     Raises:
         ValueError: when the environment variable is not a positive int.
@@ -178,28 +174,28 @@ def exact_crossover() -> dict[str, int]:
         except ValueError:
             raise ValueError(f"${EXACT_ROWS_ENV} must be a positive int (rows), got {forced!r}; unset it to measure") from None
         return {fmt: min(value, SMALLM_MAX_ROWS) for fmt in EXACT_FORMATS}
-    key = hashlib.sha256(_KERNEL.read_bytes() + repr((EXACT_FORMATS, _TUNE_ROWS, _cpu_name(),
-                                                      torch.get_num_threads())).encode()).hexdigest()[:12]
-    path = _TUNE_DIR / f"smallm-crossover-{key}.json"
+    from pipeline.costs import store
+
+    key = {"kernel": hashlib.sha256(_KERNEL.read_bytes()).hexdigest()[:12], "formats": list(EXACT_FORMATS),
+           "rows": list(_TUNE_ROWS), "cpu": _cpu_name(), "threads": torch.get_num_threads()}
+
+    def measure() -> dict:
+        log.info("smallm: measuring where float32 panels beat the exact forms on this CPU (once, ~5 s)")
+        timings: dict = {}
+        found = measure_crossover(timings=timings)
+        return {"crossover": found, "ms_exact_f32": {f: {str(r): v for r, v in t.items()} for f, t in timings.items()}}
+
+    def check(stored: dict) -> str | None:
+        found = stored.get("crossover") or {}
+        ok = set(found) == set(EXACT_FORMATS) and all(isinstance(v, int) and v >= 1 for v in found.values())
+        return None if ok else "it holds no crossover per format"
+
     try:
-        found = json.loads(path.read_text())["crossover"]
-        if set(found) == set(EXACT_FORMATS) and all(isinstance(v, int) and v >= 1 for v in found.values()):
-            return found
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    log.info("smallm: measuring where float32 panels beat the exact forms on this CPU (once, ~5 s)")
-    timings: dict = {}
-    found = measure_crossover(timings=timings)
-    log.info("smallm: exact forms up to %s rows (%s)", found, path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"crossover": found, "cpu": _cpu_name(), "threads": torch.get_num_threads(),
-                                   "ms_exact_f32": timings}, indent=1))
-        os.replace(tmp, path)
-    except OSError as err:
-        log.warning("smallm: could not cache the crossover in %s (%s)", path, err)
-    return found
+        data = store.cached(store.default_dir(), "smallm-crossover", key, "crossover", measure, check)
+    except OSError as err:  # an unwritable cache folder: measured every process
+        log.warning("smallm: could not cache the crossover (%s)", err)
+        data = measure()
+    return dict(data["crossover"])
 
 
 def smallm_available() -> bool:

@@ -2,15 +2,22 @@
 
 Modules: ``features`` (featurizers shared by the dataset stage and the decoder), ``predictors`` (nets),
 ``module`` (Lightning training), ``fallback`` (the confidence fallback to the training block size),
-``export`` (``predictor.safetensors`` + ``predictor.json``), ``schedule`` (``PredictorSchedule``, the decoder-side ``BlockSizeSchedule``),
+``export`` (``predictor.safetensors`` + ``predictor.json``), ``schedule`` (``PredictorSchedule``, the decoder-side ``Schedule``),
 ``verify_width`` (the per-step verify width), ``baselines`` (transformers' own ``generate``), and ``registry``: every
 decoding method declared once, built by the eval stage and the server alike.
 """
 
-from pipeline.policy.export import Predictor, export_predictor, load_predictor
-from pipeline.policy.features import Featurizer, FeatureSpec
-from pipeline.policy.predictors import FullVocabPredictor, MLPPredictor, build_predictor, num_parameters
-from pipeline.policy.schedule import PredictorSchedule
+import importlib
 
-__all__ = ["FeatureSpec", "Featurizer", "FullVocabPredictor", "MLPPredictor", "Predictor", "PredictorSchedule",
-           "build_predictor", "export_predictor", "load_predictor", "num_parameters"]
+_EXPORTS = {"Predictor": "export", "export_predictor": "export", "load_predictor": "export", "Featurizer": "features",
+            "FeatureSpec": "features", "FullVocabPredictor": "predictors", "MLPPredictor": "predictors",
+            "build_predictor": "predictors", "num_parameters": "predictors", "PredictorSchedule": "schedule"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """The package's API, imported on first use: importing one light module (``pipeline.policy.calibration``, read by
+    the vLLM plugin in vLLM's own process) loads no predictor or model code."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pipeline.policy' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"pipeline.policy.{_EXPORTS[name]}"), name)

@@ -1,7 +1,7 @@
 """The baselines a user would reach for: transformers' own ``model.generate`` on the same target.
 
-``TransformersGenerate`` stands where a block-size schedule stands in the eval stage (methods ``hf_generate`` and
-``hf_prompt_lookup`` of ``pipeline.policy.registry``), but decodes the request itself (``run_request``): greedy at
+``TransformersGenerate`` is an ``ExternalDecode`` of the eval stage (methods ``hf_generate`` and
+``hf_prompt_lookup`` of ``pipeline.policy.registry``): it decodes the request itself (``run_request``): greedy at
 T=0 (the same text as ``ar`` in float32), sampled with transformers' sampler at T>0 (so its exact-match rate against
 ``ar`` is then below 1), plain or with prompt-lookup decoding (``prompt_lookup_num_tokens``). Its times are taken
 like the decoder's: ``prefill_ms`` up to the first new token, ``decode_ms`` after it (CUDA synchronised), and
@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.decoding.speculative import RequestStats, _now
+from pipeline.decoding.schedules import ExternalDecode
+from pipeline.decoding.speculative import RequestStats
+from pipeline.models.clock import now
 
 
 class _StepClock:
@@ -22,14 +24,14 @@ class _StepClock:
         self.device, self.times, self.sizes = device, [], []
 
     def put(self, value: torch.Tensor) -> None:
-        self.times.append(_now(self.device))
+        self.times.append(now(self.device))
         self.sizes.append(int(value.numel()))
 
     def end(self) -> None:
         pass
 
 
-class TransformersGenerate:
+class TransformersGenerate(ExternalDecode):
     """``model.generate`` of the decoder's target as an eval method.
 
     Args:
@@ -38,17 +40,8 @@ class TransformersGenerate:
         max_block_size: 1 (it never asks the drafter); static: False (its decodes are never shared).
     """
 
-    static = False
-    max_block_size = 1
-
     def __init__(self, extra: dict | None = None):
         self.extra = dict(extra or {})
-
-    def first(self, last_logits: torch.Tensor) -> int:  # never called: run_request decodes the whole request
-        return 1
-
-    def next(self, tau: int, block_size: int) -> int:
-        return 1
 
     @torch.inference_mode()
     def run_request(self, decoder, input_ids: torch.Tensor, config) -> RequestStats:
@@ -72,10 +65,10 @@ class TransformersGenerate:
         if sample:
             torch.manual_seed(int(config.seed))
         clock = _StepClock(device)
-        t0 = _now(device)
+        t0 = now(device)
         out = decoder.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=generation,
                                      streamer=clock)
-        t1 = _now(device)
+        t1 = now(device)
         new = out[0, input_ids.shape[1]:].tolist()
         stopped = bool(new) and new[-1] in decoder.stop_ids
         first = clock.times[1] if len(clock.times) > 1 else t1  # put 0 is the prompt, put 1 the prefill's tokens

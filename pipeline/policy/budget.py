@@ -17,8 +17,14 @@ the next 1, 2, 4, ... ``max_skip`` steps before it looks again (the rule ``Verif
 drafter runs, ``plan`` also gates drafting on each request's prior acceptance: a request drafts only when the modelled
 step with its draft (drafter rows and per-request cost included) yields more tokens per ms than without it.
 
-Batched methods (``batched_method``): ``ar`` (B = 1 for all), ``fixed`` (k = B - 1 for all), ``verify_width`` (each
-request's k chosen alone by its ``VerifyWidthSchedule`` on the single-request costs), ``budget`` (joint, this module).
+Before all that, ``BudgetPolicy.admit`` decides at a request's admission whether it may draft at all: at a load where
+the modelled step with drafting requests does not beat the plain step (the drafter forward over their blocks, their
+verify rows and their per-request cost, against one row each), it joins as autoregressive decoding (B = 1: no drafter,
+and no drafter features in its verifies), so that under load the policy decodes as batched ``ar`` does, at its cost. A
+request admitted to draft keeps that right (its drafter context is kept up to date).
+
+The batched methods come from the one method table (``pipeline.policy.registry``): ``ar``, ``fixed``,
+``verify_width`` and ``budget`` (this module) are built there for the server and ``pipeline.bench_batch`` alike.
 ``batched_foresight_bound`` models how much any width choice could gain at a given concurrency.
 """
 
@@ -26,77 +32,29 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from pipeline.costs.batched import BatchCostModel, SoloCosts  # noqa: F401  (re-exported: the cost model sits below)
-from pipeline.policy.verify_width import AcceptanceCalibration, expected_tokens, labelled_steps
+from pipeline.costs.batched import BatchCostModel
+from pipeline.decoding.batched import BatchPolicy
+from pipeline.decoding.schedules import FixedSchedule, Schedule
+from pipeline.policy.calibration import AcceptanceCalibration
+from pipeline.policy.widths import allocate, brute_force_allocate, expected_tokens  # noqa: F401  (the API)
 
-METHODS = ("ar", "fixed", "verify_width", "budget")
 WIDTHS_KEPT = 100_000  # BudgetPolicy.widths: the most recent choices kept
 POPULATION_WEIGHT = 0.1  # BudgetPolicy.population: the weight of each drafting request-step's acceptances
 # BudgetPolicy's gate drafts only where the modelled step with the drafts yields this much more than the step without:
 # the drafter's Python work (sampling, confidences, the allocation) and the priors' optimism are not in the cost model
 GATE_MARGIN = 0.1
+# BudgetPolicy.admit, before any request has drafted: the drafts' acceptance taken as that of drafts the drafter is this
+# sure of (an optimistic prior, so that drafting is tried wherever it could pay; afterwards the observed drafted steps')
+CONFIDENT = 0.9
 
 
 # ---------------------------------------------------------------------------------------------------
 # the joint allocation
 # ---------------------------------------------------------------------------------------------------
-def allocate(acceptance: Sequence[torch.Tensor], costs: BatchCostModel | Callable[[int], float], plain_requests: int = 0,
-             drafted_rows: int = 0) -> tuple[list[int], float]:
-    """The verify widths k_i (0..len(a_i)) of the drafting requests that maximise the step's expected tokens per ms.
-
-    Args:
-        acceptance: per drafting request, [b_i - 1] calibrated acceptance probabilities of its drafts (in order).
-        costs: a ``BatchCostModel`` (step_ms over all N = drafting + ``plain_requests`` requests, with
-            ``drafted_rows`` drafted), or a callable ``total verified rows -> ms`` of the whole step.
-        plain_requests: requests in the same step that verify one row without drafting (1 token each).
-        drafted_rows: block rows the step's drafter forward ran (its cost is the same for every k).
-    Returns:
-        ([k_i] per drafting request, the step's expected tokens per ms at that choice). Ties go to the narrower step.
-    """
-    n_d = len(acceptance)
-    n = n_d + int(plain_requests)
-    if callable(costs) and not isinstance(costs, BatchCostModel):
-        step_ms = costs
-    else:
-        step_ms = lambda rows: costs.step_ms(rows, drafted_rows, n, n_d)  # noqa: E731
-    gains = []  # (increment, request, column) for every draft
-    for i, a in enumerate(acceptance):
-        a = torch.as_tensor(a, dtype=torch.float64).reshape(-1)
-        inc = torch.cumprod(a, 0) if len(a) else a
-        gains.extend((float(g), i, m) for m, g in enumerate(inc.tolist(), start=1))
-    gains.sort(key=lambda t: (-t[0], t[1], t[2]))  # per request increments never grow, so its columns stay in order
-    best_r, best = 0, n / step_ms(n)
-    total = float(n)
-    for r, (g, _, _) in enumerate(gains, start=1):
-        total += g
-        rate = total / step_ms(n + r)
-        if rate > best + 1e-12:
-            best_r, best = r, rate
-    widths = [0] * n_d
-    for g, i, m in gains[:best_r]:
-        widths[i] = max(widths[i], m)
-    return widths, best
-
-
-def brute_force_allocate(acceptance: Sequence[torch.Tensor], step_ms: Callable[[int], float], plain_requests: int = 0
-                         ) -> tuple[list[int], float]:
-    """``allocate`` by trying every combination of widths (small cases only; the tests' reference)."""
-    import itertools
-
-    n = len(acceptance) + plain_requests
-    expected = [expected_tokens(a).tolist() for a in acceptance]
-    best, best_k = -1.0, None
-    for ks in itertools.product(*[range(len(e)) for e in expected]):
-        rate = (plain_requests + sum(e[k] for e, k in zip(expected, ks))) / step_ms(n + sum(ks))
-        if rate > best + 1e-12:
-            best, best_k = rate, list(ks)
-    return best_k or [], best
-
-
 def _skip_state(request) -> list[int]:
     """[skip run length, steps left to skip] of a request, kept on the request itself."""
     state = request.__dict__.get("budget_skip")
@@ -105,9 +63,9 @@ def _skip_state(request) -> list[int]:
     return state
 
 
-class BudgetPolicy:
-    """The ``budget`` method for ``BatchedDecoder``: ``plan`` (which requests draft this step) and ``allocate`` (the
-    joint widths), one object passed as both ``planner`` and ``allocator``.
+class BudgetPolicy(BatchPolicy):
+    """The ``budget`` method for ``BatchedDecoder``: ``admit`` (whether a request may draft at all, at its admission
+    load), ``plan`` (which requests draft this step) and ``allocate`` (the joint widths).
 
     ``allocate`` chooses the widths after the step's drafter forward, whose cost is then spent. ``plan`` decides before
     it which requests draft at all, so that a draft that would not repay its drafter cost is not made: each request
@@ -132,9 +90,15 @@ class BudgetPolicy:
         drafted: per planned step (the last ``WIDTHS_KEPT``), how many requests drafted;
         population: [B-1] the moving average (weight ``POPULATION_WEIGHT`` per request-step) of every drafting
             request's calibrated acceptance per column, or None before any request drafted.
+        drafted_yield: the moving average of (expected tokens, verified rows) of a drafting request's step at the
+            widths ``allocate`` chose (k = 0 steps included), or None before any request drafted: what ``admit``
+            expects a drafting request to add.
+        admitted: {load: whether requests admitted at that load may draft} (the decisions so far).
     Raises:
         ValueError: for max_skip < 0.
     """
+
+    joint_widths = True
 
     def __init__(self, calibration: AcceptanceCalibration, costs: BatchCostModel, skip_drafts: bool = True,
                  max_skip: int = 8, gate: bool = True, margin: float = GATE_MARGIN):
@@ -147,8 +111,39 @@ class BudgetPolicy:
         self.skip_drafts, self.max_skip, self.gate = bool(skip_drafts), int(max_skip), bool(gate)
         self._plain = 0
         self.population: torch.Tensor | None = None
+        self.drafted_yield: tuple[float, float] | None = None
+        self.admitted: dict[int, bool] = {}
         self.widths: collections.deque[int] = collections.deque(maxlen=WIDTHS_KEPT)
         self.drafted: collections.deque[int] = collections.deque(maxlen=WIDTHS_KEPT)
+
+    def admit(self, schedule: Schedule, load: int) -> Schedule:
+        """``schedule`` when drafting can pay at ``load`` requests (``drafting_pays``), else autoregressive decoding
+        (``FixedSchedule(1)``: no drafter, no drafter features)."""
+        if schedule.max_block_size <= 1:
+            return schedule
+        pays = self.drafting_pays(max(1, int(load)), schedule.max_block_size)
+        self.admitted[int(load)] = pays
+        return schedule if pays else FixedSchedule(1)
+
+    def drafting_pays(self, load: int, block_size: int) -> bool:
+        """Whether a step of ``load`` requests in which d of them draft blocks of ``block_size`` (d = 1 or all) yields
+        ``1 + margin`` times the tokens per ms of the plain step, on the batched cost model: each drafting request
+        adds the drafter's rows and its per-request cost and verifies what drafting requests verified so far
+        (``drafted_yield``), or, before any did, a block whose drafts the drafter is ``CONFIDENT`` of."""
+        plain = load / self.costs.step_ms(load, 0, load, 0)
+        if self.drafted_yield is not None:
+            tokens, rows = self.drafted_yield
+        else:
+            a = self.calibration.predict(torch.full((block_size - 1,), CONFIDENT))
+            expected = expected_tokens(a)
+            verify = [self.costs.verify(load + k) for k in range(block_size)]
+            k = max(range(block_size), key=lambda j: float(expected[j]) / verify[j])
+            tokens, rows = float(expected[k]), float(k + 1)
+        best = 0.0
+        for d in sorted({1, load}):
+            ms = self.costs.step_ms(round(load - d + d * rows), d * block_size, load, d)
+            best = max(best, (load - d + d * tokens) / ms)
+        return best > plain * (1.0 + self.margin)
 
     def plan(self, requests: Sequence, sizes: Sequence[int]) -> list[int]:
         """The block size of each request this step: its own, or 1 (no drafter) while it skips or the gate leaves it
@@ -166,8 +161,6 @@ class BudgetPolicy:
         self._plain = sum(1 for b in out if b <= 1)
         self.drafted.append(len(out) - self._plain)
         return out
-
-    __call__ = plan  # the planner hook
 
     def _gate(self, requests: Sequence, sizes: list[int]) -> list[int]:
         """Leave out of drafting the requests whose drafts, by their priors, do not repay the drafter's cost."""
@@ -218,6 +211,10 @@ class BudgetPolicy:
         acceptance = [self.calibration.predict(c) if c is not None and len(c) else torch.zeros(0) for c in confidences]
         drafted = sum(len(a) + 1 for a in acceptance)
         widths, _ = allocate(acceptance, self.costs, self._plain, drafted)
+        for k, a in zip(widths, acceptance):
+            step = (float(expected_tokens(a)[k]), float(k + 1))
+            self.drafted_yield = step if self.drafted_yield is None else tuple(
+                (1 - POPULATION_WEIGHT) * old + POPULATION_WEIGHT * new for old, new in zip(self.drafted_yield, step))
         for r, k, a in zip(requests, widths, acceptance):
             run = _skip_state(r)
             if k > 0:
@@ -247,39 +244,6 @@ def _moving(old: torch.Tensor | None, new: torch.Tensor, weight: float) -> torch
     m = min(len(old), len(new))
     out[:m] = (1 - weight) * old[:m] + weight * new[:m]
     return out
-
-
-def batched_method(method: str, block_size: int, calibration: AcceptanceCalibration | None = None,
-                   costs: BatchCostModel | None = None, max_skip: int = 8):
-    """What ``BatchedDecoder`` / ``decode_all`` need for a batched method: (schedule factory, allocator, planner).
-
-    Args:
-        method: ``ar``, ``fixed``, ``verify_width`` or ``budget``.
-        block_size: B drafted by ``fixed``, ``verify_width`` and ``budget``.
-    Returns:
-        (a function ``() -> schedule`` for each new request, allocator or None, planner or None).
-    Raises:
-        ValueError: for another method, B < 2 for a drafting method, or a missing calibration / cost model.
-    """
-    from pipeline.decoding.schedules import FixedSchedule
-    from pipeline.policy.verify_width import VerifyWidthSchedule
-
-    if method not in METHODS:
-        raise ValueError(f"batched method must be one of {list(METHODS)}, got {method!r}")
-    if method == "ar":
-        return (lambda: FixedSchedule(1)), None, None
-    if int(block_size) < 2:
-        raise ValueError(f"method {method} drafts blocks of B >= 2, got B={block_size}")
-    if method == "fixed":
-        return (lambda: FixedSchedule(block_size)), None, None
-    if calibration is None or costs is None:
-        raise ValueError(f"method {method} needs an acceptance calibration and a BatchCostModel "
-                         "(pipeline.costs.batched.measure_batch_costs_cached)")
-    if method == "verify_width":
-        solo = SoloCosts(costs)
-        return (lambda: VerifyWidthSchedule(calibration, solo, block_size, max_skip=max_skip)), None, None
-    policy = BudgetPolicy(calibration, costs, max_skip=max_skip)
-    return (lambda: FixedSchedule(block_size)), policy.allocate, policy.plan
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -352,6 +316,8 @@ def batched_foresight_bound(labels, costs: BatchCostModel, block_size: int, conc
     Raises:
         ValueError: when no request has replay samples at ``block_size``.
     """
+    from pipeline.policy.verify_width import labelled_steps
+
     b = int(block_size)
     work = [(n, steps) for _, n, steps in labelled_steps(labels, b, ids)]
     if not work:

@@ -58,9 +58,9 @@ class PerPrompt:
 class JointWidths:
     """The factory of a method whose requests' verify widths one batch-level policy chooses together (``budget``).
 
-    Called, it returns a fresh per-request schedule (the B each request drafts); ``policy`` is the planner and
-    allocator the ``pipeline.decoding.batched.BatchedDecoder`` calls every step (a ``BudgetPolicy``). Only a batched
-    decoder runs it (``pipeline.serving.batch_engine.BatchEngine``).
+    Called, it returns a fresh per-request schedule (the B each request drafts); ``policy`` is the
+    ``pipeline.decoding.batched.BatchPolicy`` the ``BatchedDecoder`` consults at every admission and step (a
+    ``BudgetPolicy``). Only a batched decoder runs it (the server, ``pipeline.bench_batch``).
     """
 
     def __init__(self, make: Callable[[], object], policy):
@@ -108,7 +108,7 @@ class Context:
         block_size: the configured fixed B (``decode.block_size`` / ``serve.block_size``; None: the training B).
         block_size_key: that setting's name, for messages.
         target: ``tau`` or ``speed``: which label ``oracle`` / ``best_fixed`` read.
-        where: ``eval`` or ``serve`` (messages).
+        where: ``eval``, ``serve`` or ``bench`` (what it may run, messages).
     """
 
     decoder: object
@@ -134,6 +134,14 @@ class Context:
         except ValueError as err:
             raise ValueError(f"{self.block_size_key}={self.block_size}: {err}") from err
         return b
+
+
+def batch_policy(factory):
+    """The ``BatchPolicy`` a batched decoder runs a method's requests under: a ``JointWidths``' own, else the base
+    policy (each request's schedule decides)."""
+    from pipeline.decoding.batched import BatchPolicy
+
+    return factory.policy if isinstance(factory, JointWidths) else BatchPolicy()
 
 
 def default_block_size(decoder, block_size: int | None = None) -> int:
@@ -358,8 +366,10 @@ def build(name: str, ctx: Context):
     if method is None:
         key = "serve.policy" if ctx.where == "serve" else "eval.methods"
         raise ValueError(f"unknown {key} entry {name!r}; choose from {list(SERVABLE if ctx.where == 'serve' else METHODS)}")
-    if ctx.where == "serve" and method.servable is not None:
-        raise ValueError(f"serve.policy={name} cannot be served: {method.servable}; serve one of {list(SERVABLE)}")
+    if ctx.where in ("serve", "bench") and method.servable is not None:
+        key = "serve.policy" if ctx.where == "serve" else "bench.methods entry"
+        raise ValueError(f"{key}={name} cannot run in the batched decoder: {method.servable}; choose one of "
+                         f"{list(SERVABLE)}")
     if ctx.where == "eval" and method.batched:
         raise ValueError(f"eval.methods entry {name!r} cannot be evaluated here: {BATCHED_ONLY}")
     missing = missing_inputs(method, ctx.inputs)
@@ -420,8 +430,8 @@ def load_verify_width(inputs: PolicyInputs, decoder, options: Mapping, run_dir: 
     Raises:
         FileNotFoundError: without a calibration; ValueError: without a drafter.
     """
-    from pipeline import costs
-    from pipeline.policy.verify_width import find_calibration, load_calibration
+    from pipeline.policy.calibration import find_calibration, load_calibration
+    from pipeline.timing.steps import load_or_measure
 
     vw = options.get("verify_width") or {}
     if decoder is not None and decoder.drafter is None:
@@ -433,7 +443,7 @@ def load_verify_width(inputs: PolicyInputs, decoder, options: Mapping, run_dir: 
              info.get("labels_dir", "?"))
     lat = vw.get("latency") or {}
     if cfg is not None and (lat.get("path") or decoder is not None):  # the one way to obtain the cost model
-        inputs.latency = costs.load_or_measure(decoder, cfg, list(widths) if decoder is not None else [],
+        inputs.latency = load_or_measure(decoder, cfg, list(widths) if decoder is not None else [],
                                                "policy.verify_width.latency")
 
 
@@ -446,7 +456,7 @@ def load_batch_costs(inputs: PolicyInputs, decoder, options: Mapping, model, blo
     Raises:
         ValueError: for a bad ``policy.budget.costs`` block, or as ``measure_batch_costs``.
     """
-    from pipeline.costs.batched import batch_costs_of
+    from pipeline.timing.batched import batch_costs_of
 
     settings = (options.get("budget") or {}).get("costs")
     inputs.batch_costs = batch_costs_of(decoder, settings, model, block_size, max_requests, seed, "policy.budget.costs")

@@ -12,11 +12,12 @@ import time
 
 import torch
 
+from pipeline.decoding.schedules import Schedule
 from pipeline.policy.export import Predictor
 
 
-class PredictorSchedule:
-    """``BlockSizeSchedule`` that picks B once from the target's last-token logits and keeps it.
+class PredictorSchedule(Schedule):
+    """``Schedule`` that picks B once from the target's last-token logits and keeps it.
 
     Args:
         predictor: a loaded ``Predictor`` (featurizer + net + candidates).

@@ -8,8 +8,8 @@ from pipeline.policy.checks import check_policy_options
 
 def check_serve_config(cfg) -> None:
     """Check the composed ``conf/serve.yaml``: the shared groups (``pipeline.decoding.checks.check_common``,
-    ``model.device`` included), then ``serve.policy`` (servable; ``budget`` only with ``serve.max_batch > 1``: the
-    message names ``serve.max_batch=8``, and a valid ``policy.budget.costs``), ``serve.max_batch`` (>= 1) and the
+    ``model.device`` included), then ``serve.policy`` (servable; ``budget`` with a valid ``policy.budget.costs``),
+    ``serve.max_batch`` (>= 1) and the
     policies' options (``pipeline.policy.checks.check_policy_options``).
 
     Raises:
@@ -32,10 +32,6 @@ def check_serve_config(cfg) -> None:
         raise ValueError(f"serve.max_batch={max_batch!r}: the most requests decoding together, an integer >= 1 "
                          "(1: one at a time; e.g. serve.max_batch=8 for continuous batching)")
     if policy in BATCHED:
-        if max_batch < 2:
-            raise ValueError(f"serve.policy={policy} chooses the verify widths of the requests sharing a batched step "
-                             f"jointly, and serve.max_batch={max_batch} runs one request at a time: set serve.max_batch=8 "
-                             "(continuous batching), or serve serve.policy=verify_width at batch 1")
         from pipeline.costs.batched import check_batch_cost_settings
 
         check_batch_cost_settings(((cfg.get("policy") or {}).get("budget") or {}).get("costs"), "policy.budget.costs")

@@ -1,37 +1,45 @@
-"""The serving engine: one decoder, one request at a time (batch 1), a bounded queue in front of it.
+"""The serving engine: continuous batching over one decoder, ``serve.max_batch`` requests per step (1 included).
 
-``Engine.run`` admits a request (``QueueFull`` when ``1 + max_queue`` requests are already in flight),
-runs prefill, the policy's choice of B and the decode in the engine's single worker thread
-(``SpeculativeDecoder.decode``, the same loop as ``pipeline.evaluate``), and returns a ``Completion``.
-Streaming passes ``on_text``, called from the worker with each text delta (``pipeline.serving.text``).
-With a ``Recorder``, the request's label row is computed in the same worker after the response is
-returned, ahead of requests admitted later (``pipeline.serving.recorder``).
+``Engine.run`` admits a request (``QueueFull`` past ``max_batch`` decoding + ``max_queue`` waiting) and waits for its
+``Completion``, decoded by one scheduler thread around a ``pipeline.decoding.batched.BatchedDecoder``: between two
+batched steps it admits waiting requests while fewer than ``max_batch`` decode (each prefilled alone, chunk by chunk,
+then joining at the step boundary), ends requests whose client went away (the slot frees at once: ``finish_reason``
+``abort``), and after each step answers the requests that finished. Each request's text is the one it would get alone
+(batched steps are lossless and, on the smallm backend, bit-identical per request); with ``max_batch=1`` a request
+decodes alone, exactly as ``SpeculativeDecoder.generate`` decodes it. Streaming passes ``Job.on_text``, called from the
+scheduler thread with each text delta (``pipeline.serving.text``).
 
-Policies (``serve.policy``): every method of ``pipeline.policy.registry`` the server can run, built by the same
-code as the eval stage's (``build_policy``): ``fixed`` (``serve.block_size``, default the drafter's training B),
-``ar`` (B=1), ``best_fixed`` (the run's labels), ``blockpilot`` / ``full_vocab`` (a trained predictor picks B once
-from the prefill logits), ``ema`` (per-step adaptive B over ``model.candidates``), ``verify_width`` and ``hybrid``
-(verify the k drafts that pay each step against this machine's measured costs; ``pipeline.policy.verify_width``),
-and, with continuous batching only (``pipeline.serving.batch_engine``), ``budget`` (the widths of all requests sharing
-a batched step chosen jointly; ``pipeline.policy.budget``).
+The request's life in one place (``_Request``): the schedule its policy gives it (or its own fixed ``block_size``), its
+text stream and stop strings, its finish reason, the recorder hand-off, cancellation; and the engine's: ``drain``,
+``close``, the counters ``/health`` reads.
+
+Policies (``serve.policy``): every method of ``pipeline.policy.registry`` the server can run, built by the one method
+table (``pipeline.policy.setup``, as the eval stage and ``pipeline.bench_batch`` build it). A method whose verify
+widths one batch-level policy chooses (``budget``: ``pipeline.policy.budget.BudgetPolicy``) gives the batched decoder
+that policy; every other method runs under the base ``BatchPolicy`` (each request's schedule decides).
+
+With a ``Recorder`` (``serve.record=true``) each finished request's label row is computed on the recorder's own thread
+after its response is answered (``pipeline.serving.recorder``). With a ``CostWatch`` (``pipeline.policy.setup``) every
+batched step's time is held against the cost model the policy reads, which is measured again when it drifted.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import logging
+import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from pipeline.decoding import DecodeConfig, FixedSchedule
-from pipeline.decoding.schedules import FirstChoice
+from pipeline.decoding.batched import BatchedDecoder, BatchPolicy
 from pipeline.decoding.speculative import RequestStats, SpeculativeDecoder
 from pipeline.policy.registry import SERVABLE
 from pipeline.serving.recorder import Recorder, Served
@@ -41,10 +49,11 @@ from pipeline.serving.text import TextStream
 log = logging.getLogger(__name__)
 
 POLICIES = SERVABLE  # every method of pipeline.policy.registry the server can run
+STEPS_KEPT = 10_000  # batched steps whose ``BatchedDecoder.rows`` / ``step_log`` entries the server keeps
 
 
 class QueueFull(RuntimeError):
-    """Every slot (the running request + ``max_queue`` waiting) is taken; the caller answers 503."""
+    """Every slot (``max_batch`` decoding + ``max_queue`` waiting) is taken; the caller answers 503."""
 
 
 class JobCancelled(RuntimeError):
@@ -52,36 +61,40 @@ class JobCancelled(RuntimeError):
 
 
 class Policy:
-    """Builds a fresh block-size schedule per request.
+    """The server's method: a fresh schedule per request and the batched decoder's ``BatchPolicy``.
 
     Args:
-        name: one of ``POLICIES``; make: zero-argument schedule factory; budget: the batch-level policy choosing the
-            verify widths of every batched step jointly (``budget``: a ``pipeline.policy.budget.BudgetPolicy``; only a
-            ``BatchEngine`` runs it), else None.
+        name: one of ``POLICIES``; make: zero-argument schedule factory; batch: the ``BatchPolicy`` of every batched
+            step (None: the base policy, each request's schedule decides).
     """
 
-    def __init__(self, name: str, make: Callable[[], object], budget=None):
-        self.name, self.make, self.budget = name, make, budget
+    def __init__(self, name: str, make: Callable[[], object], batch: BatchPolicy | None = None):
+        self.name, self.make = name, make
+        self.batch = batch if batch is not None else BatchPolicy()
+
+    @classmethod
+    def of(cls, name: str, factory) -> "Policy":
+        """The policy of a registry factory (a ``JointWidths`` brings its batch-level policy)."""
+        from pipeline.policy.registry import JointWidths, batch_policy
+
+        make = factory.make if isinstance(factory, JointWidths) else factory
+        return cls(name, make, batch_policy(factory))
 
 
 def build_policy(name: str, decoder: SpeculativeDecoder, block_size: int | None = None, predictor_dir: str | None = None,
                  candidates=(), options: dict | None = None, inputs=None, run_hint: str = "") -> Policy:
-    """The ``serve.policy`` schedule factory from ``pipeline.policy.registry`` (the same builder as the eval stage),
-    checked against the decoder.
+    """A ``serve.policy`` from the method table (``pipeline.policy.registry``) without a config: the registry's
+    builders over the given inputs (``pipeline.serve`` builds from its config through ``pipeline.policy.setup``).
 
     Args:
-        block_size: the fixed policy's B (None: the drafter's training B); verify_width drafts at it unless
-            ``options["verify_width"]["block_size"]`` says otherwise.
-        predictor_dir: the run's predictors folder (the method's ``options[m]["predictor"]`` sub-folder is read), or a
-            predictor folder itself (blockpilot / full_vocab / hybrid, when ``inputs`` has none loaded).
+        block_size: the fixed policy's B (None: the drafter's training B).
+        predictor_dir: a predictor folder, or a run's predictors folder (blockpilot / full_vocab / hybrid).
         candidates: ``model.candidates`` (ema); options: ``{method: {option: value}}`` (the ``policy`` config group).
-        inputs: ``PolicyInputs`` already loaded (labels + splits for best_fixed; calibration + latency for
-            verify_width / hybrid; calibration + batch_costs for budget, whose ``Policy.budget`` is then set).
-        run_hint: appended to a missing predictor's message (``pipeline.serve`` names run_name and ``make ... RUN=``).
+        inputs: ``PolicyInputs`` already loaded (calibration + latency for verify_width, + batch_costs for budget).
+        run_hint: appended to a missing predictor's message.
     Raises:
-        ValueError: for an unknown or unservable policy, missing inputs, a B the drafter cannot draft, or a predictor
-            that does not fit.
-        FileNotFoundError: for a predictor policy without a trained predictor at ``predictor_dir`` (names ``make train``).
+        ValueError: for an unknown or unservable policy, missing inputs, or a B the drafter cannot draft.
+        FileNotFoundError: for a predictor policy without a trained predictor at ``predictor_dir``.
     """
     from pipeline.policy import registry
 
@@ -97,20 +110,17 @@ def build_policy(name: str, decoder: SpeculativeDecoder, block_size: int | None 
         inputs.predictors[wanted] = registry.load_method_predictor(wanted, directory, decoder, device=str(decoder.device))
     ctx = registry.Context(decoder, options, inputs, [int(c) for c in candidates], block_size, "serve.block_size",
                            str(options.get("target", "tau")), "serve")
-    factory = registry.build(name, ctx)
-    if isinstance(factory, registry.JointWidths):
-        return Policy(name, factory.make, factory.policy)
-    return Policy(name, factory)
+    return Policy.of(name, registry.build(name, ctx))
 
 
 @dataclass
 class Job:
-    """One request for the worker.
+    """One request for the engine.
 
     Attributes:
         request_id: the response id; input_ids: [1, n] prompt ids; config: decode settings;
         stops: stop strings; block_size: a request's own fixed B (None: the policy);
-        on_text: called from the worker thread with each text delta (streaming), or None;
+        on_text: called from the scheduler thread with each text delta (streaming), or None;
         cancelled: set when the client went away (the decode ends after the current step).
     """
 
@@ -136,69 +146,148 @@ class Completion:
     info: DecodeInfo
 
 
-def keep_for_recorder(prefill):
-    """A shallow copy of ``prefill`` with a copy of its prompt cache: the decode consumes the cache, and the recorder
-    replays from the prefill."""
-    kept = copy.copy(prefill)
-    kept.cache = copy.deepcopy(prefill.cache)
-    return kept
+class _Request:
+    """One admitted job's life inside the engine (scheduler thread): its schedule, text stream, prefill steps, batch
+    request, and how it ends."""
 
+    def __init__(self, job: Job, future: asyncio.Future, loop: asyncio.AbstractEventLoop):
+        self.job, self.future, self.loop = job, future, loop
+        self.stream: TextStream | None = None
+        self.schedule = self.batch_request = self.steps = None
+        self.policy = ""
+        self.queue_ms = 0.0
+        self.prefilled = 0  # prompt tokens prefilled so far
+        self.record = False  # the recorder labels it
+        self.kept = None  # its prefill with an unconsumed copy of the prompt cache (for the recorder), or None
 
-def served_of(job: Job, kept, stats, halted: bool) -> Served:
-    """The recorder's input for a finished ``job``: its kept prefill and its decode's ``RequestStats``."""
-    return Served(job.request_id, kept, list(stats.output_ids), job.config, halted, list(stats.taus),
-                  list(stats.block_sizes), stats.decode_ms)
+    def start(self, engine: "Engine") -> None:
+        """Choose its schedule (its own fixed B, else the policy's), open its text stream and its chunked prefill.
+
+        Raises:
+            ValueError: for a block size the drafter cannot draft.
+        """
+        job = self.job
+        self.queue_ms = (time.perf_counter() - job.submitted) * 1e3
+        if job.block_size is not None:
+            engine.decoder.check_block_size(int(job.block_size))
+            self.policy, self.schedule = "request", FixedSchedule(int(job.block_size))
+        else:
+            self.policy, self.schedule = engine.policy.name, engine.policy.make()
+        self.stream = TextStream(engine.tokenizer, job.stops)
+        self.record = engine.wants_record(job)
+        self.steps = engine.decoder.prefill_steps(job.input_ids, job.config,
+                                                  want_features=self.schedule.max_block_size > 1 or self.record)
+
+    def on_tokens(self, ids: list[int]) -> bool:
+        """Stream new tokens' text; True ends the request (a stop string, or its client went away)."""
+        delta = self.stream.push(ids)
+        if delta and self.job.on_text is not None:
+            self.job.on_text(delta)
+        return self.stream.stopped or self.job.cancelled.is_set()
+
+    def keep_prefill(self, prefill) -> None:
+        """Keep a copy of the prefill's prompt cache for the recorder (the decode consumes the cache)."""
+        if self.record:
+            self.kept = copy.copy(prefill)
+            self.kept.cache = copy.deepcopy(prefill.cache)
+
+    def completion(self) -> Completion:
+        """The finished request's answer (its text stream flushed)."""
+        job, stats = self.job, self.batch_request.stats
+        tail = self.stream.finish()
+        if tail and job.on_text is not None:
+            job.on_text(tail)
+        if job.cancelled.is_set() and not self.stream.stopped:
+            reason = "abort"
+        elif self.stream.stopped or stats.stopped:
+            reason = "stop"
+        else:
+            reason = "length"
+        info = DecodeInfo.of(stats, self.policy, stats.first_block_size, self.queue_ms)
+        return Completion(self.stream.text, reason, list(stats.output_ids), stats, info)
+
+    def served(self) -> Served | None:
+        """The recorder's input (its kept prefill and its decode's stats), or None when it is not recorded."""
+        if self.kept is None:
+            return None
+        stats, halted = self.batch_request.stats, self.stream.stopped or self.job.cancelled.is_set()
+        return Served(self.job.request_id, self.kept, list(stats.output_ids), self.job.config, halted, list(stats.taus),
+                      list(stats.block_sizes), stats.decode_ms)
+
+    def settle(self, result: Completion | None = None, err: BaseException | None = None) -> None:
+        """Answer the waiting ``Engine.run`` (from any thread)."""
+        self.loop.call_soon_threadsafe(_settle, self.future, result, err)
 
 
 class Engine:
-    """Runs requests through one ``SpeculativeDecoder``, one at a time.
+    """Decodes requests in batched steps of one ``SpeculativeDecoder`` (see the module doc).
 
     Args:
         decoder: the decoder; policy: the configured ``Policy``; model_name: the id served at ``/v1/models``;
-        max_queue: requests that may wait while one runs (more get ``QueueFull``);
+        max_queue: requests that may wait for a slot while ``max_batch`` decode (more get ``QueueFull``);
         default_max_tokens: ``max_tokens`` of a request that sends none; max_tokens: the largest allowed;
         default_seed: the seed of a request that sends none; recorder: a ``Recorder`` or None;
         default_temperature: the temperature of a request that sends none (``decode.temperature``; OpenAI's is 1);
-        executor: the single-worker executor that decodes and records (None: a new one). ``python -m pipeline.serve``
-            passes the thread that loaded and warmed the model, so that one thread runs torch
-            (``pipeline.serving.threads``).
+        max_batch: the most requests decoding together (1: one at a time);
+        thread: a single-worker executor whose thread runs the scheduler for the engine's life (``python -m
+            pipeline.serve`` passes the thread that loaded and warmed the model: one OpenMP team,
+            ``pipeline.serving.threads``); None: a thread of its own.
+        watch: a ``pipeline.policy.setup.CostWatch`` fed every batched step (None: no run-time cost check).
     Raises:
-        ValueError: for max_queue < 0, or a policy with a batch-level ``budget`` (only a ``BatchEngine`` runs it).
+        ValueError: for max_batch < 1 or max_queue < 0.
     """
-
-    batched = False  # whether requests share decode steps (``BatchEngine``)
 
     def __init__(self, decoder: SpeculativeDecoder, policy: Policy, model_name: str, max_queue: int = 64,
                  default_max_tokens: int = 256, max_tokens: int = 4096, default_seed: int = 0,
-                 recorder: Recorder | None = None, default_temperature: float = 0.0,
-                 executor: ThreadPoolExecutor | None = None):
-        if max_queue < 0:
+                 recorder: Recorder | None = None, default_temperature: float = 0.0, max_batch: int = 1,
+                 thread: ThreadPoolExecutor | None = None, watch=None):
+        if int(max_batch) < 1:
+            raise ValueError(f"serve.max_batch must be >= 1, got {max_batch}")
+        if int(max_queue) < 0:
             raise ValueError(f"serve.max_queue must be >= 0, got {max_queue}")
-        if getattr(policy, "budget", None) is not None and not self.batched:
-            raise ValueError(f"serve.policy={policy.name} chooses the verify widths of batched steps jointly; this engine "
-                             "runs one request at a time: serve it with serve.max_batch=8 (BatchEngine)")
         self.decoder, self.policy, self.model_name = decoder, policy, model_name
         self.tokenizer = decoder.target.tokenizer
-        self.max_queue, self.default_max_tokens, self.max_tokens = int(max_queue), int(default_max_tokens), int(max_tokens)
-        self.default_seed, self.recorder = int(default_seed), recorder
-        self.default_temperature = float(default_temperature)
-        # the one worker thread that decodes (and records); serve passes the thread that loaded the model
-        # (pipeline/serving/threads.py: one OpenMP team in the process)
-        self.executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="decoder")
-        self.in_flight = 0  # admitted and not finished; touched only on the event loop's thread
-        self.served = 0
-        self.failed = 0
+        self.max_batch, self.max_queue = int(max_batch), int(max_queue)
+        self.default_max_tokens, self.max_tokens = int(default_max_tokens), int(max_tokens)
+        self.default_seed, self.default_temperature = int(default_seed), float(default_temperature)
+        self.recorder, self.watch = recorder, watch
+        self.batch = BatchedDecoder(decoder, policy.batch)
+        # the recorder labels finished requests on a thread of its own (a replay per request, after its answer)
+        self._recording = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recorder") if recorder else None
+        self.in_flight = 0  # admitted and not answered; touched only on the event loop's thread
+        self.served = self.failed = 0
         self.aborted = 0  # cancelled before or during the decode (client gone, shutdown)
-        self._jobs: dict[int, Job] = {}  # admitted and not finished, by id(job)
-        self._decoding = 0  # 1 while the worker decodes a job
+        self._jobs: dict[int, Job] = {}  # admitted and not answered, by id(job)
+        self._inbox: queue.Queue[_Request | None] = queue.Queue()
+        self._pending: list[_Request] = []
+        self._prefilling: _Request | None = None  # the request whose prefill is under way (it holds a slot)
+        self._running: dict[int, _Request] = {}  # id(BatchRequest) -> request
+        self._idle = threading.Event()
+        self._idle.set()
         self._closed = False
-
-    @property
-    def running(self) -> int:
-        """Requests decoding now (``/health``; the rest of ``in_flight`` waits)."""
-        return self._decoding
+        self._thread: threading.Thread | None = None
+        self._loop_done: Future | None = None
+        if thread is None:
+            self._thread = threading.Thread(target=self._loop, name="decoder", daemon=True)
+            self._thread.start()
+        else:  # the scheduler occupies the given worker for the engine's life (the thread that loaded the model)
+            self._loop_done = thread.submit(self._loop)
+            self._loop_done.add_done_callback(_log_failure)
+            self._executor = thread
 
     # -- request checks (event loop thread, before queueing) ----------------------------------------
+    @property
+    def running(self) -> int:
+        """Requests decoding now (``/health``; the rest of ``in_flight`` waits for a slot)."""
+        return len(self._running) + (self._prefilling is not None)
+
+    def full(self) -> bool:
+        """Whether a new request would be refused (``max_batch`` decoding and ``max_queue`` waiting)."""
+        return self.in_flight >= self.max_batch + self.max_queue
+
+    def full_message(self) -> str:
+        return f"the queue is full ({self.max_queue} waiting + {self.max_batch} decoding); retry later"
+
     def decode_config(self, n_prompt: int, max_tokens: int | None, temperature: float | None, seed: int | None) -> DecodeConfig:
         """The request's ``DecodeConfig``; ``max_tokens`` defaults to what fits the context.
 
@@ -230,78 +319,7 @@ class Engine:
         except ValueError as err:
             raise RequestError(str(err), param="block_size") from err
 
-    # -- running ------------------------------------------------------------------------------------
-    async def run(self, job: Job) -> Completion:
-        """Admit ``job``, decode it in the worker, then (with a recorder) queue its label row.
-
-        A job whose ``cancelled`` is set while it waits is dropped when its turn comes (``JobCancelled``); one cancelled
-        during its decode ends after the current step with ``finish_reason`` ``abort``.
-
-        Raises:
-            QueueFull: when ``1 + max_queue`` requests are in flight.
-            JobCancelled: when ``job.cancelled`` was set before its decode started.
-            Exception: whatever the decode raised (the server answers 500 and keeps serving).
-        """
-        if self.in_flight >= 1 + self.max_queue:
-            raise QueueFull(f"the queue is full ({self.max_queue} waiting + 1 running); retry later")
-        with self._admitted(job):
-            completion, served = await asyncio.get_running_loop().run_in_executor(self.executor, self._generate, job)
-        self._answered(completion)
-        if served is not None:
-            self.executor.submit(self.recorder.record, served)
-        return completion
-
-    def _generate(self, job: Job) -> tuple[Completion, Served | None]:
-        """Worker thread: prefill, choose B, decode; returns the completion and the recorder's input.
-
-        Raises:
-            JobCancelled: when the job was cancelled while it waited.
-        """
-        if job.cancelled.is_set():
-            raise JobCancelled(f"request {job.request_id} was cancelled before its decode started")
-        self._decoding = 1
-        try:
-            return self._decode_job(job)
-        finally:
-            self._decoding = 0
-
-    def _decode_job(self, job: Job) -> tuple[Completion, Served | None]:
-        """``_generate``'s decode of an admitted job (worker thread)."""
-        queue_ms = (time.perf_counter() - job.submitted) * 1e3
-        decoder = self.decoder
-        if job.block_size is not None:
-            policy, schedule = "request", FixedSchedule(int(job.block_size))
-        else:
-            policy, schedule = self.policy.name, self.policy.make()
-        schedule = FirstChoice(schedule)
-        record = self._wants_record(job)
-        prefill = decoder.prefill(job.input_ids, job.config, want_features=schedule.max_block_size > 1 or record)
-        kept = keep_for_recorder(prefill) if record else None
-        stream = TextStream(self.tokenizer, job.stops)
-
-        def on_tokens(ids: list[int]) -> bool:
-            delta = stream.push(ids)
-            if delta and job.on_text is not None:
-                job.on_text(delta)
-            return stream.stopped or job.cancelled.is_set()
-
-        stats = decoder.decode(prefill, schedule, job.config, on_tokens)
-        tail = stream.finish()
-        if tail and job.on_text is not None:
-            job.on_text(tail)
-        halted = stream.stopped or job.cancelled.is_set()
-        if job.cancelled.is_set() and not stream.stopped:
-            reason = "abort"
-        elif stream.stopped or stats.stopped:
-            reason = "stop"
-        else:
-            reason = "length"
-        info = DecodeInfo.of(stats, policy, schedule.chosen, queue_ms)
-        completion = Completion(stream.text, reason, list(stats.output_ids), stats, info)
-        served = served_of(job, kept, stats, halted) if kept is not None else None
-        return completion, served
-
-    def _wants_record(self, job: Job) -> bool:
+    def wants_record(self, job: Job) -> bool:
         """Whether the recorder labels ``job`` (its temperature is the run's); a request it does not is counted."""
         if self.recorder is None:
             return False
@@ -310,14 +328,29 @@ class Engine:
         self.recorder.skip()
         return False
 
-    @contextlib.contextmanager
-    def _admitted(self, job: Job):
-        """One admitted job's bookkeeping (event loop thread): in flight and cancellable (``cancel_all``) while inside;
-        counted as aborted (``JobCancelled``) or failed (any other exception) when it raises out."""
+    # -- the event loop's side ----------------------------------------------------------------------
+    async def run(self, job: Job) -> Completion:
+        """Admit ``job`` and wait for its completion (decoded by the scheduler thread).
+
+        Raises:
+            QueueFull: when ``max_batch + max_queue`` requests are in flight.
+            JobCancelled: when ``job.cancelled`` was set before its decode started.
+            Exception: whatever its decode raised (the server answers 500 and keeps serving).
+        """
+        if self.full():
+            raise QueueFull(self.full_message())
         self.in_flight += 1
         self._jobs[id(job)] = job
         try:
-            yield
+            loop = asyncio.get_running_loop()
+            future = loop.create_future()
+            self._idle.clear()
+            self._inbox.put(_Request(job, future, loop))
+            try:
+                completion = await asyncio.shield(future)
+            except asyncio.CancelledError:
+                job.cancelled.set()  # the caller went away: the scheduler frees the slot at the next step boundary
+                raise
         except JobCancelled:
             self.aborted += 1
             raise
@@ -327,33 +360,180 @@ class Engine:
         finally:
             self.in_flight -= 1
             self._jobs.pop(id(job), None)
-
-    def _answered(self, completion: Completion) -> None:
-        """Count a finished job (an ``abort`` finish also as aborted)."""
         if completion.finish_reason == "abort":
             self.aborted += 1
         self.served += 1
+        return completion
 
     def cancel_all(self) -> int:
-        """Set ``cancelled`` on every admitted job (shutdown): waiting ones are dropped, the running one ends after its
+        """Set ``cancelled`` on every admitted job (shutdown): waiting ones are dropped, running ones end after the
         current step. Returns how many jobs were cancelled."""
         jobs = list(self._jobs.values())
         for job in jobs:
             job.cancelled.set()
         return len(jobs)
 
+    # -- the scheduler thread -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            if not self._pending and not self._running and self._prefilling is None:
+                self._idle.set()
+                request = self._inbox.get()
+                if request is None:
+                    return
+                self._pending.append(request)
+            while True:
+                try:
+                    request = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if request is None:
+                    self._fail_all(RuntimeError("the server is shutting down"))
+                    return
+                self._pending.append(request)
+            self._drop_cancelled()
+            self._prefill()
+            if not self.batch.active:
+                continue
+            try:
+                finished = self.batch.step()
+            except Exception as err:  # a failed step fails the requests in it; the engine keeps serving
+                log.exception("batched step failed")
+                for req in list(self.batch.active):
+                    self.batch.cancel(req)
+                    self._running.pop(id(req)).settle(err=err)
+                continue
+            if self.watch is not None and self.batch.step_log:
+                self.watch.step(self.batch.step_log[-1][0], self.batch.rows[-1])
+            for req in finished:
+                self._finish(self._running.pop(id(req)))
+            # the decoder logs every step; a server runs for days: keep the recent ones (memory stays bounded)
+            for log_ in (self.batch.rows, self.batch.step_log):
+                if len(log_) > 2 * STEPS_KEPT:
+                    del log_[:-STEPS_KEPT]
+
+    def _drop_cancelled(self) -> None:
+        """End requests whose client went away: waiting ones are answered at once, running ones leave the batch."""
+        for request in [r for r in self._pending if r.job.cancelled.is_set()]:
+            self._pending.remove(request)
+            request.settle(err=JobCancelled(f"request {request.job.request_id} was cancelled before its decode started"))
+        for key, request in list(self._running.items()):
+            if request.job.cancelled.is_set() and not request.batch_request.done:
+                self.batch.cancel(request.batch_request)
+                self._finish(self._running.pop(key))
+
+    def _prefill(self) -> None:
+        """Prefill waiting requests into free slots, chunk by chunk (``SpeculativeDecoder.prefill_steps``): while other
+        requests decode, at most about one chunk (``model.prefill_chunk`` tokens) runs between two batched steps, so a
+        long prompt stalls them one chunk at a time; with none decoding, prefills run back to back. A request joins
+        the batch at the step boundary after its last chunk."""
+        chunk = self.decoder.prefill_chunk or float("inf")
+        spent = 0
+        while True:
+            request = self._prefilling
+            if request is None:
+                if not self._pending or len(self._running) >= self.max_batch:
+                    return
+                request = self._pending.pop(0)
+                try:
+                    request.start(self)
+                except Exception as err:  # a block size the drafter cannot draft: this request only
+                    request.settle(err=err)
+                    continue
+                self._prefilling = request
+            if request.job.cancelled.is_set():
+                self._prefilling = None
+                request.settle(err=JobCancelled(f"request {request.job.request_id} was cancelled during its prefill"))
+                continue
+            try:
+                result = next(request.steps)
+            except Exception as err:  # a bad prompt (too long for max_tokens) or a failed forward: this request only
+                self._prefilling = None
+                request.settle(err=err)
+                continue
+            step = min(request.job.input_ids.numel() - request.prefilled, chunk)
+            request.prefilled += step
+            spent += step
+            if result is not None:
+                self._prefilling = None
+                self._join(request, result)
+            if self.batch.active and spent >= chunk:
+                return
+
+    def _join(self, request: _Request, prefill) -> None:
+        """The request joins the batch at the next step (its first token streamed now); the batch policy admits it at
+        the load of the running, joining and waiting requests."""
+        request.keep_prefill(prefill)
+        load = min(self.max_batch, len(self._running) + 1 + len(self._pending))
+        try:
+            req = self.batch.add(prefill, request.schedule, request.job.config, rid=request.job.request_id,
+                                 on_tokens=request.on_tokens, load=load)
+        except Exception as err:
+            request.settle(err=err)
+            return
+        request.batch_request = req
+        if req.done:
+            self._finish(request)
+        else:
+            self._running[id(req)] = request
+
+    def _finish(self, request: _Request) -> None:
+        """Answer a finished request, then hand it to the recorder."""
+        request.settle(request.completion())
+        if self.watch is not None and self.max_batch == 1:
+            self.watch.request(request.batch_request.stats)
+        served = request.served()
+        if served is not None:  # labelled on the recorder's own thread, after the answer
+            self._recording.submit(self.recorder.record, served)
+            request.kept = None
+
+    def _fail_all(self, err: BaseException) -> None:
+        if self._prefilling is not None:
+            self._pending.insert(0, self._prefilling)
+            self._prefilling = None
+        for request in [*self._pending, *self._running.values()]:
+            request.settle(err=err)
+        self._pending, self._running = [], {}
+
+    # -- lifecycle ----------------------------------------------------------------------------------
     def drain(self, timeout_s: float = 600.0) -> None:
-        """Wait (at most ``timeout_s``) for the worker's queued jobs, recordings included, then flush the recorder."""
-        self.executor.submit(lambda: None).result(timeout=timeout_s)
+        """Wait (at most ``timeout_s``) until every admitted request has been answered (and recorded, then flush the
+        recorder)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._idle.wait(timeout=0.05) or not self._inbox.empty():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"requests still running after {timeout_s} s")
         if self.recorder is not None:
+            self._recording.submit(lambda: None).result(timeout=max(1.0, deadline - time.monotonic()))
             self.recorder.flush()
 
     def close(self) -> None:
-        """Finish queued work, flush the recorder and stop the worker (a second call does nothing)."""
+        """Finish the admitted requests, flush the recorder and stop the scheduler (a second call does nothing)."""
         if self._closed:
             return
         self._closed = True
         try:
             self.drain()
         finally:
-            self.executor.shutdown(wait=True)
+            self._inbox.put(None)
+            if self._thread is not None:
+                self._thread.join(timeout=60)
+            else:
+                futures_wait([self._loop_done], timeout=60)
+                self._executor.shutdown(wait=True)
+            if self._recording is not None:
+                self._recording.shutdown(wait=True)
+
+
+def _log_failure(done: Future) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        log.error("the engine's scheduler stopped", exc_info=done.exception())
+
+
+def _settle(future: asyncio.Future, result, err) -> None:
+    if future.done():
+        return
+    if err is not None:
+        future.set_exception(err)
+    else:
+        future.set_result(result)

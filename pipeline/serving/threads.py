@@ -6,8 +6,8 @@ of its own: a model loaded on the main thread and decoded on a worker thread lea
 the VM's two cores, and libgomp then spins only ~100 iterations (1,000 under ``OMP_WAIT_POLICY=ACTIVE``; no setting
 raises it) after each parallel region before it sleeps on a futex, so each of a decode step's ~200 regions (every
 product, every attention call) pays a wake-up. ``decoder_thread`` is that one thread: ``pipeline.serve.main`` builds,
-warms and measures the engine on it (``start_engine``), and the engine then decodes on it (``Engine(executor=...)``,
-``BatchEngine(thread=...)``). Recording (``serve.record=true``) replays on a second worker: a second team while it runs.
+warms and measures the engine on it (``start_engine``), and the engine then decodes on it (``Engine(thread=...)``).
+Recording (``serve.record=true``) replays on a second worker: a second team while it runs.
 
 Measured on this project's 2-core AMD EPYC VM (``python -m pipeline.bench_serve``, 16 HumanEval chat requests, up to
 256 new tokens, 126 on average, T=0, one run each, a noisy host): the batched server at concurrency 1 served 23.6
