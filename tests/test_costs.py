@@ -77,7 +77,7 @@ def test_the_curve_is_monotone_everywhere():
 
 def test_every_consumer_reads_the_same_curve():
     """The verify-width policy's per-step costs and the label stage's decode costs are the one fitted curve."""
-    from pipeline.policy.verify_width import AcceptanceCalibration
+    from pipeline.policy.calibration import AcceptanceCalibration
 
     model = bumpy_model()
     schedule = VerifyWidthSchedule(AcceptanceCalibration([0.0] * 4, [0.0] * 4), model, 5)

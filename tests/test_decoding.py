@@ -289,7 +289,9 @@ def test_block_size_errors(trained_decoder, tiny):
 
 
 def test_a_schedule_going_past_the_limit_is_caught_at_that_step(trained_decoder):
-    class Growing:
+    from pipeline.decoding import Schedule
+
+    class Growing(Schedule):
         max_block_size = 4  # claims 4, then asks for more
 
         def first(self, last_logits):

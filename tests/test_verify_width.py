@@ -18,9 +18,10 @@ from pipeline.labeling.replay import replay, target_trace
 from pipeline.labeling.store import LabelStore, read_labels
 from pipeline import PROJECT_ROOT
 from pipeline.costs import CostModel
-from pipeline.policy.verify_width import (AcceptanceCalibration, VerifyWidthSchedule, best_width, calibration_samples,
-                                          expected_tokens, export_calibration, find_calibration, fit_from_labels,
-                                          foresight_bound, load_calibration, reliability, step_acceptances)
+from pipeline.policy.calibration import (AcceptanceCalibration, calibration_samples, export_calibration, find_calibration,
+                                         fit_from_labels, load_calibration, reliability)
+from pipeline.policy.verify_width import VerifyWidthSchedule, foresight_bound, step_acceptances
+from pipeline.policy.widths import best_width, expected_tokens
 from pipeline.prompts import chat_input_ids
 
 PROMPTS = ["def add(a, b):", "Natalia sold clips to 48 of her friends", "Write a function that returns the sum",

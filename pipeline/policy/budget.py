@@ -40,7 +40,7 @@ from pipeline.costs.batched import BatchCostModel
 from pipeline.decoding.batched import BatchPolicy
 from pipeline.decoding.schedules import FixedSchedule, Schedule
 from pipeline.policy.calibration import AcceptanceCalibration
-from pipeline.policy.widths import allocate, brute_force_allocate, expected_tokens  # noqa: F401  (the API)
+from pipeline.policy.widths import allocate, expected_tokens
 
 WIDTHS_KEPT = 100_000  # BudgetPolicy.widths: the most recent choices kept
 POPULATION_WEIGHT = 0.1  # BudgetPolicy.population: the weight of each drafting request-step's acceptances

@@ -212,7 +212,7 @@ def export_verify_width_calibration(ccfg: DictConfig, dd, info: dict) -> Path | 
     feature dataset's train split, tabulates reliability on its test split, writes ``ccfg.out/calibration.json``
     (``pipeline.policy.verify_width``). Labels without samples are skipped with a warning (returns None).
     """
-    from pipeline.policy.verify_width import export_calibration, fit_from_labels
+    from pipeline.policy.calibration import export_calibration, fit_from_labels
 
     try:
         labels, _ = read_label_table(ccfg.labels_dir)

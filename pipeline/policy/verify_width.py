@@ -30,10 +30,8 @@ import torch
 
 from pipeline.costs import CostModel
 from pipeline.decoding.schedules import Schedule
-from pipeline.policy.calibration import (CALIBRATION_NAME, AcceptanceCalibration,  # noqa: F401  (the API)
-                                         calibration_samples, export_calibration, find_calibration, fit_from_labels,
-                                         load_calibration, reliability)
-from pipeline.policy.widths import best_width, expected_tokens  # noqa: F401  (the API)
+from pipeline.policy.calibration import AcceptanceCalibration
+from pipeline.policy.widths import best_width
 
 class VerifyWidthSchedule(Schedule):
     """Drafts at block size B, verifies the k drafts that maximise expected tokens per ms (see module docstring).
