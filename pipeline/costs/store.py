@@ -80,6 +80,8 @@ def cached(cache_dir: str | Path, prefix: str, key: Mapping, field: str, measure
             log.warning("costs: refusing the measurement stored in %s: %s; measuring again", path, reason)
         else:
             log.warning("costs: %s holds no measurement for this machine and forward path; measuring afresh", path)
+    else:
+        log.info("costs: measuring this machine's %s once (kept in %s for later runs)", prefix, path)
     data = measure()
     put(cache_dir, prefix, key, field, data)
     log.info("costs: measurement stored for later runs in %s", path)

@@ -147,9 +147,12 @@ def measure_batch_costs(decoder, block_size: int = 8, context: int = 128, max_re
             out |= {keys[i] for i, _ in suspect_points(table)}
         return out
 
+    from tqdm.auto import tqdm
+
     sync = lambda: synchronize(decoder.device)  # noqa: E731
-    timings = time_points(points, rounds=repeats, sync=sync)
-    check = retime(points, timings, suspects, rounds=repeats, sync=sync)
+    with tqdm(total=len(points) * repeats, desc="batched step costs of this machine", unit="timing") as bar:
+        timings = time_points(points, rounds=repeats, sync=sync, progress=bar.update)
+        check = retime(points, timings, suspects, rounds=repeats, sync=sync, progress=bar.update)
     ms = {k: t.ms for k, t in timings.items()}
     per_request = max(0.0, (ms[("verify_ones", q)] - ms[("verify_one", q)]) / (q - 1)) if q > 1 else 0.0
     verify_ms = monotone([max(1e-3, ms[("verify", r)] - per_request * (len(bench.split_rows(r)) - 1)) for r in rows])
