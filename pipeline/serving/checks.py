@@ -9,8 +9,7 @@ from pipeline.policy.checks import check_policy_options
 def check_serve_config(cfg) -> None:
     """Check the composed ``conf/serve.yaml``: the shared groups (``pipeline.decoding.checks.check_common``,
     ``model.device`` included), then ``serve.policy`` (servable; ``budget`` with a valid ``policy.budget.costs``),
-    ``serve.max_batch`` (>= 1) and the
-    policies' options (``pipeline.policy.checks.check_policy_options``).
+    ``serve.max_batch`` (>= 1) and the policies' options (``pipeline.policy.checks.check_policy_options``).
 
     Raises:
         ValueError: for the first bad value, naming the key and the fix.
