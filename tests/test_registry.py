@@ -67,12 +67,19 @@ def test_every_method_builds_the_same_schedule_through_eval_and_serve(run, tiny)
     decoder = tiny.decoder("llama", "trained")
     cfg = eval_config(run)
     eval_factories = method_schedules(cfg, decoder, load_eval_inputs(cfg, ALL_METHODS, decoder))
-    # every method the eval stage runs, with every input loaded; budget is the one batched-only method
-    assert sorted(eval_factories) == sorted(registry.EVALUABLE) == sorted(ALL_METHODS)
-    assert registry.BATCHED == ("budget",) and sorted(METHODS) == sorted(ALL_METHODS + ["budget"])
+    # every method the eval stage runs, with every input loaded; budget is the one batched-only method; the vLLM peers
+    # run vLLM's server (tests/test_vllm.py)
+    peers = sorted(m for m, d in METHODS.items() if registry.VLLM in d.needs)
+    assert peers == ["vllm_ar", "vllm_dflash", "vllm_verify_width"]
+    assert sorted(eval_factories) == sorted(set(registry.EVALUABLE) - set(peers)) == sorted(ALL_METHODS)
+    assert registry.BATCHED == ("budget",) and sorted(METHODS) == sorted(ALL_METHODS + ["budget"] + peers)
     vocab = decoder.lm_head.shape[0]
     served = []
     for name, method in METHODS.items():
+        if name in peers:
+            with pytest.raises(ValueError, match=f"serve.policy={name} cannot be served: vLLM serves itself"):
+                build_engine(serve_config(run, name), decoder)
+            continue
         if method.batched:  # served with continuous batching only; its texts are tested in test_serve.py
             engine = build_engine(serve_config(run, name, *BUDGET), decoder)
             try:
@@ -87,7 +94,7 @@ def test_every_method_builds_the_same_schedule_through_eval_and_serve(run, tiny)
             continue
         made = eval_factories[name]
         if method.servable is not None:
-            with pytest.raises(ValueError, match=f"serve.policy={name} cannot be served"):
+            with pytest.raises(ValueError, match=f"serve.policy={name} cannot"):
                 build_engine(serve_config(run, name), decoder)
             continue
         engine = build_engine(serve_config(run, name), decoder)

@@ -58,6 +58,9 @@ class ExternalDecode:
         """Decode one request ([1, n] prompt ids) under ``config`` (``DecodeConfig``); its ``RequestStats``."""
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Release what it started (a server process); the eval stage calls it after its last request."""
+
 
 class FixedSchedule(Schedule):
     """One block size for the whole request."""

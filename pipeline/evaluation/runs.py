@@ -204,6 +204,9 @@ def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, input
             row_log.append({"id": prompt.id, "skipped": str(err)})
             continue
         row_log.append({"id": prompt.id, "rows": prompt_rows})
+    for m in methods:  # peers that run a server of their own (vLLM) stop it
+        if not isinstance(available[m], PerPrompt) and isinstance(made := available[m](), ExternalDecode):
+            made.close()
     return collect_results(cfg, methods, prompts, row_log, runner, inputs, decoder, split)
 
 

@@ -1,4 +1,4 @@
-"""The baselines a user would reach for: transformers' own ``model.generate`` on the same target.
+"""The baselines a user would reach for: transformers' own ``model.generate`` on the same target, and vLLM.
 
 ``TransformersGenerate`` is an ``ExternalDecode`` of the eval stage (methods ``hf_generate`` and
 ``hf_prompt_lookup`` of ``pipeline.policy.registry``): it decodes the request itself (``run_request``): greedy at
@@ -74,3 +74,89 @@ class TransformersGenerate(ExternalDecode):
         first = clock.times[1] if len(clock.times) > 1 else t1  # put 0 is the prompt, put 1 the prefill's tokens
         return RequestStats(prompt_tokens=input_ids.shape[1], output_ids=new, taus=clock.sizes[2:],
                             block_sizes=[], prefill_ms=(first - t0) * 1e3, decode_ms=(t1 - first) * 1e3, stopped=stopped)
+
+
+class VllmGenerate(ExternalDecode):
+    """vLLM's OpenAI server as an eval method (``vllm_ar``, ``vllm_dflash``, ``vllm_verify_width`` of
+    ``pipeline.policy.registry``): each request goes to ``/v1/completions`` as the same prompt token ids, at the same
+    ``max_tokens``, temperature, seed and stop tokens as our decoder's, streamed so that ``prefill_ms`` is the time to
+    the first token and ``decode_ms`` the rest (as the eval stage times its own decodes, plus one loopback HTTP
+    round trip). Its ``taus`` are vLLM's per-step accepted drafts + 1 (``--per-request-spec-decode-metrics
+    detailed``), one token per step without speculation.
+
+    The server (``pipeline.integrations.vllm.server.VllmServer``, from ``.venv-vllm``: ``make vllm``) starts on the
+    first request, on a free loopback port, and stops on ``close`` (or when this process exits).
+
+    Args:
+        options: ``VllmServer`` fields (``method``, ``num_speculative_tokens``, ``policy``, ...).
+    """
+
+    def __init__(self, options: dict):
+        self.options = dict(options)
+        self.server = None
+
+    def _started(self):
+        if self.server is None:
+            import atexit
+            import socket
+
+            from pipeline.integrations.vllm.server import VllmServer
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            self.server = VllmServer(port=port, max_num_seqs=1, **self.options).start()
+            atexit.register(self.close)
+        return self.server
+
+    def close(self) -> None:
+        """Stop the server (a no-op when it did not start)."""
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def run_request(self, decoder, input_ids: torch.Tensor, config) -> RequestStats:
+        """Decode one request ([1, n] or [n] prompt ids) on vLLM under ``config`` (``DecodeConfig``).
+
+        Raises:
+            ValueError / PromptTooLongError: for a prompt the decoder would refuse (``check_prompt``).
+            RuntimeError: when vLLM's server does not start (its log's last lines), or answers an error.
+        """
+        import json
+        import time
+        import urllib.request
+
+        ids = input_ids.reshape(1, -1)
+        decoder.check_prompt(ids, config.max_new_tokens)
+        server = self._started()
+        body = {"model": server.model, "prompt": ids[0].tolist(), "max_tokens": int(config.max_new_tokens),
+                "temperature": float(config.temperature), "seed": int(config.seed), "stream": True,
+                "stop_token_ids": sorted(decoder.stop_ids), "return_token_ids": True, "ignore_eos": False,
+                "skip_special_tokens": False}
+        request = urllib.request.Request(f"{server.openai_url}/completions", data=json.dumps(body).encode(),
+                                         headers={"content-type": "application/json"})
+        tokens, first, metrics = [], None, None
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=3600) as response:
+            for line in response:
+                line = line.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    raise RuntimeError(f"vLLM answered an error: {chunk['error']}")
+                for choice in chunk.get("choices") or []:
+                    if choice.get("token_ids"):
+                        if first is None:
+                            first = time.perf_counter()
+                        tokens.extend(int(t) for t in choice["token_ids"])
+                metrics = (chunk.get("metrics") or {}).get("speculative_decoding") or metrics
+        t1 = time.perf_counter()
+        first = first or t1
+        accepted = (metrics or {}).get("per_step_accepted")
+        taus = [int(a) + 1 for a in accepted] if accepted else [1] * max(0, len(tokens) - 1)
+        drafted = (metrics or {}).get("per_step_drafted") or []
+        return RequestStats(prompt_tokens=ids.shape[1], output_ids=tokens, taus=taus,
+                            block_sizes=[int(d) + 1 for d in drafted], verify_widths=[int(d) for d in drafted],
+                            prefill_ms=(first - t0) * 1e3, decode_ms=(t1 - first) * 1e3,
+                            stopped=bool(tokens) and tokens[-1] in decoder.stop_ids)

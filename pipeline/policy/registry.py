@@ -19,7 +19,11 @@ Methods (``METHODS``):
     eval stage decodes one request at a time; ``pipeline.bench_batch`` benchmarks it);
   * ``hf_generate`` / ``hf_prompt_lookup``: transformers' own ``generate`` on the same target (greedy at T=0, sampled
     above), plain or with prompt-lookup decoding (``pipeline.policy.baselines``; eval only: the server streams from the
-    speculative decoder).
+    speculative decoder);
+  * ``vllm_ar`` / ``vllm_dflash`` / ``vllm_verify_width``: vLLM's OpenAI server on the same target and drafter (no
+    speculation; its own DFlash verifying K = B - 1 drafts every step; DFlash with our plugin's verify widths,
+    ``pipeline.integrations.vllm``), each request sent as the same prompt ids (``pipeline.policy.baselines``; eval only,
+    needs ``make vllm``; options ``policy.vllm_*``).
 
 A factory is a zero-argument callable returning a fresh schedule, a ``PerPrompt`` (it needs the request), or a
 ``JointWidths`` (a schedule per request plus the batch-level policy that chooses their widths together).
@@ -38,6 +42,7 @@ log = logging.getLogger(__name__)
 
 LABELS, SPLITS, PREDICTOR, CALIBRATION, COSTS, REQUEST = "labels", "splits", "predictor", "calibration", "costs", "request"
 BATCH_COSTS = "batch_costs"
+VLLM = "vllm"  # vLLM's environment (.venv-vllm, make vllm)
 BATCHED_ONLY = ("it chooses the verify widths of every batched step jointly, and the eval stage decodes one request at a "
                 "time: benchmark it with python -m pipeline.bench_batch 'bench.methods=[ar,verify_width,budget]', serve it "
                 "with serve.policy=budget serve.max_batch=8")
@@ -282,6 +287,20 @@ def _budget(ctx: Context):
     return JointWidths(lambda: FixedSchedule(b), policy)
 
 
+def _vllm(method: str, policy: str = "off"):
+    def build(ctx: Context):
+        from pipeline.policy.baselines import VllmGenerate
+
+        name = {"ar": "vllm_ar", "off": "vllm_dflash"}.get(method if method == "ar" else policy, f"vllm_{policy}")
+        options = {k: v for k, v in (ctx.options.get(name) or {}).items() if v is not None}
+        if method == "dflash":  # vLLM's K: B - 1 of the fixed B unless policy.<method>.num_speculative_tokens says
+            options.setdefault("num_speculative_tokens", ctx.fixed_block_size - 1)
+        peer = VllmGenerate({"method": method, "policy": policy, **options})
+        return lambda: peer
+
+    return build
+
+
 def _hf(prompt_lookup: bool):
     def build(ctx: Context):
         from pipeline.policy.baselines import TransformersGenerate
@@ -326,6 +345,7 @@ class Method:
 
 
 _EVAL_ONLY_HF = "transformers' generate runs outside the server's speculative decoder; compare it in the eval stage"
+_EVAL_ONLY_VLLM = "vLLM serves itself: make serve-vllm (docs/vllm.md); compare it in the eval stage"
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("ar", frozenset(), _ar, gain_share=False),
     Method("fixed", frozenset(), _fixed),
@@ -341,17 +361,28 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("budget", frozenset({CALIBRATION, BATCH_COSTS}), _budget, gain_share=False, batched=True),
     Method("hf_generate", frozenset(), _hf(False), gain_share=False, servable=_EVAL_ONLY_HF),
     Method("hf_prompt_lookup", frozenset(), _hf(True), gain_share=False, servable=_EVAL_ONLY_HF),
+    Method("vllm_ar", frozenset({VLLM}), _vllm("ar"), gain_share=False, servable=_EVAL_ONLY_VLLM),
+    Method("vllm_dflash", frozenset({VLLM}), _vllm("dflash"), gain_share=False, servable=_EVAL_ONLY_VLLM),
+    Method("vllm_verify_width", frozenset({VLLM}), _vllm("dflash", "verify_width"), gain_share=False,
+           servable=_EVAL_ONLY_VLLM),
 )}
 SERVABLE = tuple(name for name, m in METHODS.items() if m.servable is None)
 EVALUABLE = tuple(name for name, m in METHODS.items() if not m.batched)  # what the eval stage can run
 BATCHED = tuple(name for name, m in METHODS.items() if m.batched)  # served only with serve.max_batch > 1
 
 
+def _vllm_installed() -> bool:
+    from pipeline.integrations.vllm.server import VENV
+
+    return (VENV / "bin" / "python").exists()
+
+
 def missing_inputs(method: Method, inputs: PolicyInputs) -> list[str]:
     """The inputs ``method`` needs that ``inputs`` lacks (names from ``Method.needs``)."""
     have = {LABELS: inputs.labels is not None, SPLITS: inputs.splits is not None and inputs.labels is not None,
             PREDICTOR: method.predictor in inputs.predictors, CALIBRATION: inputs.calibration is not None,
-            COSTS: inputs.latency is not None, BATCH_COSTS: inputs.batch_costs is not None, REQUEST: True}
+            COSTS: inputs.latency is not None, BATCH_COSTS: inputs.batch_costs is not None, REQUEST: True,
+            VLLM: _vllm_installed()}
     return sorted(n for n in method.needs if not have[n])
 
 
