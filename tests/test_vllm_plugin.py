@@ -167,10 +167,17 @@ def test_the_gate_skips_the_drafter_where_it_does_not_pay_and_probes(calibration
     policy = StepPolicy("budget", calibration, dear, K, max_skip=4)
     assert policy.plan(ids, [True] * 16) == K  # the first step learns the population's acceptance
     policy.widths(ids, [True] * 16, _confidence(*[[0.5, 0.3]] * 16))
-    plans = [policy.plan(ids, [True] * 16) for _ in range(12)]
+    plans = [policy.plan(ids, [True] * 16) for _ in range(10)]
     # a step's drafts cannot repay a 40 ms drafter at 20 ms per verified row: no drafter, except the probes that
     # refresh the priors after 1, 2, 4, 4 ... skipped steps
-    assert plans == [0, K, 0, 0, K, 0, 0, 0, 0, K, 0, 0] and policy.decisions["probes"] == 3
+    assert plans == [0, K, 0, 0, K, 0, 0, 0, 0, K] and policy.decisions["probes"] == 3
+    # a probe whose drafts, as verified, pay (here: certain drafts on a cheaper step) starts the runs again from 1
+    policy.costs = _costs(per_token=0.1, draft=1.0, requests=(16,))
+    policy.widths(ids, [True] * 16, _confidence(*[[0.999] * K] * 16))
+    policy.costs = dear
+    policy.priors.clear()
+    policy.population = torch.full((K,), 0.05, dtype=torch.float64)
+    assert [policy.plan(ids, [True] * 16) for _ in range(4)] == [0, K, 0, 0]
     assert StepPolicy("budget", calibration, dear, K, max_skip=0).plan(ids, [False] * 16) == 0
 
 

@@ -38,6 +38,7 @@ from pipeline.costs import interp, monotone
 
 TABLES = ("verify", "draft", "idle", "overhead")
 KEEP = 32  # samples kept per bucket
+NEAR = 0.2  # a bucket within this fraction of another supports the curve there (``StepCosts.known``)
 CACHE_PREFIX = "step-costs"
 
 
@@ -96,14 +97,19 @@ class StepCosts:
         return (self.at("verify", tokens) + self.at("overhead", requests)
                 + self.at("draft" if drafted else "idle", requests))
 
+    def known(self, table: str, bucket: float, enough: int, tolerance: float = NEAR) -> bool:
+        """Whether ``table`` holds a bucket with at least ``enough`` samples within ``tolerance`` (relative) of
+        ``bucket``: the curve is read there from measured steps, not extrapolated."""
+        return any(len(s) >= enough and abs(b - bucket) <= tolerance * bucket for b, s in self.tables[table].items())
+
     def missing(self, requests: int, widths: Iterable[int], enough: int) -> dict[str, list[int]]:
-        """The buckets a step of ``requests`` requests would read with fewer than ``enough`` samples:
-        ``{"verify": [k ...], "draft": [...], "idle": [...]}`` (verify lists the uniform widths k whose bucket
-        requests * (1 + k) is short; the others list ``requests`` when short)."""
+        """What a step of ``requests`` requests would read without measured support (``known``):
+        ``{"verify": [k ...], "draft": [...], "idle": [...]}`` (verify lists the uniform widths k whose step of
+        requests * (1 + k) tokens has none; the others list ``requests`` when it has none)."""
         n = int(requests)
-        return {"verify": [k for k in widths if self.count("verify", n * (1 + k)) < enough],
-                "draft": [n] if self.count("draft", n) < enough else [],
-                "idle": [n] if self.count("idle", n) < enough else []}
+        return {"verify": [k for k in widths if not self.known("verify", n * (1 + k), enough)],
+                "draft": [] if self.known("draft", n, enough) else [n],
+                "idle": [] if self.known("idle", n, enough) else [n]}
 
     # ------------------------------------------------------------------------------------------------
     # the cache

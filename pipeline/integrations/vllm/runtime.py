@@ -48,7 +48,7 @@ log = logging.getLogger("vllm.blockpilot")
 
 GAP_LIMIT_S = 0.25  # a longer pause between two steps is an idle engine, not the engine's per-step overhead
 SAVE_EVERY = 256  # step-cost samples between two saves of the cache
-SUMMARY_EVERY = 2000  # steps between two log lines of the policy's choices
+SUMMARY_EVERY_S = 10.0  # seconds between two log lines of the policy's choices (while it serves)
 _installed = False
 
 
@@ -193,6 +193,7 @@ class Controller:
         self._t0 = self._last_end = None
         self._last_n = 0
         self._timing: dict | None = None
+        self._summary_t, self._summary = time.monotonic(), {}
         atexit.register(self.save)
         log.info("BlockPilot: policy %s, K=%d, calibration %s, step costs %s (%d samples), labels %s",
                  settings.policy, self.num_spec, settings.calibration or f"{drafter_dir}/calibration.json",
@@ -267,9 +268,16 @@ class Controller:
         else:
             widths = self.policy.widths(req_ids, flags, confidence)
         self._widths = dict(zip(req_ids, widths))
+        self.policy.decisions["verified"] += sum(widths)
+        self.policy.decisions["drafts"] += k * len(req_ids)
         self._pending = {r: confidence[i].tolist() for i, r in enumerate(req_ids)} if confidence is not None else {}
-        if self._step % SUMMARY_EVERY == 0:
-            log.info("BlockPilot: %s", self.policy.decisions)
+        now = time.monotonic()
+        if now - self._summary_t >= SUMMARY_EVERY_S:
+            counts = {k: v - self._summary.get(k, 0) for k, v in self.policy.decisions.items()}
+            log.info("BlockPilot: last %.0f s: %d steps, %d drafted (%d probes, %d exploring), %d of %d drafts verified",
+                     now - self._summary_t, counts["steps"], counts["drafted"], counts["probes"], counts["explored"],
+                     counts["verified"], counts["drafts"])
+            self._summary_t, self._summary = now, dict(self.policy.decisions)
         return drafts
 
     def cut(self, req_ids: list[str], drafts: list[list[int]]) -> list[list[int]]:

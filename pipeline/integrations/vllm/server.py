@@ -91,6 +91,9 @@ class VllmServer:
         calibration, labels, cache_dir, margin, max_skip, explore: the plugin's settings
             (``pipeline.integrations.vllm.settings``; None: their defaults).
         kv_cache_gib: the KV cache vLLM allocates (GiB); preload_iomp: preload Intel OpenMP (CPU).
+        prefix_caching: vLLM's prefix caching. In vLLM 0.32 a dflash server never hits its prefix cache (observed:
+            0% hits on repeated prompts, where ar hits about half), so method comparisons on repeated prompts turn
+            it off for every method (False) or send each prompt once.
         per_request_metrics: ``--per-request-spec-decode-metrics`` of dflash (``detailed``: each response's
             per-step drafted/accepted counts; ``none`` to leave them out).
         seed: vLLM's seed; extra_args: more ``vllm serve`` arguments; env: more environment variables.
@@ -120,6 +123,7 @@ class VllmServer:
     explore: int | None = None
     kv_cache_gib: float = 1.0
     preload_iomp: bool = True
+    prefix_caching: bool = True
     per_request_metrics: str = "detailed"
     seed: int = 0
     extra_args: list[str] = field(default_factory=list)
@@ -178,6 +182,8 @@ class VllmServer:
                "--generation-config", "vllm"]  # requests' defaults are vLLM's, not the checkpoint's
         if self.enforce_eager:
             cmd.append("--enforce-eager")
+        if not self.prefix_caching:
+            cmd.append("--no-enable-prefix-caching")
         if self.method == "dflash":
             drafter = Path(self.drafter) if self.drafter else SHIPPED_DRAFTER
             drafter = drafter if drafter.is_absolute() else PROJECT_ROOT / drafter

@@ -13,7 +13,7 @@ Environment (``BLOCKPILOT_VLLM_*``; the launcher ``pipeline.integrations.vllm.se
 ``BLOCKPILOT_VLLM_MARGIN``          the drafter runs only where the modelled step beats the plain one by this
                                     fraction (default ``pipeline.policy.budget.GATE_MARGIN``, 0.1)
 ``BLOCKPILOT_VLLM_MAX_SKIP``        the longest run of steps without the drafter before it drafts again to
-                                    refresh its priors (default 16)
+                                    refresh its priors (default 32)
 ``BLOCKPILOT_VLLM_EXPLORE``         samples each step-cost bucket needs before the policy trusts it (default 3)
 ==================================  ==========================================================================
 
@@ -32,7 +32,7 @@ POLICIES = ("off", "fixed", "verify_width", "budget")
 SPECULATE_KEY = "blockpilot_speculate"
 ENV_PREFIX = "BLOCKPILOT_VLLM_"
 DEFAULT_MARGIN = 0.1  # = pipeline.policy.budget.GATE_MARGIN (kept here: this module imports no torch)
-DEFAULT_MAX_SKIP = 16
+DEFAULT_MAX_SKIP = 32
 DEFAULT_EXPLORE = 3
 
 
