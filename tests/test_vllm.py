@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import require
+from conftest import composed, require
 from pipeline import PROJECT_ROOT
 from pipeline.decoding import DecodeConfig
 from pipeline.decoding.build import build_decoder
@@ -48,11 +48,12 @@ def _chat(server: VllmServer, text: str, **extra) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(compose_config):
+def reference():
     """Four HumanEval prompts and our own decodes of them: ``ar`` token ids and the B=8 steps' taus."""
     require((VENV / "bin" / "python").exists(), f"no vLLM environment at {VENV}: make vllm")
     require((SHIPPED / "config.json").exists(), "no shipped drafter")
-    decoder = build_decoder(compose_config("evaluate").model)
+    with composed("evaluate") as cfg:  # the eval stage's model: the embedded target, the shipped drafter
+        decoder = build_decoder(cfg.model)
     out = []
     for prompt in load_prompt_set("humaneval", limit=4):
         ids = chat_input_ids(decoder.target.tokenizer, prompt.turns)

@@ -27,6 +27,14 @@ class BlockPilotDFlashQwen3ForCausalLM(DFlashQwen3ForCausalLM):
     ``compute_logits`` call (None before one, or while the plugin does not need it)."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
+        """vLLM's constructor, then the plugin's hooks (``runtime.install``).
+
+        Raises:
+            RuntimeError: under vLLM's V2 model runner (the hooks are on V1: unset ``VLLM_USE_V2_MODEL_RUNNER``).
+        """
+        if vllm_config.use_v2_model_runner:
+            raise RuntimeError("BlockPilot's vLLM plugin hooks vLLM's V1 model runner, and this engine runs V2: set "
+                               "VLLM_USE_V2_MODEL_RUNNER=0, or BLOCKPILOT_VLLM_POLICY=off to serve without the plugin")
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.confidence: torch.Tensor | None = None
         self.record_confidence = True

@@ -26,7 +26,7 @@ of the block's query rows, whose keys/values the next step's context overwrites 
 discards (llm_base_proposer.py:606-614). A step without drafts then costs the target's step and that projection.
 
 One ``Controller`` per runner holds the policy, the learned costs (saved to ``<cache>/step-costs-<key>.json`` every
-``SAVE_EVERY`` samples and at exit) and the label log.
+``SAVE_EVERY`` samples or ``SAVE_AFTER_S`` seconds, and at a clean exit) and the label log.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ from pipeline.integrations.vllm.settings import Settings, check_vllm_version, de
 log = logging.getLogger("vllm.blockpilot")
 
 GAP_LIMIT_S = 0.25  # a longer pause between two steps is an idle engine, not the engine's per-step overhead
-SAVE_EVERY = 256  # step-cost samples between two saves of the cache
+SAVE_EVERY = 256  # step-cost samples between two saves of the cache ...
+SAVE_AFTER_S = 5.0  # ... or seconds (vLLM stops its workers by signal: what is not saved by then is lost)
 SUMMARY_EVERY_S = 10.0  # seconds between two log lines of the policy's choices (while it serves)
 _installed = False
 
@@ -194,6 +195,7 @@ class Controller:
         self._last_n = 0
         self._timing: dict | None = None
         self._summary_t, self._summary = time.monotonic(), {}
+        self._saved_t = time.perf_counter()
         atexit.register(self.save)
         log.info("BlockPilot: policy %s, K=%d, calibration %s, step costs %s (%d samples), labels %s",
                  settings.policy, self.num_spec, settings.calibration or f"{drafter_dir}/calibration.json",
@@ -236,7 +238,7 @@ class Controller:
                 step_ms = (now - self._t0) * 1e3
                 self.costs.add("verify", timing["tokens"], max(0.0, step_ms - timing["draft_ms"]))
                 self.costs.add("draft" if timing["drafted"] else "idle", timing["requests"], timing["draft_ms"])
-                if self.costs.added >= SAVE_EVERY:
+                if self.costs.added >= SAVE_EVERY or (self.costs.added and now - self._saved_t >= SAVE_AFTER_S):
                     self.save()
 
     def propose(self, run, scheduler_output, sampled_token_ids, spec_decode_metadata):
@@ -303,6 +305,7 @@ class Controller:
 
     def save(self) -> None:
         """Write the learned step costs to the cache (errors are logged: the server keeps running)."""
+        self._saved_t = time.perf_counter()
         try:
             self.costs.save(self.cache_file)
         except OSError as err:
