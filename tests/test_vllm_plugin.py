@@ -35,8 +35,9 @@ def _imports_of(module: str) -> set[str]:
 def test_the_plugin_module_loads_no_model_code():
     """vLLM imports the entry point in every process (its API server too): no torch, transformers or vLLM at import."""
     assert not {"torch", "transformers", "vllm"} & _imports_of("pipeline.integrations.vllm.plugin")
-    # what the worker-side policy imports: torch and our light policy core, no transformers or model code
-    loaded = _imports_of("pipeline.integrations.vllm.policy")
+    # what the worker-side hooks import (vLLM's own modules only when installed in vLLM's process): torch and our
+    # light policy core, no transformers or model code
+    loaded = _imports_of("pipeline.integrations.vllm.runtime")
     assert "torch" in loaded and not {"transformers", "vllm", "pandas"} & loaded
 
 
@@ -292,3 +293,13 @@ def test_serve_vllm_config_builds_the_launcher(compose_config, tmp_path):
     assert (server.method, server.policy, server.num_speculative_tokens, server.port) == ("dflash", "budget", 7, 8013)
     spec = json.loads(server.command(target="/t")[server.command(target="/t").index("--speculative-config") + 1])
     assert spec["model"] == str(SHIPPED)  # the config's relative drafter path, from the checkout's root
+
+
+def test_a_policy_without_a_calibration_names_the_setting(tmp_path):
+    from pipeline.integrations.vllm.runtime import calibration_of
+
+    assert calibration_of(Settings(policy="fixed"), str(tmp_path)) is None  # fixed chooses no widths
+    with pytest.raises(FileNotFoundError, match="BLOCKPILOT_VLLM_CALIBRATION.*make vllm-refit"):
+        calibration_of(Settings(policy="budget"), str(tmp_path))
+    if (SHIPPED / "calibration.json").exists():
+        assert calibration_of(Settings(policy="verify_width"), str(SHIPPED)).max_column == 8

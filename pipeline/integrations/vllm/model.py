@@ -31,6 +31,7 @@ class BlockPilotDFlashQwen3ForCausalLM(DFlashQwen3ForCausalLM):
 
         Raises:
             RuntimeError: under vLLM's V2 model runner (the hooks are on V1: unset ``VLLM_USE_V2_MODEL_RUNNER``).
+            FileNotFoundError / ValueError: without a usable calibration for the policy (``runtime.calibration_of``).
         """
         if vllm_config.use_v2_model_runner:
             raise RuntimeError("BlockPilot's vLLM plugin hooks vLLM's V1 model runner, and this engine runs V2: set "
@@ -40,6 +41,7 @@ class BlockPilotDFlashQwen3ForCausalLM(DFlashQwen3ForCausalLM):
         self.record_confidence = True
         from pipeline.integrations.vllm import runtime
 
+        runtime.calibration_of(runtime.Settings.from_env(), str(vllm_config.speculative_config.model))  # fail at load
         runtime.install()
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:

@@ -145,6 +145,25 @@ def _install_context_only_proposer() -> None:
     DFlashProposer.propose = context_only_when_idle
 
 
+def calibration_of(settings: Settings, drafter_dir: str):
+    """The policy's ``AcceptanceCalibration``: ``BLOCKPILOT_VLLM_CALIBRATION``, else the drafter folder's
+    ``calibration.json``; None for ``fixed`` (and ``off``), which choose no widths.
+
+    Raises:
+        FileNotFoundError: when there is none (names the variable and the refit); ValueError: for another kind of file.
+    """
+    if settings.policy in ("off", "fixed"):
+        return None
+    from pipeline.policy.calibration import load_calibration
+
+    try:
+        return load_calibration(settings.calibration or drafter_dir)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"BlockPilot's {settings.policy} policy needs an acceptance calibration: {err}. In vLLM: "
+                                "set BLOCKPILOT_VLLM_CALIBRATION to a calibration.json (make vllm-refit fits one from "
+                                "the plugin's label logs), or use BLOCKPILOT_VLLM_POLICY=fixed") from None
+
+
 def _controller(runner) -> "Controller | None":
     """The runner's ``Controller``, built on first use; None when the runner does not serve our drafter."""
     controller = runner.__dict__.get("_blockpilot")
@@ -169,15 +188,12 @@ class Controller:
 
     def __init__(self, runner, drafter, settings: Settings):
         import vllm
-        from pipeline.policy.calibration import load_calibration
 
         self.runner, self.drafter, self.settings = runner, drafter, settings
         spec = runner.speculative_config
         self.num_spec = int(spec.num_speculative_tokens)
         drafter_dir = str(spec.model)
-        calibration = None
-        if settings.policy != "fixed":
-            calibration = load_calibration(settings.calibration or drafter_dir)
+        calibration = calibration_of(settings, drafter_dir)
         key = cache_key(vllm=vllm.__version__, target=runner.model_config.model, drafter=drafter_dir,
                         dtype=runner.model_config.dtype, k=self.num_spec, eager=runner.model_config.enforce_eager,
                         threads=torch.get_num_threads())
