@@ -19,7 +19,7 @@ the shipped drafter and its ``calibration.json``.
 On CPU the server runs in float32 with Intel OpenMP preloaded (``LD_PRELOAD`` of ``.venv-vllm/lib/libiomp5.so``,
 which vLLM asks for with speculative decoding) and a KV cache of ``kv_cache_gib`` (vLLM's CPU default reserves a
 fraction of the node's memory and refuses to start when other processes hold it). ``enforce_eager`` (default)
-skips torch.compile (a start of ~20 s instead of minutes). The server's output goes to ``log_path`` (default
+skips torch.compile (a much faster start). The server's output goes to ``log_path`` (default
 ``data/runs/vllm/<time>-<port>.log``); a failed start raises with its last lines.
 """
 
