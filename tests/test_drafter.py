@@ -216,13 +216,20 @@ def test_draft_vocabulary_round_trip(tiny, tmp_path):
     drafter.set_draft_vocab(ids)
     assert torch.equal(drafter.draft_head(lm_head), lm_head[ids])
     assert drafter.to_target_ids(torch.tensor([0, 4, 2])).tolist() == [2, 300, 40]
+    with pytest.raises(ValueError, match="set_draft_vocab\\(token_ids, lm_head="):  # vLLM needs the head rows
+        drafter.save_pretrained(tmp_path / "no-head")
+    drafter.set_draft_vocab(ids, lm_head)
 
     out = drafter.save_pretrained(tmp_path / "dv", dtype=torch.bfloat16)
-    assert json.loads((out / "config.json").read_text())["dflash_config"]["draft_vocab_size"] == 5
-    stored = load_file(out / "model.safetensors")["draft_vocab"]
-    assert stored.dtype == torch.int64 and stored.tolist() == ids.tolist()  # ids are not cast to bf16
+    config = json.loads((out / "config.json").read_text())
+    assert config["draft_vocab_size"] == 5 and "draft_vocab_size" not in config["dflash_config"]
+    stored = load_file(out / "model.safetensors")
+    assert stored["d2t"].dtype == torch.int64 and (stored["d2t"] + torch.arange(5)).tolist() == ids.tolist()  # not cast
+    assert stored["lm_head.weight"].dtype == lm_head.dtype and torch.equal(stored["lm_head.weight"], lm_head[ids])
+    assert stored["fc.weight"].dtype == torch.bfloat16
     reloaded = DFlashDrafter.from_pretrained(out)
     assert reloaded.draft_vocab.dtype == torch.long and torch.equal(reloaded.draft_vocab, ids)
+    assert torch.equal(reloaded.draft_lm_head, lm_head[ids])
     check_compatible(reloaded, tc)
 
 

@@ -3,6 +3,7 @@ full-vocabulary export, dtype handling beside a float32 target, z-lab's ``dflash
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -11,9 +12,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel, DynamicCache
 
+from conftest import require
 from pipeline import PROJECT_ROOT
-from pipeline.models.drafter import REMOTE_CODE, DFlashDrafter, lm_head_logits
-from pipeline.models.export_drafter import LOADING_HEADING, export_drafter, main
+from pipeline.models.drafter import REMOTE_CODE, DFlashDrafter, draft_offsets, lm_head_logits
+from pipeline.models.export_drafter import LOADING_HEADING, export_drafter
 
 SHIPPED = PROJECT_ROOT / "data" / "drafters" / "smollm2-135m-instruct-dflash-b8"
 
@@ -29,7 +31,8 @@ def _inputs(config, context: int = 5, block: int = 4, seed: int = 0):
 def _draft_vocab_drafter(tiny, tmp_path, dtype=torch.float32):
     """The tiny random Llama drafter restricted to every third token id, saved in ``dtype``."""
     drafter = DFlashDrafter.from_pretrained(tiny.drafter_dir("llama", "random", block_size=4))
-    drafter.set_draft_vocab(torch.arange(1, tiny.target("llama").model.config.vocab_size, 3))
+    target = tiny.target("llama").model
+    drafter.set_draft_vocab(torch.arange(1, target.config.vocab_size, 3), target.get_output_embeddings().weight)
     return drafter, drafter.save_pretrained(tmp_path / f"dv-{str(dtype).removeprefix('torch.')}", dtype=dtype)
 
 
@@ -51,7 +54,12 @@ def test_saved_folder_loads_through_remote_code(tiny, tmp_path):
     drafter, out = _draft_vocab_drafter(tiny, tmp_path)
     config = json.loads((out / "config.json").read_text())
     assert config["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
-    assert config["dtype"] == "float32" and config["dflash_config"]["draft_vocab_size"] == drafter.draft_vocab.numel()
+    assert config["dtype"] == "float32" and config["draft_vocab_size"] == drafter.draft_vocab.numel()
+    assert "draft_vocab_size" not in config["dflash_config"]  # vLLM reads the top-level key only
+    tensors = load_file(out / "model.safetensors")
+    head = tiny.target("llama").model.get_output_embeddings().weight
+    assert torch.equal(tensors["d2t"] + torch.arange(len(tensors["d2t"])), drafter.draft_vocab)
+    assert torch.equal(tensors["lm_head.weight"], head[drafter.draft_vocab]) and "draft_vocab" not in tensors
     assert (out / "modeling_dflash.py").read_bytes() == REMOTE_CODE.read_bytes()
 
     remote = AutoModel.from_pretrained(out, trust_remote_code=True).eval()
@@ -144,23 +152,61 @@ def test_bfloat16_folder_beside_a_float32_target(tiny, tmp_path):
 
 
 def test_remote_code_names_a_missing_draft_vocab(tiny, tmp_path):
-    _, out = _draft_vocab_drafter(tiny, tmp_path)
+    drafter, out = _draft_vocab_drafter(tiny, tmp_path)
     weights = load_file(out / "model.safetensors")
-    del weights["draft_vocab"]
+    del weights["d2t"]
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="draft_vocab_size but the weights hold no draft_vocab"):
+    with pytest.raises(ValueError, match="draft_vocab_size but the weights hold no d2t"):
         AutoModel.from_pretrained(out, trust_remote_code=True)
+    weights["draft_vocab"] = drafter.draft_vocab  # an older BlockPilot folder: absolute ids
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="older BlockPilot layout.*make export-drafter"):
+        AutoModel.from_pretrained(out, trust_remote_code=True)
+
+
+def test_draft_offsets_are_vllms_d2t():
+    ids = torch.tensor([2, 5, 40, 41, 300])
+    d2t = draft_offsets(ids)
+    assert d2t.dtype == torch.int64 and d2t.tolist() == [2, 4, 38, 38, 296]
+    assert torch.equal(torch.arange(5) + d2t, ids)  # vLLM: target id = i + d2t[i]
+    with pytest.raises(ValueError, match="1-D tensor of integer token ids"):
+        draft_offsets(torch.tensor([[1, 2]]))
+
+
+def test_older_folder_is_rewritten_in_vllms_layout(tiny, tmp_path):
+    """A folder of an older BlockPilot (absolute ids in draft_vocab, nested draft_vocab_size, no head rows): our loader
+    reads it as it is; the re-export writes d2t and the target's head rows and keeps every other tensor's bits."""
+    drafter, new = _draft_vocab_drafter(tiny, tmp_path)
+    old = tmp_path / "old"
+    old.mkdir()
+    weights = load_file(new / "model.safetensors")
+    ids = weights.pop("d2t") + torch.arange(drafter.draft_vocab.numel())
+    weights.pop("lm_head.weight")
+    save_file({**weights, "draft_vocab": ids}, old / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((new / "config.json").read_text())
+    config["dflash_config"]["draft_vocab_size"] = config.pop("draft_vocab_size")
+    (old / "config.json").write_text(json.dumps(config))
+
+    legacy = DFlashDrafter.from_pretrained(old)
+    assert torch.equal(legacy.draft_vocab, drafter.draft_vocab) and legacy.draft_lm_head is None
+    with pytest.raises(ValueError, match="TARGET="):
+        export_drafter(old, tmp_path / "x")
+    out = export_drafter(old, tmp_path / "rewritten", target=str(tiny.target_dir("llama")))
+    assert _tensor_bytes(out / "model.safetensors") == _tensor_bytes(new / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    assert config["draft_vocab_size"] == drafter.draft_vocab.numel() and "draft_vocab_size" not in config["dflash_config"]
+    assert torch.equal(AutoModel.from_pretrained(out, trust_remote_code=True).draft_vocab, drafter.draft_vocab)
 
 
 def test_full_vocab_export(tiny, tmp_path):
     drafter, src = _draft_vocab_drafter(tiny, tmp_path)
     (src / "README.md").write_text("# tiny\n\nmodel card\n")
-    dst = main([str(src), str(tmp_path / "full"), "--full-vocab"])
+    dst = export_drafter(src, tmp_path / "full", full_vocab=True)
     config = json.loads((dst / "config.json").read_text())
-    assert "draft_vocab_size" not in config["dflash_config"]
+    assert "draft_vocab_size" not in config["dflash_config"] and "draft_vocab_size" not in config
     assert config["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"} and config["dtype"] == "float32"
     src_tensors, dst_tensors = _tensor_bytes(src / "model.safetensors"), _tensor_bytes(dst / "model.safetensors")
-    assert set(src_tensors) - set(dst_tensors) == {"draft_vocab"}
+    assert set(src_tensors) - set(dst_tensors) == {"d2t", "lm_head.weight"}
     assert all(dst_tensors[k] == src_tensors[k] for k in dst_tensors)  # every other tensor bit-identical
     card = (dst / "README.md").read_text()
     assert card.startswith("# tiny\n\nmodel card\n") and LOADING_HEADING in card and "full vocabulary" in card
@@ -213,9 +259,9 @@ def test_model_card_has_the_loading_section(tmp_path):
     write_model_card(tmp_path, "tiny-dflash", cfg, {"draft vocabulary": 64, "val_tau": {"4": 1.5}})
     card = (tmp_path / "README.md").read_text()
     assert card.startswith("# tiny-dflash\n") and "| 4 | 1.500 |" in card and card.count(LOADING_HEADING) == 1
-    assert "int64 [64]" in card and "EAGLE-3" in card
+    assert "64 tokens" in card and "EAGLE-3" in card and "`d2t`" in card and "vLLM" in card
     write_model_card(tmp_path, "tiny-dflash", cfg, {"draft vocabulary": "full", "val_tau": {}})
-    assert "no `draft_vocab` tensor" in (tmp_path / "README.md").read_text()
+    assert "scores the full vocabulary (no `d2t`" in (tmp_path / "README.md").read_text()
 
 
 def test_shipped_folder_loads_everywhere():
@@ -225,6 +271,11 @@ def test_shipped_folder_loads_everywhere():
     assert config["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"} and config["dtype"] == "bfloat16"
     assert (SHIPPED / "modeling_dflash.py").read_bytes() == REMOTE_CODE.read_bytes()  # re-export after editing it
     assert "## Loading" in (SHIPPED / "README.md").read_text()
+    # vLLM's layout of the draft vocabulary: vLLM 0.32 loads the folder as it is (tests/test_vllm.py)
+    assert config["draft_vocab_size"] == 8192 and "draft_vocab_size" not in config["dflash_config"]
+    with safe_open(SHIPPED / "model.safetensors", "pt") as f:
+        assert {"d2t", "lm_head.weight"} <= set(f.keys()) and "draft_vocab" not in f.keys()
+        assert f.get_slice("lm_head.weight").get_shape() == [8192, 576] and f.get_slice("lm_head.weight").get_dtype() == "F32"
     ours = DFlashDrafter.from_pretrained(SHIPPED)
     remote = AutoModel.from_pretrained(SHIPPED, trust_remote_code=True, dtype=torch.float32)
     assert remote.draft_vocab.numel() == 8192 and torch.equal(remote.draft_vocab, ours.draft_vocab)
@@ -232,6 +283,21 @@ def test_shipped_folder_loads_everywhere():
     with torch.no_grad():
         assert torch.equal(ours(noise, features, positions),
                            remote(position_ids=positions, noise_embedding=noise, target_hidden=features))
+
+
+def test_shipped_folder_loads_in_zlabs_class():
+    """z-lab's ``DFlashDraftModel`` (PyPI ``dflash``, installed by make install) reads the shipped folder's layers
+    (it ignores the draft vocabulary); vLLM's loader: tests/test_vllm.py."""
+    require((SHIPPED / "config.json").exists(), "no shipped drafter")
+    require(importlib.util.find_spec("dflash") is not None, "z-lab's dflash package is not installed (make install)")
+    from dflash import DFlashDraftModel
+
+    ours = DFlashDrafter.from_pretrained(SHIPPED)
+    zlab = DFlashDraftModel.from_pretrained(SHIPPED, dtype=torch.float32).eval()
+    noise, features, positions = _inputs(ours.config, context=6, block=8)
+    with torch.no_grad():
+        assert torch.equal(zlab(position_ids=positions, noise_embedding=noise, target_hidden=features),
+                           ours(noise, features, positions))
 
 
 def test_z_lab_dflash_package(tiny, tmp_path):

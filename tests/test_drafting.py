@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from pipeline.drafting import responses
 from pipeline.drafting.data import AnchorDataset, block_inputs, collate, load_sequences
@@ -213,7 +214,10 @@ def test_draft_stage_end_to_end(tiny, compose_config, tmp_path):
     assert {"config.json", "model.safetensors", "README.md", "training_stats.json"} <= {p.name for p in out.iterdir()}
     config = json.loads((out / "config.json").read_text())
     assert config["block_size"] == 4 and config["dflash_config"]["target_layer_ids"] == LAYERS
-    assert config["dflash_config"]["draft_vocab_size"] == 64 and config["dtype"] == "bfloat16"
+    assert config["draft_vocab_size"] == 64 and config["dtype"] == "bfloat16"  # vLLM's layout: d2t + the head's rows
+    weights = load_file(out / "model.safetensors")
+    head = tiny.target("llama").model.get_output_embeddings().weight
+    assert weights["d2t"].shape == (64,) and torch.equal(weights["lm_head.weight"], head[weights["d2t"] + torch.arange(64)])
     stats = json.loads((out / "training_stats.json").read_text())
     assert stats["optimizer steps"] == 4 and set(stats["val_tau"]) >= {"2", "4"}
     seconds = stats["data generation wall time per set (s, recorded in the cached shards)"]

@@ -119,11 +119,14 @@ def train_drafter(cfg: DictConfig) -> Path:
         if drafter.target_layer_ids != layer_ids or drafter.block_size != dcfg.block_size:
             raise ValueError(f"draft.init_from={dcfg.init_from} has taps {drafter.target_layer_ids} and B={drafter.block_size}; "
                              f"this config asks for {layer_ids} and B={dcfg.block_size}")
+        if drafter.d2t is not None and drafter.draft_lm_head is None:  # an older folder: its head rows from the target
+            drafter.set_draft_vocab(drafter.draft_vocab, target.model.get_output_embeddings().weight)
         copied = f"continued from {dcfg.init_from}"
     else:
         drafter = DFlashDrafter(drafter_config)
         if dcfg.get("draft_vocab_size"):
-            drafter.set_draft_vocab(frequent_tokens(sequences, target, int(dcfg.draft_vocab_size)))
+            drafter.set_draft_vocab(frequent_tokens(sequences, target, int(dcfg.draft_vocab_size)),
+                                    target.model.get_output_embeddings().weight)
         copied = init_from_target_layers(drafter, target.model) if dcfg.init_from_target else []
     module = DrafterModule(drafter, target.model.get_input_embeddings().weight, target.model.get_output_embeddings().weight,
                            lr=dcfg.lr, weight_decay=dcfg.weight_decay, warmup_steps=dcfg.warmup_steps,
@@ -182,7 +185,7 @@ def train_drafter(cfg: DictConfig) -> Path:
         "training block size": drafter.block_size,
         "draft layers": len(drafter.layers),
         "parameters": num_parameters(drafter),
-        "draft vocabulary": drafter.config.dflash_config.get("draft_vocab_size", "full"),
+        "draft vocabulary": int(drafter.d2t.numel()) if drafter.d2t is not None else "full",
         "initialised from target layers": copied or "random",
         "target layer taps": layer_ids,
         "training sequences per set": dict(Counter(s["set"] for s in sequences)),

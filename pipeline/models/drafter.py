@@ -8,12 +8,16 @@ each other non-causally; the target's input embedding and LM head are reused, so
 ``DFlashDrafter`` is that class with BlockPilot's checkpoint reader and writer, so the drafter BlockPilot decodes,
 labels and trains with is the one every exported folder ships.
 
-Checkpoint layout (a public ``z-lab/Qwen3-4B-DFlash-b16`` loads unchanged)::
+Checkpoint layout (a public ``z-lab/Qwen3-4B-DFlash-b16`` loads unchanged; vLLM 0.32 loads our folders unchanged)::
 
     config.json        Qwen3 config + block_size, num_target_layers,
                        dflash_config.{target_layer_ids, mask_token_id}; dtype = the dtype the weights are stored in;
-                       auto_map.AutoModel = modeling_dflash.DFlashDraftModel (written by ``save_pretrained``)
-    model.safetensors  layers.*, fc.weight, hidden_norm.weight, norm.weight
+                       auto_map.AutoModel = modeling_dflash.DFlashDraftModel (written by ``save_pretrained``);
+                       with a draft vocabulary, the top-level draft_vocab_size N (vLLM's key)
+    model.safetensors  layers.*, fc.weight, hidden_norm.weight, norm.weight; with a draft vocabulary also d2t
+                       (int64 [N] offsets: draft row i is target token i + d2t[i]) and lm_head.weight ([N, H], the
+                       target LM head's rows of those tokens, in the head's own dtype, so that vLLM, which scores with
+                       the drafter's own head, drafts what BlockPilot drafts)
     modeling_dflash.py the remote-code model (a copy of ``pipeline/models/hub/modeling_dflash.py``, torch +
                        transformers only), so ``AutoModel.from_pretrained(folder, trust_remote_code=True)`` and z-lab's
                        ``dflash_generate`` load and run the folder, draft vocabulary included
@@ -28,13 +32,15 @@ Attention layers follow the config's ``layer_types`` as z-lab's code does: a ``s
 (unless the config sets ``is_causal``) and sees only keys within ``sliding_window`` positions of the query; a
 ``full_attention`` layer (the default) sees every key, non-causally.
 
-Optional extension (absent from z-lab checkpoints, which then use the full vocabulary): a draft
-vocabulary, ``dflash_config.draft_vocab_size`` = N and tensor ``draft_vocab`` int64 [N] of target token
-ids, as in EAGLE-3's reduced draft head. The drafter then scores only those N rows of the target's LM
-head (49152 -> 8192 rows for SmolLM2: ~6x less LM-head work per draft and per training step) and can
-only propose those tokens; verification is unchanged, so decoding stays lossless. Loaders that do not know the
-extension (z-lab's ``DFlashDraftModel``) drop the tensor and score the full vocabulary, so their drafts differ;
-``pipeline.models.export_drafter --full-vocab`` writes a copy without it.
+Optional draft vocabulary (absent from z-lab checkpoints, which then use the full vocabulary), as in EAGLE-3's
+reduced draft head and in vLLM's layout of it (above): the drafter scores only N rows of the target's LM head (49152 ->
+8192 rows for SmolLM2: ~6x less LM-head work per draft and per training step) and can only propose those tokens;
+verification is unchanged, so decoding stays lossless. BlockPilot scores with the target's head rows at
+``draft_vocab`` (bit-equal to ``lm_head.weight`` when the target's dtype is the stored one). Loaders that do not know
+it (z-lab's ``DFlashDraftModel``) drop ``d2t`` and ``lm_head.weight`` and score the full vocabulary, so their drafts
+differ; ``make export-drafter FULL_VOCAB=1`` writes a copy without it. ``from_pretrained`` also reads folders of older
+BlockPilot versions (``dflash_config.draft_vocab_size`` + an absolute-id tensor ``draft_vocab``, no ``lm_head.weight``);
+``pipeline.models.export_drafter`` rewrites them in this layout.
 """
 
 from __future__ import annotations
@@ -50,13 +56,72 @@ from torch import nn
 from transformers import PretrainedConfig, Qwen3Config
 
 from pipeline.models.backend import LMHead
-from pipeline.models.hub.modeling_dflash import DFlashDraftModel
+from pipeline.models.hub.modeling_dflash import DFlashDraftModel, draft_vocab_size
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 REMOTE_CODE_NAME = "modeling_dflash.py"
 REMOTE_CODE = Path(__file__).parent / "hub" / REMOTE_CODE_NAME  # package data (pyproject.toml)
 AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+HEAD_KEY = "lm_head.weight"  # the draft vocabulary's LM-head rows (vLLM's own drafter head)
+LEGACY_VOCAB_KEY = "draft_vocab"  # absolute ids of older BlockPilot folders
+
+
+def draft_offsets(token_ids: torch.Tensor) -> torch.Tensor:
+    """vLLM's ``d2t`` of a draft vocabulary: int64 offsets ``token_ids - arange(N)`` (draft row i is target token
+    i + d2t[i]). Raises ``ValueError`` for ids that are not a 1-D integer tensor."""
+    if token_ids.dim() != 1 or token_ids.dtype.is_floating_point:
+        raise ValueError(f"a draft vocabulary is a 1-D tensor of integer token ids, got {tuple(token_ids.shape)} "
+                         f"{token_ids.dtype}")
+    token_ids = token_ids.to(torch.long)
+    return token_ids - torch.arange(token_ids.numel(), dtype=torch.long, device=token_ids.device)
+
+
+def vllm_layout(config: dict, state: dict[str, torch.Tensor], lm_head: torch.Tensor | None = None
+                ) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A drafter folder's (config, tensors) in vLLM's draft-vocabulary layout, from either layout.
+
+    Older folders (``dflash_config.draft_vocab_size`` + absolute ids ``draft_vocab``) get the top-level
+    ``draft_vocab_size``, ``d2t`` (``draft_offsets``) and ``lm_head.weight`` = ``lm_head[draft_vocab]`` (the target's
+    output head [V, H], in its own dtype); folders already in it, and full-vocabulary folders, come back unchanged.
+
+    Raises:
+        ValueError: when an older folder needs its head rows and ``lm_head`` is None (names the option), or when
+            ``lm_head`` does not cover the draft vocabulary.
+    """
+    config = dict(config)
+    state = dict(state)
+    dflash = dict(config.get("dflash_config") or {})
+    legacy = state.pop(LEGACY_VOCAB_KEY, None)
+    if legacy is not None:
+        state["d2t"] = draft_offsets(legacy)
+    n = draft_vocab_size(_Namespace(config, dflash))
+    dflash.pop("draft_vocab_size", None)
+    config["dflash_config"] = dflash
+    if not n:
+        config.pop("draft_vocab_size", None)
+        return config, state
+    config["draft_vocab_size"] = int(n)
+    if "d2t" not in state:
+        raise ValueError(f"the config sets draft_vocab_size={n} but the weights hold neither d2t nor draft_vocab")
+    if HEAD_KEY not in state:
+        if lm_head is None:
+            raise ValueError("this drafter folder has no lm_head.weight (the draft vocabulary's LM-head rows vLLM scores "
+                             "with): pass the target (make export-drafter TARGET=<target>) so its head rows are written")
+        ids = state["d2t"] + torch.arange(int(n), dtype=torch.long)
+        if int(ids.max()) >= lm_head.shape[0] or int(ids.min()) < 0:
+            raise ValueError(f"the draft vocabulary holds ids outside the target's {lm_head.shape[0]}-token LM head")
+        state[HEAD_KEY] = lm_head.detach()[ids].clone().contiguous()
+    return config, state
+
+
+class _Namespace:
+    """A config dict read like a ``PretrainedConfig`` (for ``draft_vocab_size``)."""
+
+    def __init__(self, config: dict, dflash: dict):
+        self.draft_vocab_size = config.get("draft_vocab_size")
+        self.dflash_config = dflash
+        self.vocab_size = config.get("vocab_size", -1)
 
 
 def write_config(directory: str | Path, config: dict) -> Path:
@@ -145,28 +210,50 @@ class DFlashDrafter(DFlashDraftModel):
         mask_token_id: token id at the positions to be drafted.
     """
 
-    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
-        """Restrict proposals to ``token_ids`` [N] (target vocabulary ids); records N in the config."""
+    draft_lm_head: torch.Tensor | None = None  # [N, H] the target head's rows of the draft vocabulary (lm_head.weight)
+
+    def set_draft_vocab(self, token_ids: torch.Tensor, lm_head: torch.Tensor | None = None) -> None:
+        """Restrict proposals to ``token_ids`` [N] (target vocabulary ids): stores ``d2t`` (``draft_offsets``), records
+        N as the config's top-level ``draft_vocab_size``, and keeps ``lm_head[token_ids]`` (the target's output head
+        [V, H]; needed by ``save_pretrained``, since vLLM scores with the drafter's own head rows)."""
         token_ids = token_ids.to(torch.long).flatten()
-        self.config.dflash_config = {**self.config.dflash_config, "draft_vocab_size": int(token_ids.numel())}
-        if self.draft_vocab is None:
-            del self.draft_vocab
-            self.register_buffer("draft_vocab", token_ids.clone())
+        d2t = draft_offsets(token_ids)
+        self.config.draft_vocab_size = int(token_ids.numel())
+        self.config.dflash_config = {k: v for k, v in self.config.dflash_config.items() if k != "draft_vocab_size"}
+        if self.d2t is None:
+            del self.d2t
+            self.register_buffer("d2t", d2t)
         else:
-            self.draft_vocab = token_ids.clone().to(self.draft_vocab.device)
+            self.d2t = d2t.to(self.d2t.device)
+        self.draft_lm_head = None if lm_head is None else lm_head.detach()[token_ids.to(lm_head.device)].clone()
 
     # ----------------------------------------------------------------------------------------
     # z-lab checkpoint layout
     # ----------------------------------------------------------------------------------------
     def save_pretrained(self, directory: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
         """Write ``config.json``, ``model.safetensors`` (z-lab layout, weights in ``dtype``, recorded as the config's
-        ``dtype``) and the remote-code ``modeling_dflash.py`` into ``directory``."""
+        ``dtype``; a draft vocabulary's ``d2t`` as int64 and its ``lm_head.weight`` rows in their own dtype) and the
+        remote-code ``modeling_dflash.py`` into ``directory``.
+
+        Raises:
+            ValueError: for a draft vocabulary without its LM-head rows (``set_draft_vocab(ids, lm_head=...)``).
+        """
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        state = {k: (v.detach() if k == "draft_vocab" else v.detach().to(dtype)).contiguous()
+        state = {k: (v.detach() if k == "d2t" else v.detach().to(dtype)).contiguous()
                  for k, v in self.state_dict().items() if "rotary_emb" not in k}
+        if self.d2t is not None:
+            if self.draft_lm_head is None:
+                raise ValueError("a drafter with a draft vocabulary writes its LM-head rows (lm_head.weight, what vLLM "
+                                 "scores with): set them with set_draft_vocab(token_ids, lm_head=<the target's output "
+                                 "head weight>)")
+            state[HEAD_KEY] = self.draft_lm_head.detach().cpu().contiguous()
+        directory.mkdir(parents=True, exist_ok=True)
         save_file(state, directory / WEIGHTS_NAME, metadata={"format": "pt"})
         config = self.config.to_dict()
+        config["dflash_config"] = {k: v for k, v in (config.get("dflash_config") or {}).items() if k != "draft_vocab_size"}
+        config.pop("draft_vocab_size", None)
+        if self.d2t is not None:
+            config["draft_vocab_size"] = int(self.d2t.numel())
         config["dtype"] = str(dtype).removeprefix("torch.")
         write_config(directory, config)
         return directory
@@ -192,10 +279,14 @@ class DFlashDrafter(DFlashDraftModel):
                     "pass a local path (model.drafter=/path/to/drafter)"
                 ) from err
         config = Qwen3Config.from_pretrained(directory)
-        model = cls(config)
         state = {}
         for file in sorted(directory.glob("*.safetensors")):
             state.update(load_file(file))
+        if LEGACY_VOCAB_KEY in state:  # an older BlockPilot folder: absolute ids -> d2t
+            state["d2t"] = draft_offsets(state.pop(LEGACY_VOCAB_KEY))
+            config.draft_vocab_size = int(state["d2t"].numel())
+        head_rows = state.pop(HEAD_KEY, None)
+        model = cls(config)
         expected = model.state_dict()
         wrong = {k: (tuple(v.shape), tuple(expected[k].shape)) for k, v in state.items()
                  if k in expected and tuple(v.shape) != tuple(expected[k].shape)}
@@ -215,6 +306,8 @@ class DFlashDrafter(DFlashDraftModel):
         if missing or unexpected:
             raise ValueError(f"drafter checkpoint {directory} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}")
         model = model.to(device=device, dtype=dtype).eval()
+        if model.d2t is not None and head_rows is not None:
+            model.draft_lm_head = head_rows.to(device)
         return model
 
 

@@ -24,11 +24,15 @@ kernel, ``pipeline.models.fast_forward.FastDraft``); the context rows' queries a
 Rotary: ``inv_freq`` stays float32 when the model is cast (``.to(torch.bfloat16)``), as z-lab's loader keeps it; a
 bfloat16 ``inv_freq`` turns the angle at position 1,000 by up to ~1 rad.
 
-BlockPilot extension (absent from z-lab checkpoints): a draft vocabulary. With ``dflash_config.draft_vocab_size``
-= N the folder holds an int64 tensor ``draft_vocab`` [N] of target token ids, as in EAGLE-3's reduced draft head;
-the drafter then scores only those N rows of the target's LM head. ``draft_logits`` returns the N scores,
+Draft vocabulary (absent from z-lab checkpoints), in vLLM's layout of a reduced draft head (EAGLE-3's): the
+top-level ``draft_vocab_size`` = N, an int64 tensor ``d2t`` [N] of offsets (draft row i proposes target token
+i + d2t[i]) and ``lm_head.weight`` [N, H], the target LM head's rows of those tokens (vLLM scores with the drafter's
+own head). This class scores with the target's LM head rows at ``draft_vocab`` (= arange(N) + d2t), the rows it was
+trained with, and leaves ``lm_head.weight`` to loaders that need it. ``draft_logits`` returns the N scores,
 ``compute_logits`` returns full-vocabulary logits that are -inf outside the draft vocabulary (so z-lab's
 ``dflash_generate``, which takes an argmax or samples over the vocabulary, proposes only draft-vocabulary tokens).
+Folders of older BlockPilot versions (``dflash_config.draft_vocab_size`` and an absolute-id tensor ``draft_vocab``)
+are refused here with the re-export command; ``pipeline.models.drafter.DFlashDrafter`` still reads them.
 
 Dtype: ``config.json``'s ``dtype`` is the dtype the weights are stored in (``dtype="auto"``, the transformers 5
 default, loads them so). ``forward`` casts its inputs to the drafter's dtype and returns the caller's dtype (that of
@@ -57,6 +61,14 @@ def dflash_setting(config, name: str, default=None):
     """``config.dflash_config[name]``, else the config's top-level ``name``, else ``default`` (z-lab's lookup)."""
     value = (getattr(config, "dflash_config", None) or {}).get(name)
     return value if value is not None else getattr(config, name, default)
+
+
+def draft_vocab_size(config) -> int | None:
+    """N of a config's draft vocabulary: the top-level ``draft_vocab_size`` (vLLM's key, the one BlockPilot writes) or
+    ``dflash_config.draft_vocab_size`` (older BlockPilot folders); None for the full vocabulary (no key, or N equal to
+    ``vocab_size``, which vLLM also reads as the full vocabulary)."""
+    n = getattr(config, "draft_vocab_size", None) or (getattr(config, "dflash_config", None) or {}).get("draft_vocab_size")
+    return int(n) if n and int(n) != int(getattr(config, "vocab_size", -1)) else None
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -195,12 +207,13 @@ class DFlashDecoderLayer(nn.Module):
 
 
 class DFlashDraftModel(Qwen3PreTrainedModel):
-    """DFlash drafter (z-lab layout, plus BlockPilot's optional ``draft_vocab``).
+    """DFlash drafter (z-lab layout, plus an optional draft vocabulary in vLLM's layout: ``d2t``).
 
     Attributes:
         target_layer_ids: target decoder layers (0-based) whose outputs, concatenated, are ``target_hidden``.
         block_size: the training block size B; mask_token_id: the token at the B-1 drafted positions.
-        draft_vocab: int64 [N] target token ids the drafter may propose, or None (full vocabulary).
+        d2t: int64 [N] offsets of the draft vocabulary (the stored tensor), or None (full vocabulary).
+        draft_vocab: int64 [N] target token ids the drafter may propose (arange(N) + d2t), or None.
     Raises:
         ValueError: from the constructor, for a config without ``dflash_config.target_layer_ids`` or without a mask
             token id (``dflash_config.mask_token_id``, or a top-level ``mask_token_id`` as z-lab's loader reads).
@@ -208,6 +221,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     config_class = Qwen3Config
     _no_split_modules = ["DFlashDecoderLayer"]
+    # vLLM's copy of the draft head rows: this class scores with the target's LM head (``draft_head``)
+    _keys_to_ignore_on_load_unexpected = [r"^lm_head\.weight$"]
 
     def __init__(self, config: Qwen3Config):
         super().__init__(config)
@@ -226,23 +241,39 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = DFlashRotaryEmbedding(config)
-        n_draft_vocab = (getattr(config, "dflash_config", None) or {}).get("draft_vocab_size")
-        self.draft_vocab: torch.Tensor | None
+        n_draft_vocab = draft_vocab_size(config)
+        self.d2t: torch.Tensor | None
         if n_draft_vocab:
-            self.register_buffer("draft_vocab", torch.arange(int(n_draft_vocab), dtype=torch.long))
+            self.register_buffer("d2t", torch.zeros(n_draft_vocab, dtype=torch.long))
         else:
-            self.draft_vocab = None
+            self.d2t = None
         self.post_init()
+
+    @property
+    def draft_vocab(self) -> torch.Tensor | None:
+        """int64 [N] target token ids of the draft vocabulary (``arange(N) + d2t``), or None (full vocabulary)."""
+        if self.d2t is None:
+            return None
+        return self.d2t + torch.arange(self.d2t.numel(), dtype=self.d2t.dtype, device=self.d2t.device)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """``PreTrainedModel.from_pretrained``; raises ``ValueError`` when the config names a draft vocabulary
-        (``dflash_config.draft_vocab_size``) that the weights lack."""
+        """``PreTrainedModel.from_pretrained``.
+
+        Raises:
+            ValueError: when the config names a draft vocabulary (``draft_vocab_size``) whose ``d2t`` tensor the
+                weights lack; for a folder of an older BlockPilot (absolute ids in ``draft_vocab``) it names the
+                re-export that writes vLLM's layout.
+        """
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        if model.draft_vocab is not None and "draft_vocab" in info.get("missing_keys", ()):
-            raise ValueError("config.json sets dflash_config.draft_vocab_size but the weights hold no draft_vocab "
-                             "tensor: remove draft_vocab_size from config.json or use the weights saved with it")
+        if model.d2t is not None and "d2t" in info.get("missing_keys", ()):
+            if "draft_vocab" in info.get("unexpected_keys", ()):
+                raise ValueError("this drafter folder stores its draft vocabulary as absolute ids (draft_vocab, an older "
+                                 "BlockPilot layout): re-export it into vLLM's layout (d2t offsets + lm_head rows) with "
+                                 "make export-drafter SRC=<folder> DST=<folder>")
+            raise ValueError("config.json sets draft_vocab_size but the weights hold no d2t tensor: remove "
+                             "draft_vocab_size from config.json or use the weights saved with it")
         return (model, info) if want_info else model
 
     @property

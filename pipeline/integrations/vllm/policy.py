@@ -1,0 +1,198 @@
+"""The plugin's decisions for one vLLM step, pure (no vLLM): whether the drafter drafts for the next step (``plan``)
+and how many of each request's drafts the next step verifies (``widths``).
+
+vLLM's DFlash drafter runs once per step for the whole batch, K drafts per request, inside the step (after the
+target's forward and sampling); the next step verifies each request's draft list. The policy therefore decides twice:
+
+``plan`` (before the drafter forward): draft at all (K) or not (0, no drafts for anyone next step). Each request
+keeps a prior of its drafts' calibrated acceptance (the mean of its last drafted steps'; new requests take the
+population's moving average), and the drafter runs only when the modelled step with the drafts (``allocate`` on the
+priors, the machine's ``StepCosts``) yields ``1 + margin`` times the tokens per ms of a step without them. A policy
+that stops drafting drafts once (a probe) after 1, 2, 4, ... ``max_skip`` skipped steps (its priors would otherwise
+never change); the run lengths start again from 1 only after a drafting step whose verified drafts paid.
+
+``widths`` (after it, on the drafter's probabilities of its drafts, calibrated by ``AcceptanceCalibration``):
+
+* ``fixed``: every draft (K), as vLLM does without the plugin;
+* ``verify_width``: each request alone (``best_width``: the k with the most expected tokens per ms, priced at its
+  1/n share of a step where every request verifies k);
+* ``budget``: the step's verify rows shared across requests (``allocate``: the widths that maximise the whole step's
+  expected tokens per ms).
+
+A request that opted out (``extra_args`` ``blockpilot_speculate: false``) always gets k = 0. While the step-cost
+table lacks samples for the current concurrency (``StepCosts.missing``), the policy explores: the step drafts or not
+and every request verifies the same width, chosen to fill the emptiest bucket (every choice is lossless; only speed
+is at stake).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from pipeline.integrations.vllm.costs import StepCosts
+from pipeline.policy.budget import POPULATION_WEIGHT, allocate
+from pipeline.policy.calibration import AcceptanceCalibration, best_width
+
+KINDS = ("fixed", "verify_width", "budget")
+REUSE_STEPS = 8  # steps a gate decision is reused while the requests and their priors stay the same
+
+
+class StepPolicy:
+    """``plan`` and ``widths`` of one vLLM server (see the module docstring).
+
+    Args:
+        kind: ``fixed``, ``verify_width`` or ``budget``.
+        calibration: the drafter's acceptance calibration (unused by ``fixed``).
+        costs: the machine's learned ``StepCosts`` (shared with the code that measures the steps).
+        num_spec: K, the drafts per request of a drafting step (vLLM's ``num_speculative_tokens``).
+        margin: the gate's margin (``pipeline.policy.budget.GATE_MARGIN`` by default, through the settings).
+        max_skip: the longest run of gated-off steps before a step drafts again to refresh the priors (0: never).
+        explore: the samples each step-cost bucket needs before the policy trusts it.
+    Attributes:
+        decisions: counts of its choices: ``{"steps", "drafted", "explored", "probes"}``, and ``"verified"`` of
+            ``"drafts"`` (kept by the caller, which sees every step's widths).
+    Raises:
+        ValueError: for an unknown kind, K < 1, or a missing calibration.
+    """
+
+    def __init__(self, kind: str, calibration: AcceptanceCalibration | None, costs: StepCosts, num_spec: int,
+                 margin: float = 0.1, max_skip: int = 32, explore: int = 3):
+        if kind not in KINDS:
+            raise ValueError(f"policy must be one of {KINDS}, got {kind!r}")
+        if int(num_spec) < 1:
+            raise ValueError(f"the policy needs K >= 1 drafts per step (num_speculative_tokens), got {num_spec}")
+        if kind != "fixed" and calibration is None:
+            raise ValueError(f"policy {kind} needs an acceptance calibration (BLOCKPILOT_VLLM_CALIBRATION or the "
+                             "drafter folder's calibration.json)")
+        self.kind, self.calibration, self.costs = kind, calibration, costs
+        self.num_spec, self.margin, self.max_skip, self.explore = int(num_spec), float(margin), int(max_skip), int(explore)
+        self.priors: dict[str, torch.Tensor] = {}
+        self.population: torch.Tensor | None = None
+        self._gated = 0  # consecutive gated-off steps
+        self._probe_after = 1
+        self._explore_width: int | None = None  # the uniform width of an exploring step
+        self._learned = 0  # drafting steps learned from (the priors' version)
+        self._gate: tuple | None = None  # (requests and priors, step, decision) of the last gate
+        self.decisions = {"steps": 0, "drafted": 0, "explored": 0, "probes": 0, "verified": 0, "drafts": 0}
+
+    # ------------------------------------------------------------------------------------------------
+    def plan(self, req_ids: Sequence[str], speculate: Sequence[bool]) -> int:
+        """The drafts per request the drafter makes this step: K, or 0 (no drafter forward's drafts, no verify
+        rows next step)."""
+        self.decisions["steps"] += 1
+        self._explore_width = None
+        live = set(req_ids)
+        for gone in [r for r in self.priors if r not in live]:
+            del self.priors[gone]
+        n = len(req_ids)
+        if n == 0 or not any(speculate):
+            return 0
+        if self.kind == "fixed":
+            return self._drafts()
+        missing = self.costs.missing(n, range(self.num_spec + 1), self.explore)
+        if any(missing.values()):
+            self.decisions["explored"] += 1
+            if missing["idle"] or 0 in missing["verify"]:
+                self._explore_width = 0
+                return 0  # a plain step: its verify(n) and idle(n)
+            short = [k for k in missing["verify"] if k > 0]
+            self._explore_width = short[0] if short else self.num_spec
+            return self._drafts()
+        if self._worth(req_ids, speculate):
+            self._gated = 0
+            return self._drafts()
+        if self.max_skip and self._gated >= self._probe_after:  # skipped long enough: draft once to look again
+            self._gated, self._probe_after = 0, min(2 * self._probe_after, self.max_skip)
+            self.decisions["probes"] += 1
+            return self._drafts()
+        self._gated += 1
+        return 0
+
+    def _drafts(self) -> int:
+        self.decisions["drafted"] += 1
+        return self.num_spec
+
+    def _worth(self, req_ids: Sequence[str], speculate: Sequence[bool]) -> bool:
+        """``_worth_drafting``, reused for up to ``REUSE_STEPS`` steps while the requests and priors stay the same
+        (between drafting steps only the cost samples change, and slowly: the gate costs ~0.5 ms at 16 requests)."""
+        key = (tuple(req_ids), tuple(speculate), self._learned)
+        if self._gate is not None and self._gate[0] == key and self.decisions["steps"] - self._gate[1] < REUSE_STEPS:
+            return self._gate[2]
+        worth = self._worth_drafting(req_ids, speculate)
+        self._gate = (key, self.decisions["steps"], worth)
+        return worth
+
+    def _worth_drafting(self, req_ids: Sequence[str], speculate: Sequence[bool]) -> bool:
+        """Whether the modelled step with drafts beats the plain step by the margin, on the requests' priors."""
+        n = len(req_ids)
+        acceptance = []
+        for r, s in zip(req_ids, speculate):
+            if s:
+                prior = self.priors.get(r, self.population)
+                if prior is None:
+                    return True  # nothing known yet: draft to learn
+                acceptance.append(prior[: self.num_spec])
+        plain = n / self.costs.step_ms(n, n, drafted=False)
+        _, rate = allocate(acceptance, lambda rows: self.costs.step_ms(rows, n, drafted=True), n - len(acceptance))
+        return rate > plain * (1.0 + self.margin)
+
+    # ------------------------------------------------------------------------------------------------
+    def widths(self, req_ids: Sequence[str], speculate: Sequence[bool], confidence: torch.Tensor | None) -> list[int]:
+        """Each request's verify width k (0..K) for the next step.
+
+        Args:
+            req_ids, speculate: the step's requests (vLLM's batch order) and whether each may speculate.
+            confidence: [n, K] the drafter's probability of each draft (rows in ``req_ids`` order), or None when the
+                drafter did not draft (then every k is 0).
+        Raises:
+            ValueError: when ``confidence`` does not have one row per request.
+        """
+        n = len(req_ids)
+        if confidence is None or n == 0:
+            return [0] * n
+        if confidence.shape[0] != n:
+            raise ValueError(f"confidence has {confidence.shape[0]} rows for {n} requests")
+        k_max = int(confidence.shape[1])
+        if self.kind == "fixed":
+            out = [k_max if s else 0 for s in speculate]
+        elif self._explore_width is not None:
+            out = [min(self._explore_width, k_max) if s else 0 for s in speculate]
+        else:
+            acceptance = {i: self.calibration.predict(confidence[i].double()) for i, s in enumerate(speculate) if s}
+            self._learn(req_ids, acceptance)
+            if self.kind == "verify_width":
+                draft_ms = self.costs.at("draft", n) / n
+                fixed = self.costs.at("overhead", n) / n
+                verify_ms = [fixed + self.costs.at("verify", n * (1 + k)) / n for k in range(k_max + 1)]
+                out = [best_width(acceptance[i], draft_ms, verify_ms)[0] if i in acceptance else 0 for i in range(n)]
+            else:
+                order = sorted(acceptance)
+                chosen, _ = allocate([acceptance[i] for i in order],
+                                     lambda rows: self.costs.step_ms(rows, n, drafted=True), n - len(order))
+                out = [0] * n
+                for i, k in zip(order, chosen):
+                    out[i] = int(k)
+            self._backoff(acceptance, out)
+        return out
+
+    def _backoff(self, acceptance: dict[int, torch.Tensor], widths: list[int]) -> None:
+        """After a drafting step: when its drafts, as verified, beat a plain step by the margin (drafting pays here),
+        a later gated-off run probes again after 1 step; otherwise the runs keep doubling (1, 2, 4 ... max_skip)."""
+        n = len(widths)
+        expected = n + sum(float(torch.cumprod(a[:k], 0).sum()) for i, a in acceptance.items() for k in [widths[i]] if k)
+        rate = expected / self.costs.step_ms(n + sum(widths), n, drafted=True)
+        if rate > (1.0 + self.margin) * n / self.costs.step_ms(n, n, drafted=False):
+            self._probe_after = 1
+
+    def _learn(self, req_ids: Sequence[str], acceptance: dict[int, torch.Tensor]) -> None:
+        """Each drafting request's prior (halfway to this step's acceptances) and the population's moving average."""
+        self._learned += 1
+        for i, a in acceptance.items():
+            prior = self.priors.get(req_ids[i])
+            self.priors[req_ids[i]] = a.clone() if prior is None or len(prior) != len(a) else 0.5 * prior + 0.5 * a
+            if self.population is None or len(self.population) != len(a):
+                self.population = a.clone()
+            else:
+                self.population = (1 - POPULATION_WEIGHT) * self.population + POPULATION_WEIGHT * a

@@ -1,0 +1,34 @@
+"""``serve_vllm``: vLLM's OpenAI-compatible server (``.venv-vllm``, ``make vllm``) on the embedded default, the shipped
+drafter and BlockPilot's plugin, in the foreground until Ctrl-C.
+
+    make serve-vllm                                        # python -m pipeline.serve_vllm: dflash K=7, policy budget
+    make serve-vllm ARGS="vllm.policy=off vllm.port=8001"  # vLLM's own DFlash
+    make serve-vllm ARGS="vllm.method=ar"                  # no speculation
+
+``conf/serve_vllm.yaml`` lists the options; ``pipeline.integrations.vllm.server.VllmServer`` is the launcher (also
+the Python API of the benchmarks and tests); docs/vllm.md explains the plugin.
+"""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+
+def server_of(cfg: DictConfig):
+    """The ``VllmServer`` of a ``serve_vllm`` config (``vllm.*``)."""
+    from pipeline.integrations.vllm.server import VllmServer
+
+    options = OmegaConf.to_container(cfg.vllm, resolve=True)
+    return VllmServer(**options)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="serve_vllm")
+def main(cfg: DictConfig) -> None:
+    server = server_of(cfg)
+    print(f"vLLM ({server.method}, policy {server.policy}) on {server.openai_url}, model {server.model}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""vLLM 0.32 (``.venv-vllm``, ``make vllm``) serving the embedded default with the shipped drafter and BlockPilot's
+plugin, through the launcher (``pipeline.integrations.vllm.server.VllmServer``, eager mode): every text equals our own
+``ar`` decode token for token, the plugin verifies fewer than K drafts where they do not pay, a request can opt out,
+vLLM's own DFlash drafts what our drafter drafts (the folder loads unchanged), and the label log feeds a refit.
+
+Marked ``vllm`` and ``slow`` (two server starts, ~1-2 min on 2 cores). Without ``.venv-vllm`` it is skipped, except
+under CI, where ``make vllm`` runs before ``make test`` and a missing environment fails it.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import composed, require
+from pipeline import PROJECT_ROOT
+from pipeline.decoding import DecodeConfig
+from pipeline.decoding.build import build_decoder
+from pipeline.integrations.vllm.labels import read_rows, refit
+from pipeline.integrations.vllm.server import VENV, VllmServer
+from pipeline.policy.calibration import load_calibration
+from pipeline.prompts import chat_input_ids, load_prompt_set
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+K = 7
+NEW_TOKENS = 48
+SHIPPED = PROJECT_ROOT / "data" / "drafters" / "smollm2-135m-instruct-dflash-b8"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _chat(server: VllmServer, text: str, **extra) -> dict:
+    body = {"model": server.model, "messages": [{"role": "user", "content": text}], "max_tokens": NEW_TOKENS,
+            "temperature": 0, "return_token_ids": True, **extra}
+    request = urllib.request.Request(f"{server.openai_url}/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Four HumanEval prompts and our own decodes of them: ``ar`` token ids and the B=8 steps' taus."""
+    require((VENV / "bin" / "python").exists(), f"no vLLM environment at {VENV}: make vllm")
+    require((SHIPPED / "config.json").exists(), "no shipped drafter")
+    with composed("evaluate") as cfg:  # the eval stage's model: the embedded target, the shipped drafter
+        decoder = build_decoder(cfg.model)
+    out = []
+    for prompt in load_prompt_set("humaneval", limit=4):
+        ids = chat_input_ids(decoder.target.tokenizer, prompt.turns)
+        ar = decoder.generate(ids, 1, DecodeConfig(max_new_tokens=NEW_TOKENS))
+        fixed = decoder.generate(ids, K + 1, DecodeConfig(max_new_tokens=NEW_TOKENS))
+        assert fixed.output_ids == ar.output_ids
+        out.append({"prompt": prompt, "ids": ar.output_ids, "taus": fixed.taus})
+    return out
+
+
+def test_vllm_dflash_loads_the_shipped_drafter_and_drafts_as_ours(reference, tmp_path):
+    """vLLM's own DFlash (plugin off) on the shipped folder as it is: our text, and our drafter's acceptance (the same
+    drafts, up to floating-point near-ties between vLLM's kernels and ours)."""
+    with VllmServer(policy="off", num_speculative_tokens=K, max_num_seqs=4, port=_port(),
+                    log_path=str(tmp_path / "off.log"), startup_timeout_s=900) as server:
+        responses = [_chat(server, r["prompt"].turns[0]) for r in reference]
+        counters = server.spec_decode_counters()
+    ours = vllm = 0
+    for r, response in zip(reference, responses):
+        assert response["choices"][0]["token_ids"] == r["ids"], r["prompt"].id
+        steps = response["metrics"]["speculative_decoding"]
+        assert set(steps["per_step_drafted"]) == {K}  # without the plugin every draft is verified
+        ours += sum(r["taus"]) / len(r["taus"])
+        vllm += 1 + steps["num_accepted_draft_tokens"] / steps["num_spec_steps"]
+    assert abs(vllm - ours) / ours < 0.2, (vllm, ours)  # a wrong vocabulary mapping would leave ~1 token per step
+    assert counters["vllm:spec_decode_num_draft_tokens_total"] == K * counters["vllm:spec_decode_num_drafts_total"]
+
+
+def test_vllm_with_the_budget_plugin_is_lossless_and_trims(reference, tmp_path):
+    labels = tmp_path / "labels.jsonl"
+    with VllmServer(policy="budget", num_speculative_tokens=K, max_num_seqs=4, port=_port(),
+                    cache_dir=str(tmp_path / "cache"), labels=str(labels), log_path=str(tmp_path / "budget.log"),
+                    startup_timeout_s=900) as server:
+        with ThreadPoolExecutor(4) as pool:  # the four at once: batched steps, the joint widths
+            responses = list(pool.map(lambda r: _chat(server, r["prompt"].turns[0]), reference))
+        opted_out = _chat(server, reference[0]["prompt"].turns[0], vllm_xargs={"blockpilot_speculate": False})
+        counters = server.spec_decode_counters()
+        log = server.log_tail(400)
+    drafted = []
+    for r, response in zip(reference, responses):
+        assert response["choices"][0]["token_ids"] == r["ids"], r["prompt"].id  # lossless, token for token
+        drafted += response["metrics"]["speculative_decoding"].get("per_step_drafted", [])
+    assert any(0 < d < K for d in drafted), drafted  # some step verified fewer than K drafts
+    assert opted_out["choices"][0]["token_ids"] == reference[0]["ids"]
+    spec = (opted_out.get("metrics") or {}).get("speculative_decoding") or {}
+    assert spec.get("num_draft_tokens", 0) == 0  # the opted-out request never verified a draft
+    drafts, tokens = counters["vllm:spec_decode_num_drafts_total"], counters["vllm:spec_decode_num_draft_tokens_total"]
+    assert drafts > 0 and 0 < tokens < K * drafts and counters["vllm:spec_decode_num_accepted_tokens_total"] > 0
+    assert "BlockPilot: policy budget, K=7" in log
+    assert list((tmp_path / "cache").glob("step-costs-*.json"))  # the learned curve, cached for the next start
+
+    rows = read_rows([labels])  # the plugin's label log: one row per verified request-step
+    assert len(rows) > 0 and rows["k"].between(1, K).all() and (rows["accepted"] <= rows["k"]).all()
+    assert sum(len(c) for c in rows["conf_column"]) == sum(min(k, a + 1) for k, a in zip(rows["k"], rows["accepted"]))
+    fitted = load_calibration(refit([labels], tmp_path / "refit"))
+    assert fitted.info["rows"] == len(rows)
