@@ -107,6 +107,9 @@ LAYERS = (  # bottom to top: a module may import its own layer and the layers be
     ("pipeline.costs",),  # the cost model (step time by rows, context and requests)
     # prompt sets and chat templates sit with the models: the model loader sets the tokenizer's template kwargs
     ("pipeline.models", "pipeline.prompts"),
+    # vLLM's server as a process and its settings (standard library; the launcher asks the model layer for the target's
+    # folder): the eval stage's vLLM peers and the benchmarks start it; the plugin that runs inside it sits higher
+    ("pipeline.integrations.vllm.server", "pipeline.integrations.vllm.settings"),
     ("pipeline.decoding",),  # the speculative loop, sampling, schedules, the shared config checks
     ("pipeline.timing",),  # the measuring harness: times the loaded models' steps into the cost models
     ("pipeline.labeling", "pipeline.drafting"),  # labels; drafter training
