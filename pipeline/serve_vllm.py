@@ -3,7 +3,7 @@ drafter and BlockPilot's plugin, in the foreground until Ctrl-C.
 
     make serve-vllm                                        # python -m pipeline.serve_vllm: dflash K=7, policy budget
     make serve-vllm ARGS="vllm.policy=off vllm.port=8001"  # vLLM's own DFlash
-    make serve-vllm ARGS="vllm.method=ar"                  # no speculation
+    make serve-vllm ARGS="vllm.method=ar vllm.policy=off"  # no speculation (a policy applies to dflash)
 
 ``conf/serve_vllm.yaml`` lists the options; ``pipeline.integrations.vllm.server.VllmServer`` is the launcher (also
 the Python API of the benchmarks and tests); docs/vllm.md explains the plugin.

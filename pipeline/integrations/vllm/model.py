@@ -26,6 +26,8 @@ class BlockPilotDFlashQwen3ForCausalLM(DFlashQwen3ForCausalLM):
     """vLLM's DFlash drafter plus ``confidence``: [R] the probability of each row's draft at the last
     ``compute_logits`` call (None before one, or while the plugin does not need it)."""
 
+    BLOCKPILOT_DRAFTER = True  # runtime.is_ours
+
     def __init__(self, *, vllm_config, prefix: str = ""):
         """vLLM's constructor, then the plugin's hooks (``runtime.install``).
 

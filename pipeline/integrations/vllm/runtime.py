@@ -112,11 +112,15 @@ def install() -> None:
     log.info("BlockPilot: hooks installed on GPUModelRunner (vLLM %s)", vllm.__version__)
 
 
+def is_ours(model) -> bool:
+    """Whether ``model`` is BlockPilot's drafter class inside vLLM (``model.BlockPilotDFlashQwen3ForCausalLM``, which
+    sets ``BLOCKPILOT_DRAFTER``; checked by attribute: that module imports this one)."""
+    return bool(getattr(type(model), "BLOCKPILOT_DRAFTER", False))
+
+
 def _install_context_only_proposer() -> None:
     """Wrap ``DFlashProposer.propose``: with K = 0 and our drafter, only the context's keys/values (module docstring)."""
     from vllm.v1.spec_decode.dflash import DFlashProposer
-
-    from pipeline.integrations.vllm.model import BlockPilotDFlashQwen3ForCausalLM
 
     propose = DFlashProposer.propose
 
@@ -124,8 +128,7 @@ def _install_context_only_proposer() -> None:
     def context_only_when_idle(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
                                next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
                                mm_embed_inputs=None, num_rejected_tokens_gpu=None, slot_mappings=None):
-        if num_speculative_tokens != 0 or not isinstance(self.model, BlockPilotDFlashQwen3ForCausalLM) \
-                or mm_embed_inputs is not None:
+        if num_speculative_tokens != 0 or not is_ours(self.model) or mm_embed_inputs is not None:
             return propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
                            next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
                            mm_embed_inputs, num_rejected_tokens_gpu, slot_mappings)
@@ -168,10 +171,8 @@ def _controller(runner) -> "Controller | None":
     """The runner's ``Controller``, built on first use; None when the runner does not serve our drafter."""
     controller = runner.__dict__.get("_blockpilot")
     if controller is None and "_blockpilot" not in runner.__dict__:
-        from pipeline.integrations.vllm.model import BlockPilotDFlashQwen3ForCausalLM
-
         drafter = getattr(getattr(runner, "drafter", None), "model", None)
-        ok = isinstance(drafter, BlockPilotDFlashQwen3ForCausalLM) and Settings.from_env().active
+        ok = is_ours(drafter) and Settings.from_env().active
         controller = Controller(runner, drafter, Settings.from_env()) if ok else None
         runner.__dict__["_blockpilot"] = controller
     return controller
