@@ -26,7 +26,8 @@ from transformers import DynamicCache
 from conftest import require
 from pipeline import PROJECT_ROOT
 from pipeline.decoding import DecodeConfig, SpeculativeDecoder
-from pipeline.decoding.batched import BatchedDecoder, BatchPolicy, decode_all
+from pipeline.decoding.batched import BatchedDecoder, decode_all
+from pipeline.decoding.schedules import BatchPolicy
 from pipeline.decoding.schedules import FixedSchedule
 from pipeline.models.backend import EXACT_FORMATS, SMALLM_MAX_ROWS, PackedLinear, pack_smallm, set_backend, smallm_available
 from pipeline.models.batched_forward import BatchedForward, chunked, segment_rows

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from fastapi.testclient import TestClient
 
 from conftest import composed

@@ -18,8 +18,8 @@ from pipeline.integrations.vllm.labels import LabelLog, read_rows, refit, step_r
 from pipeline.integrations.vllm.policy import StepPolicy
 from pipeline.integrations.vllm.server import VllmServer, parse_counters
 from pipeline.integrations.vllm.settings import Settings, check_vllm_version, speculates
-from pipeline.policy.budget import brute_force_allocate
-from pipeline.policy.calibration import AcceptanceCalibration, best_width, load_calibration
+from pipeline.policy.calibration import AcceptanceCalibration, load_calibration
+from pipeline.policy.widths import best_width, brute_force_allocate
 
 SHIPPED = PROJECT_ROOT / "data" / "drafters" / "smollm2-135m-instruct-dflash-b8"
 K = 7

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from pipeline.decoding.sampling import PositionKeyedSampler, draft_confidence
-from pipeline.decoding.schedules import Schedule, FixedSchedule
+from pipeline.decoding.schedules import BatchPolicy, FixedSchedule, Schedule
 from pipeline.decoding.speculative import DecodeConfig, DecodeState, PrefillResult, RequestStats, SpeculativeDecoder
 from pipeline.models.batched_forward import BatchedForward
 from pipeline.models.cache import crop_to
@@ -66,33 +66,6 @@ class BatchRequest:
     def remaining(self) -> int:
         """Tokens left in its budget (``max_new_tokens`` minus the output so far)."""
         return self.config.max_new_tokens - self.stats.new_tokens
-
-
-class BatchPolicy:
-    """How the requests of a batched step share it. This base leaves every choice to each request's own schedule;
-    a joint policy (``pipeline.policy.budget.BudgetPolicy``) overrides the three hooks.
-
-    Attributes:
-        joint_widths: True when ``allocate`` chooses the verify widths of the step's drafting requests together (the
-            decoder then computes every drafting request's confidences); False: each request's schedule chooses its own
-            (``Schedule.choose_width``), or verifies all its drafts.
-    """
-
-    joint_widths: bool = False
-
-    def admit(self, schedule: Schedule, load: int) -> Schedule:
-        """The schedule a request joins with, given ``load``: the requests in the system as it joins (itself, the
-        ones decoding and the ones waiting). The base keeps the request's own."""
-        return schedule
-
-    def plan(self, requests: Sequence[BatchRequest], sizes: Sequence[int]) -> list[int]:
-        """The block size of each request this step (1: no draft), from the B its schedule chose (``sizes``)."""
-        return list(sizes)
-
-    def allocate(self, requests: Sequence[BatchRequest], confidences: Sequence[torch.Tensor]) -> list[int]:
-        """The verify width k_i of each drafting request, from its drafts' probabilities [b_i - 1] (``joint_widths``
-        only)."""
-        raise NotImplementedError
 
 
 class BatchedDecoder:

@@ -5,6 +5,9 @@ length of every step (``next``); one whose ``static`` attribute is true keeps ``
 whose ``chooses_widths`` is true also picks each step's verify width (``choose_width``). ``FixedSchedule`` is the usual single-B decoder, the BlockPilot
 predictor wraps a policy in ``first`` (see ``pipeline.policy``), and ``EMASchedule`` is the per-round
 adaptive baseline of the SGLang DFlash work.
+A ``BatchPolicy`` decides how the requests of a batched step (``pipeline.decoding.batched``) share it: which requests
+may draft at all (``admit``), which draft this step (``plan``) and their verify widths together (``allocate``).
+
 The decoder records the B that ``first`` picked in ``RequestStats.first_block_size`` (the eval stage and the server
 report it).
 """
@@ -102,3 +105,30 @@ class EMASchedule(Schedule):
         self.ema = self.alpha * tau + (1 - self.alpha) * self.ema
         goal = self.ema + self.margin
         return next((c for c in self.candidates if c >= goal), self.candidates[-1])
+
+
+class BatchPolicy:
+    """How the requests of a batched step share it. This base leaves every choice to each request's own schedule;
+    a joint policy (``pipeline.policy.budget.BudgetPolicy``) overrides the three hooks.
+
+    Attributes:
+        joint_widths: True when ``allocate`` chooses the verify widths of the step's drafting requests together (the
+            decoder then computes every drafting request's confidences); False: each request's schedule chooses its own
+            (``Schedule.choose_width``), or verifies all its drafts.
+    """
+
+    joint_widths: bool = False
+
+    def admit(self, schedule: Schedule, load: int) -> Schedule:
+        """The schedule a request joins with, given ``load``: the requests in the system as it joins (itself, the
+        ones decoding and the ones waiting). The base keeps the request's own."""
+        return schedule
+
+    def plan(self, requests: Sequence, sizes: Sequence[int]) -> list[int]:
+        """The block size of each request this step (1: no draft), from the B its schedule chose (``sizes``)."""
+        return list(sizes)
+
+    def allocate(self, requests: Sequence, confidences: Sequence[torch.Tensor]) -> list[int]:
+        """The verify width k_i of each drafting request, from its drafts' probabilities [b_i - 1] (``joint_widths``
+        only)."""
+        raise NotImplementedError

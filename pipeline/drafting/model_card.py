@@ -36,7 +36,7 @@ def write_model_card(out: Path, name: str, cfg: DictConfig, stats: dict) -> None
     for b, tau in sorted(stats.get("val_tau", {}).items(), key=lambda kv: int(kv[0])):
         lines.append(f"| {b} | {tau:.3f} |")
     if stats.get("val_tau_per_set"):
-        lines += ["", f"The same at the training block size, per training set:", "", "| set | tau |", "|---|---|"]
+        lines += ["", "The same at the training block size, per training set:", "", "| set | tau |", "|---|---|"]
         lines += [f"| {k} | {v:.3f} |" for k, v in sorted(stats["val_tau_per_set"].items())]
     lines += ["", "Config:", "", "```yaml", OmegaConf.to_yaml(cfg.draft), "```", ""]
     vocab = stats.get("draft vocabulary")

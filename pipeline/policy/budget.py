@@ -37,8 +37,7 @@ from typing import Sequence
 import torch
 
 from pipeline.costs.batched import BatchCostModel
-from pipeline.decoding.batched import BatchPolicy
-from pipeline.decoding.schedules import FixedSchedule, Schedule
+from pipeline.decoding.schedules import BatchPolicy, FixedSchedule, Schedule
 from pipeline.policy.calibration import AcceptanceCalibration
 from pipeline.policy.widths import allocate, expected_tokens
 

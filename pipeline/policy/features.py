@@ -17,9 +17,7 @@ Kinds (``conf/features/``):
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Mapping
 
 import numpy as np

@@ -144,7 +144,7 @@ class Context:
 def batch_policy(factory):
     """The ``BatchPolicy`` a batched decoder runs a method's requests under: a ``JointWidths``' own, else the base
     policy (each request's schedule decides)."""
-    from pipeline.decoding.batched import BatchPolicy
+    from pipeline.decoding.schedules import BatchPolicy
 
     return factory.policy if isinstance(factory, JointWidths) else BatchPolicy()
 

@@ -39,7 +39,8 @@ from typing import Callable
 import torch
 
 from pipeline.decoding import DecodeConfig, FixedSchedule
-from pipeline.decoding.batched import BatchedDecoder, BatchPolicy
+from pipeline.decoding.batched import BatchedDecoder
+from pipeline.decoding.schedules import BatchPolicy
 from pipeline.decoding.speculative import RequestStats, SpeculativeDecoder
 from pipeline.policy.registry import SERVABLE
 from pipeline.serving.recorder import Recorder, Served

@@ -32,8 +32,9 @@ from typing import Sequence
 import torch
 
 from pipeline.integrations.vllm.costs import StepCosts
-from pipeline.policy.budget import POPULATION_WEIGHT, allocate
-from pipeline.policy.calibration import AcceptanceCalibration, best_width
+from pipeline.policy.budget import POPULATION_WEIGHT
+from pipeline.policy.calibration import AcceptanceCalibration
+from pipeline.policy.widths import allocate, best_width
 
 KINDS = ("fixed", "verify_width", "budget")
 REUSE_STEPS = 8  # steps a gate decision is reused while the requests and their priors stay the same
