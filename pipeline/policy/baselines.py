@@ -79,17 +79,21 @@ class TransformersGenerate(ExternalDecode):
 class VllmGenerate(ExternalDecode):
     """vLLM's OpenAI server as an eval method (``vllm_ar``, ``vllm_dflash``, ``vllm_verify_width`` of
     ``pipeline.policy.registry``): each request goes to ``/v1/completions`` as the same prompt token ids, at the same
-    ``max_tokens``, temperature, seed and stop tokens as our decoder's, streamed so that ``prefill_ms`` is the time to
-    the first token and ``decode_ms`` the rest (as the eval stage times its own decodes, plus one loopback HTTP
-    round trip). Its ``taus`` are vLLM's per-step accepted drafts + 1 (``--per-request-spec-decode-metrics
-    detailed``), one token per step without speculation.
+    ``max_tokens``, temperature, seed and stop tokens as our decoder's. Its ``prefill_ms`` is vLLM's own time to the
+    first token and ``decode_ms`` the rest of the request's wall time (``--enable-per-request-metrics``); its ``taus``
+    are vLLM's per-step accepted drafts + 1 (``--per-request-spec-decode-metrics detailed``), one token per step
+    without speculation.
 
     The server (``pipeline.integrations.vllm.server.VllmServer``, from ``.venv-vllm``: ``make vllm``) starts on the
-    first request, on a free loopback port, and stops on ``close`` (or when this process exits).
+    first request, on a free loopback port, and stops on ``close`` (or when this process exits). After each request it
+    waits ``IDLE_S``: vLLM's workers keep polling their queue for a second after a step (``shm_broadcast``'s
+    ``busy_loop_s``), which would slow whatever the eval stage decodes next on the same cores.
 
     Args:
         options: ``VllmServer`` fields (``method``, ``num_speculative_tokens``, ``policy``, ...).
     """
+
+    IDLE_S = 1.5
 
     def __init__(self, options: dict):
         self.options = dict(options)
@@ -105,7 +109,9 @@ class VllmGenerate(ExternalDecode):
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            self.server = VllmServer(port=port, max_num_seqs=1, **self.options).start()
+            options = {"max_num_seqs": 1, **self.options}
+            options["extra_args"] = [*options.get("extra_args", []), "--enable-per-request-metrics"]
+            self.server = VllmServer(port=port, **options).start()
             atexit.register(self.close)
         return self.server
 
@@ -124,39 +130,32 @@ class VllmGenerate(ExternalDecode):
         """
         import json
         import time
+        import urllib.error
         import urllib.request
 
         ids = input_ids.reshape(1, -1)
         decoder.check_prompt(ids, config.max_new_tokens)
         server = self._started()
         body = {"model": server.model, "prompt": ids[0].tolist(), "max_tokens": int(config.max_new_tokens),
-                "temperature": float(config.temperature), "seed": int(config.seed), "stream": True,
-                "stop_token_ids": sorted(decoder.stop_ids), "return_token_ids": True, "ignore_eos": False,
-                "skip_special_tokens": False}
+                "temperature": float(config.temperature), "seed": int(config.seed), "return_token_ids": True,
+                "stop_token_ids": sorted(decoder.stop_ids), "skip_special_tokens": False}
         request = urllib.request.Request(f"{server.openai_url}/completions", data=json.dumps(body).encode(),
                                          headers={"content-type": "application/json"})
-        tokens, first, metrics = [], None, None
         t0 = time.perf_counter()
-        with urllib.request.urlopen(request, timeout=3600) as response:
-            for line in response:
-                line = line.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: "):])
-                if "error" in chunk:
-                    raise RuntimeError(f"vLLM answered an error: {chunk['error']}")
-                for choice in chunk.get("choices") or []:
-                    if choice.get("token_ids"):
-                        if first is None:
-                            first = time.perf_counter()
-                        tokens.extend(int(t) for t in choice["token_ids"])
-                metrics = (chunk.get("metrics") or {}).get("speculative_decoding") or metrics
-        t1 = time.perf_counter()
-        first = first or t1
-        accepted = (metrics or {}).get("per_step_accepted")
+        try:
+            with urllib.request.urlopen(request, timeout=3600) as response:
+                answer = json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            raise RuntimeError(f"vLLM answered {err.code}: {err.read().decode(errors='replace')[:500]}") from err
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        time.sleep(self.IDLE_S)
+        tokens = [int(t) for t in answer["choices"][0]["token_ids"]]
+        metrics = answer.get("metrics") or {}
+        spec = metrics.get("speculative_decoding") or {}
+        prefill_ms = float(metrics.get("time_to_first_token_ms") or 0.0)
+        accepted, drafted = spec.get("per_step_accepted") or [], spec.get("per_step_drafted") or []
         taus = [int(a) + 1 for a in accepted] if accepted else [1] * max(0, len(tokens) - 1)
-        drafted = (metrics or {}).get("per_step_drafted") or []
         return RequestStats(prompt_tokens=ids.shape[1], output_ids=tokens, taus=taus,
                             block_sizes=[int(d) + 1 for d in drafted], verify_widths=[int(d) for d in drafted],
-                            prefill_ms=(first - t0) * 1e3, decode_ms=(t1 - first) * 1e3,
+                            prefill_ms=prefill_ms, decode_ms=max(0.0, wall_ms - prefill_ms),
                             stopped=bool(tokens) and tokens[-1] in decoder.stop_ids)
