@@ -5,8 +5,8 @@
   and a noisy bump is averaged with its neighbours instead of lifting every wider point;
 * ``suspect_points``: the points of a measured table (width x context bucket) that break what a step's cost must do,
   within a tolerance: grow with the width (more rows) and not fall with the context (more keys to attend to). A
-  noisy minute during a measurement shows up as such a point (stored 2026-12-03: 67 ms for one verified row at
-  context 64 against 38 ms at 256), and the measuring harness (``pipeline.timing``) times those again.
+  noisy minute during a measurement shows up as such a point (one verified row dearer at a short context than at a
+  longer one), and the measuring harness (``pipeline.timing``) times those again.
 
 Standard library only.
 """

@@ -1,8 +1,8 @@
 """The run-time check of a cost model: observed times held against the modelled ones while eval and serve run.
 
 A cost model is measured once per machine and cached; a curve taken while other work briefly shared the cores reads
-slower than the machine is (2026-12-03: a cached curve at 1.7x the quiet cost for one verified row at context 64 cut
-``verify_width`` from 1.15x to 0.98x of ``ar`` with no warning). ``DriftMonitor`` is fed (modelled ms, observed ms)
+slower than the machine is, and every later run would choose its verify widths on it (docs/results.md has the case
+that prompted this check). ``DriftMonitor`` is fed (modelled ms, observed ms)
 per decoded request or batched step; over its last ``window`` observations the median of observed / modelled says
 whether the model still describes the machine:
 

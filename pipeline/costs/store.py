@@ -21,7 +21,7 @@ from typing import Callable, Mapping
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "BLOCKPILOT_COST_CACHE"  # overrides the default folder of the measurements that have no config (crossover)
-VERSION = 2  # 2: interleaved rounds, shape check, spread stored (2026-12-03); older files are measured afresh
+VERSION = 2  # 2: interleaved rounds, shape check, spread stored; older files are measured afresh
 
 
 def default_dir() -> Path:

@@ -65,8 +65,7 @@ _FORMAT_CODE = {"bf16": 1, "q8": 2, "q4": 3}  # kernels/smallm.cpp's Format
 _GROUP = 32  # the q4/q8 block length along K
 SMALLM_MAX_ROWS = 32  # smallm runs inputs of up to this many rows; more go to PyTorch's GEMM
 # Calls of more rows than a format's crossover use float32 panels kept beside the exact form (same bits). Where the
-# crossover lies depends on the CPU: on a 2-core AMD EPYC (Zen 3 class, 2026-12-01) float32 panels won from 4 rows,
-# on a Zen 4 one the exact forms won at every width up to 24. ``exact_crossover`` measures it once per machine.
+# crossover lies depends on the CPU (docs/cpu_backend.md): ``exact_crossover`` measures it once per machine.
 EXACT_ROWS_ENV = "BLOCKPILOT_SMALLM_EXACT_ROWS"  # an int forces every format's crossover (no measurement)
 _TUNE_ROWS = (2, 3, 4, 6, 8, 12, 16, 24, 32)
 
@@ -415,8 +414,8 @@ def packed_linear(x: torch.Tensor, packed: _Packed, bias: torch.Tensor | None) -
     """``F.linear(x, weight, bias)`` through a packed weight; x [..., K] -> [..., N] (float32).
 
     Gradient-tracking calls run ``F.linear``. ``smallm`` calls of more than ``SMALLM_MAX_ROWS`` rows (a prefill) run the
-    kernel's float32 panels in one call (on a 2-core AMD EPYC, 2026-12-02: 133-146 GFLOPS at 160-320 rows against
-    86-129 for PyTorch's GEMM) where the weight keeps them, else ``F.linear``.
+    kernel's float32 panels in one call where the weight keeps them (faster than PyTorch's GEMM for prefills on the
+    CPUs measured, docs/cpu_backend.md), else ``F.linear``.
     """
     weight = packed.weight
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):

@@ -81,8 +81,8 @@ class VllmGenerate(ExternalDecode):
     ``pipeline.policy.registry``): each request goes to ``/v1/completions`` as the same prompt token ids, at the same
     ``max_tokens``, temperature, seed and stop tokens as our decoder's. Its ``prefill_ms`` is vLLM's own time to the
     first token and ``decode_ms`` the rest of the request's wall time (``--enable-per-request-metrics``); its ``taus``
-    are vLLM's per-step accepted drafts + 1 (``--per-request-spec-decode-metrics detailed``), one token per step
-    without speculation.
+    are vLLM's per-step accepted drafts + 1 (``--per-request-spec-decode-metrics detailed``, which lists the steps that
+    verified drafts) and 1 for every other step (no speculation, or a step the plugin kept plain).
 
     The server (``pipeline.integrations.vllm.server.VllmServer``, from ``.venv-vllm``: ``make vllm``) starts on the
     first request, on a free loopback port, and stops on ``close`` (or when this process exits). After each request it
@@ -154,8 +154,11 @@ class VllmGenerate(ExternalDecode):
         spec = metrics.get("speculative_decoding") or {}
         prefill_ms = float(metrics.get("time_to_first_token_ms") or 0.0)
         accepted, drafted = spec.get("per_step_accepted") or [], spec.get("per_step_drafted") or []
-        taus = [int(a) + 1 for a in accepted] if accepted else [1] * max(0, len(tokens) - 1)
+        taus = [int(a) + 1 for a in accepted]  # vLLM lists the steps that verified drafts; the others emit one token
+        plain = max(0, len(tokens) - 1 - sum(taus))
+        taus += [1] * plain
         return RequestStats(prompt_tokens=ids.shape[1], output_ids=tokens, taus=taus,
-                            block_sizes=[int(d) + 1 for d in drafted], verify_widths=[int(d) for d in drafted],
+                            block_sizes=[int(d) + 1 for d in drafted] + [1] * plain,
+                            verify_widths=[int(d) for d in drafted] + [0] * plain,
                             prefill_ms=prefill_ms, decode_ms=max(0.0, wall_ms - prefill_ms),
                             stopped=bool(tokens) and tokens[-1] in decoder.stop_ids)

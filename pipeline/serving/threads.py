@@ -9,10 +9,7 @@ product, every attention call) pays a wake-up. ``decoder_thread`` is that one th
 warms and measures the engine on it (``start_engine``), and the engine then decodes on it (``Engine(thread=...)``).
 Recording (``serve.record=true``) replays on a second worker: a second team while it runs.
 
-Measured on this project's 2-core AMD EPYC VM (``python -m pipeline.bench_serve``, 16 HumanEval chat requests, up to
-256 new tokens, 126 on average, T=0, one run each, a noisy host): the batched server at concurrency 1 served 23.6
-tokens/s (TPOT p50 33.0 ms) with the model loaded on the main thread and OpenMP spinning set by environment, 37.3
-(24.0 ms) on one thread; the batch-1 server 34.3 -> 38.0 (docs/results.md, 2026-12-03).
+The measured effect is in docs/results.md (2026-12-03 morning).
 """
 
 from __future__ import annotations
