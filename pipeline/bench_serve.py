@@ -80,6 +80,10 @@ def bench_serve(cfg: DictConfig) -> dict:
 @stage("bench_serve")
 def main(cfg: DictConfig) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import signal
+    import sys
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a terminated benchmark stops the servers it started
     results = bench_serve(cfg)
     table = markdown(results)
     if cfg.bench.out:
