@@ -2,8 +2,8 @@
 # later runs only reinstall after pyproject.toml changes.
 #
 #   make all                      main job: label -> dataset -> train -> eval; prints results.json's path last
-#   make test                     the whole test suite (CPU, tiny models + the SmolLM2 smoke tests)
-#   make test-fast                the same without the tests marked slow (SmolLM2 loads, > ~20 s), for development
+#   make test                     the whole test suite (CPU, tiny models, SmolLM2 and vLLM tests; installs .venv-vllm/ too)
+#   make test-fast                the same without the tests marked slow (SmolLM2 loads, vLLM, > ~20 s); needs only .venv/
 #   make draft                    train the drafter for the embedded target on this CPU (~45 min); the
 #                                 shipped one in data/drafters/ came from scripts/gpu_draft.sh (one GPU, 6 min)
 #   make label|dataset|train|eval one stage; Hydra overrides go in ARGS="key=value ..."
@@ -126,7 +126,9 @@ vllm-refit: $(STAMP)
 	  "$(OUT)" $(LOGS)
 
 # --- tests -----------------------------------------------------------------------------------------
-test: $(STAMP)
+# make test installs both environments (the tests marked vllm start vLLM's server from .venv-vllm/);
+# make test-fast skips the slow tests, the vLLM ones among them, and needs only .venv/
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest tests/ --durations=10 $(PYTEST_ARGS)
 
 test-fast: $(STAMP)

@@ -15,7 +15,8 @@ import torch
 from pipeline import PROJECT_ROOT
 from pipeline.integrations.vllm.costs import StepCosts, cache_key, cache_path
 from pipeline.integrations.vllm.labels import LabelLog, read_rows, refit, step_row
-from pipeline.integrations.vllm.policy import StepPolicy
+from pipeline.integrations.vllm.policy import YIELD_DECAY, StepPolicy
+from pipeline.integrations.vllm.runtime import accepted_drafts
 from pipeline.integrations.vllm.server import VllmServer, parse_counters
 from pipeline.integrations.vllm.settings import Settings, check_vllm_version, speculates
 from pipeline.policy.calibration import AcceptanceCalibration, load_calibration
@@ -180,6 +181,49 @@ def test_the_gate_skips_the_drafter_where_it_does_not_pay_and_probes(calibration
     policy.population = torch.full((K,), 0.05, dtype=torch.float64)
     assert [policy.plan(ids, [True] * 16) for _ in range(4)] == [0, K, 0, 0]
     assert StepPolicy("budget", calibration, dear, K, max_skip=0).plan(ids, [False] * 16) == 0
+
+
+def test_the_rejection_samplers_output_gives_each_requests_accepted_drafts():
+    sampled = torch.tensor([[5, 6, -1, -1], [7, -1, -1, -1], [1, 2, 3, 4], [9, -1, -1, -1]])
+    assert accepted_drafts(sampled, [3, 3, 3, 0], 4) == [1, 0, 3, None]  # kept tokens - the bonus; none verified
+    assert accepted_drafts([[5, 6], [7], [1, 2, 3, 4], [9]], [3, 3, 3, 0], 4) == [1, 0, 3, None]
+
+
+def test_the_drafted_yield_stops_a_drafter_that_the_calibration_overrates(calibration):
+    """The gate drafts on the calibration's promise; when vLLM's verifies accept fewer drafts than it promised, the
+    yield (accepted / expected) scales the promise down and the drafter stops, except for the probes."""
+    ids = [f"r{i}" for i in range(16)]
+    confident = _confidence(*[[0.9] * K] * 16)
+
+    def run(accepts):
+        policy = StepPolicy("budget", calibration, _costs(per_token=1.0, draft=10.0, requests=(16,)), K, max_skip=8)
+        plans, widths = [], []
+        for _ in range(20):
+            plans.append(policy.plan(ids, [True] * 16))
+            w = policy.widths(ids, [True] * 16, confident if plans[-1] else None)
+            if plans[-1]:
+                widths.append(w)
+                expected = dict(policy._expected)
+                policy.observe(ids, [accepts(expected[r], w[i]) for i, r in enumerate(ids)])
+        return policy, plans, widths
+
+    kept, plans, widths = run(lambda expected, k: min(k, round(expected)))  # the calibration holds: it keeps drafting
+    assert plans == [K] * 20 and 0.8 < kept.drafted_yield < 1.2
+    overrated, plans, widths = run(lambda expected, k: 0)  # no draft is ever accepted
+    assert overrated.drafted_yield == 0.0
+    assert plans[:6] == [K, 0, K, 0, 0, K] and plans.count(K) <= 5  # the first step, then only the probes
+    # the yield is the decayed ratio of accepted to expected drafts, trusted from 4 expected ones
+    policy = StepPolicy("budget", calibration, _costs(requests=(16,)), K)
+    policy._expected = {"a": 3.0, "b": 2.0}
+    policy.observe(["a", "b", "c"], [1, 1, None])
+    assert policy.drafted_yield == pytest.approx(2 / 5)
+    policy._expected = {"a": 1.0}
+    policy.observe(["a"], [1])
+    assert policy.drafted_yield == pytest.approx((YIELD_DECAY * 2 + 1) / (YIELD_DECAY * 5 + 1))
+    fresh = StepPolicy("budget", calibration, _costs(requests=(16,)), K)
+    fresh._expected = {"a": 3.0}
+    fresh.observe(["a"], [0])
+    assert fresh.drafted_yield == 1.0  # 3 expected drafts are too few to judge the calibration by
 
 
 def test_the_policy_explores_missing_costs(calibration):

@@ -1,2 +1,3 @@
-"""Serving: the OpenAI-compatible app (``app``), the batch-1 engine with its policies (``engine``), streaming text
-(``text``), the request/response schema (``schemas``) and the recorder of served requests (``recorder``)."""
+"""Serving: the OpenAI-compatible app (``app``, ``routes``, ``guards``), the one engine (``engine``: continuous
+batching, ``serve.max_batch`` requests per step, 1 included), streaming text (``text``), the request/response schema
+(``schemas``) and the recorder of served requests (``recorder``)."""

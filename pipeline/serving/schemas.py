@@ -1,4 +1,4 @@
-"""The OpenAI request/response schema the server speaks (the subset a batch-1 decoder can honour).
+"""The OpenAI request/response schema the server speaks (the subset the decoder can honour).
 
 Requests accept the usual fields of ``/v1/chat/completions`` and ``/v1/completions``; fields this server
 cannot honour (``n`` > 1, ``top_p`` < 1, ``top_k`` > 0, ``logprobs``/``top_logprobs``, tools, ``response_format``,

@@ -19,6 +19,13 @@ never change); the run lengths start again from 1 only after a drafting step who
 * ``budget``: the step's verify rows shared across requests (``allocate``: the widths that maximise the whole step's
   expected tokens per ms).
 
+Both decisions read the calibrated acceptance scaled by the **drafted yield**: the drafts vLLM actually accepted
+over the ones the calibration expected at the widths chosen (``observe``, a moving ratio over the recent drafting
+steps). A calibration fitted on another decoder's drafts, or on other prompts, that promises more than vLLM's steps
+deliver would otherwise keep the drafter running where it loses (measured: with 16 requests the gate kept drafting at
+0.93x vLLM's own ``ar``); the yield scales each request's first-draft acceptance, so every expected-token increment
+of its drafts scales with it.
+
 A request that opted out (``extra_args`` ``blockpilot_speculate: false``) always gets k = 0. While the step-cost
 table lacks samples for the current concurrency (``StepCosts.missing``), the policy explores: the step drafts or not
 and every request verifies the same width, chosen to fill the emptiest bucket (every choice is lossless; only speed
@@ -38,6 +45,9 @@ from pipeline.policy.widths import allocate, best_width
 
 KINDS = ("fixed", "verify_width", "budget")
 REUSE_STEPS = 8  # steps a gate decision is reused while the requests and their priors stay the same
+YIELD_DECAY = 0.9  # the drafted yield's weight on the past, per verifying step observed
+YIELD_MIN_EXPECTED = 4.0  # expected accepted drafts (decayed) before the yield is trusted (1 until then)
+YIELD_RANGE = (0.0, 1.5)  # the yield is clamped to this range
 
 
 class StepPolicy:
@@ -52,6 +62,7 @@ class StepPolicy:
         max_skip: the longest run of gated-off steps before a step drafts again to refresh the priors (0: never).
         explore: the samples each step-cost bucket needs before the policy trusts it.
     Attributes:
+        drafted_yield: accepted drafts / the calibration's expected ones at the verified widths (``observe``).
         decisions: counts of its choices: ``{"steps", "drafted", "explored", "probes"}``, and ``"verified"`` of
             ``"drafts"`` (kept by the caller, which sees every step's widths).
     Raises:
@@ -76,6 +87,8 @@ class StepPolicy:
         self._explore_width: int | None = None  # the uniform width of an exploring step
         self._learned = 0  # drafting steps learned from (the priors' version)
         self._gate: tuple | None = None  # (requests and priors, step, decision) of the last gate
+        self._expected: dict[str, float] = {}  # each request's expected accepted drafts at its width this step
+        self._yield = (0.0, 0.0)  # decayed sums of (accepted, expected) drafts
         self.decisions = {"steps": 0, "drafted": 0, "explored": 0, "probes": 0, "verified": 0, "drafts": 0}
 
     # ------------------------------------------------------------------------------------------------
@@ -118,7 +131,7 @@ class StepPolicy:
     def _worth(self, req_ids: Sequence[str], speculate: Sequence[bool]) -> bool:
         """``_worth_drafting``, reused for up to ``REUSE_STEPS`` steps while the requests and priors stay the same
         (between drafting steps only the cost samples change, and slowly: the gate costs ~0.5 ms at 16 requests)."""
-        key = (tuple(req_ids), tuple(speculate), self._learned)
+        key = (tuple(req_ids), tuple(speculate), self._learned, round(self.drafted_yield, 3))
         if self._gate is not None and self._gate[0] == key and self.decisions["steps"] - self._gate[1] < REUSE_STEPS:
             return self._gate[2]
         worth = self._worth_drafting(req_ids, speculate)
@@ -134,7 +147,7 @@ class StepPolicy:
                 prior = self.priors.get(r, self.population)
                 if prior is None:
                     return True  # nothing known yet: draft to learn
-                acceptance.append(prior[: self.num_spec])
+                acceptance.append(self._scaled(prior[: self.num_spec]))
         plain = n / self.costs.step_ms(n, n, drafted=False)
         _, rate = allocate(acceptance, lambda rows: self.costs.step_ms(rows, n, drafted=True), n - len(acceptance))
         return rate > plain * (1.0 + self.margin)
@@ -151,6 +164,7 @@ class StepPolicy:
             ValueError: when ``confidence`` does not have one row per request.
         """
         n = len(req_ids)
+        self._expected = {}
         if confidence is None or n == 0:
             return [0] * n
         if confidence.shape[0] != n:
@@ -161,8 +175,9 @@ class StepPolicy:
         elif self._explore_width is not None:
             out = [min(self._explore_width, k_max) if s else 0 for s in speculate]
         else:
-            acceptance = {i: self.calibration.predict(confidence[i].double()) for i, s in enumerate(speculate) if s}
-            self._learn(req_ids, acceptance)
+            calibrated = {i: self.calibration.predict(confidence[i].double()) for i, s in enumerate(speculate) if s}
+            self._learn(req_ids, calibrated)
+            acceptance = {i: self._scaled(a) for i, a in calibrated.items()}
             if self.kind == "verify_width":
                 draft_ms = self.costs.at("draft", n) / n
                 fixed = self.costs.at("overhead", n) / n
@@ -176,6 +191,38 @@ class StepPolicy:
                 for i, k in zip(order, chosen):
                     out[i] = int(k)
             self._backoff(acceptance, out)
+            self._expected = {req_ids[i]: float(torch.cumprod(a[: out[i]], 0).sum()) for i, a in calibrated.items()}
+        return out
+
+    # ------------------------------------------------------------------------------------------------
+    @property
+    def drafted_yield(self) -> float:
+        """Accepted / expected drafts over the recent verifying steps (1 before ``YIELD_MIN_EXPECTED``)."""
+        accepted, expected = self._yield
+        if expected < YIELD_MIN_EXPECTED:
+            return 1.0
+        return min(max(accepted / expected, YIELD_RANGE[0]), YIELD_RANGE[1])
+
+    def observe(self, req_ids: Sequence[str], accepted: Sequence[int | None]) -> None:
+        """The drafts each request's last verify accepted (None: it verified none), for the drafted yield: held
+        against what the calibration expected of them when ``widths`` chose them."""
+        got = want = 0.0
+        for r, a in zip(req_ids, accepted):
+            if r in self._expected and a is not None:
+                got, want = got + float(a), want + self._expected[r]
+        self._expected = {}
+        if want > 0:
+            old_got, old_want = self._yield
+            self._yield = (YIELD_DECAY * old_got + got, YIELD_DECAY * old_want + want)
+
+    def _scaled(self, acceptance: torch.Tensor) -> torch.Tensor:
+        """``acceptance`` with its first draft's probability times the drafted yield (capped at 1), so each
+        expected-token increment scales by it."""
+        y = self.drafted_yield
+        if y == 1.0 or not len(acceptance):
+            return acceptance
+        out = acceptance.clone()
+        out[0] = min(1.0, float(out[0]) * y)
         return out
 
     def _backoff(self, acceptance: dict[int, torch.Tensor], widths: list[int]) -> None:

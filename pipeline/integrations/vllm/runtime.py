@@ -8,11 +8,12 @@ runner; the CPU runner ``CPUModelRunner`` inherits them):
   forward, sampling and rejection, the drafter, bookkeeping) for the learned step costs (``StepCosts``);
 * ``propose_draft_token_ids`` (:4748, called from ``sample_tokens`` at :4365 after the step's sampling): before the
   drafter runs, read how many of each request's verified drafts were accepted (the rejection sampler's output,
-  -1 after a rejection) for the label log, and let the policy decide whether the drafter drafts at all
-  (``StepPolicy.plan``; K = 0 goes to the drafter as the scheduler's ``num_spec_tokens_to_schedule``, the
-  per-step K vLLM's dynamic speculative decoding also uses: ``DFlashProposer`` then feeds the step's context to its
-  cache and drafts nothing, llm_base_proposer.py:606-614); after it, choose every request's verify width
-  (``StepPolicy.widths``) from the drafter's probabilities (``BlockPilotDFlashQwen3ForCausalLM.confidence``);
+  -1 after a rejection) for the policy's drafted yield (``StepPolicy.observe``) and the label log, and let the
+  policy decide whether the drafter drafts at all (``StepPolicy.plan``; K = 0 goes to the drafter as the scheduler's
+  ``num_spec_tokens_to_schedule``, the per-step K vLLM's dynamic speculative decoding also uses: ``DFlashProposer``
+  then feeds the step's context to its cache and drafts nothing, llm_base_proposer.py:606-614); after it, choose
+  every request's verify width (``StepPolicy.widths``) from the drafter's probabilities
+  (``BlockPilotDFlashQwen3ForCausalLM.confidence``);
 * ``take_draft_token_ids`` (:4627, called by the engine after each step, v1/engine/core.py:694): cut each request's
   draft list to its width. The scheduler verifies exactly ``len(request.spec_token_ids)`` drafts of each request
   (v1/core/sched/scheduler.py:861-876), so a cut request verifies fewer rows next step; verification stays vLLM's
@@ -167,6 +168,21 @@ def calibration_of(settings: Settings, drafter_dir: str):
                                 "the plugin's label logs), or use BLOCKPILOT_VLLM_POLICY=fixed") from None
 
 
+def accepted_drafts(sampled, num_draft_tokens, n: int) -> list[int | None]:
+    """How many of each of the step's n requests' verified drafts were accepted (None where it verified none), from
+    the rejection sampler's output (a [n, K + 1] tensor with -1 after a rejection, or lists of the kept tokens: the
+    accepted drafts and the bonus token)."""
+    if torch.is_tensor(sampled):
+        kept = (sampled != -1).sum(-1).tolist()
+    else:
+        kept = [len(s) for s in sampled]
+    out: list[int | None] = []
+    for i in range(n):
+        k = int(num_draft_tokens[i]) if i < len(num_draft_tokens) else 0
+        out.append(max(0, min(k, kept[i] - 1)) if k > 0 and i < len(kept) else None)
+    return out
+
+
 def _controller(runner) -> "Controller | None":
     """The runner's ``Controller``, built on first use; None when the runner does not serve our drafter."""
     controller = runner.__dict__.get("_blockpilot")
@@ -262,8 +278,12 @@ class Controller:
         """The drafter's run for the next step, planned by the policy (see the module docstring); returns its drafts."""
         self._step += 1
         req_ids = list(self.runner.input_batch.req_ids)
-        if self.labels is not None and spec_decode_metadata is not None:
-            self._write_labels(req_ids, sampled_token_ids, spec_decode_metadata.num_draft_tokens)
+        if spec_decode_metadata is not None:
+            accepted = accepted_drafts(sampled_token_ids, spec_decode_metadata.num_draft_tokens, len(req_ids))
+            if self.policy.kind != "fixed":
+                self.policy.observe(req_ids, accepted)
+            if self.labels is not None:
+                self._write_labels(req_ids, spec_decode_metadata.num_draft_tokens, accepted)
         flags = [self.speculates(r) for r in req_ids]
         live = set(req_ids)
         for gone in [r for r in self._speculate if r not in live]:
@@ -293,9 +313,9 @@ class Controller:
         now = time.monotonic()
         if now - self._summary_t >= SUMMARY_EVERY_S:
             counts = {k: v - self._summary.get(k, 0) for k, v in self.policy.decisions.items()}
-            log.info("BlockPilot: last %.0f s: %d steps, %d drafted (%d probes, %d exploring), %d of %d drafts verified",
-                     now - self._summary_t, counts["steps"], counts["drafted"], counts["probes"], counts["explored"],
-                     counts["verified"], counts["drafts"])
+            log.info("BlockPilot: last %.0f s: %d steps, %d drafted (%d probes, %d exploring), %d of %d drafts verified, "
+                     "drafted yield %.2f", now - self._summary_t, counts["steps"], counts["drafted"], counts["probes"],
+                     counts["explored"], counts["verified"], counts["drafts"], self.policy.drafted_yield)
             self._summary_t, self._summary = now, dict(self.policy.decisions)
         return drafts
 
@@ -304,18 +324,14 @@ class Controller:
         widths, self._widths = self._widths, {}
         return [list(d[: widths[r]]) if r in widths else d for r, d in zip(req_ids, drafts)]
 
-    def _write_labels(self, req_ids: list[str], sampled, num_draft_tokens) -> None:
+    def _write_labels(self, req_ids: list[str], num_draft_tokens, accepted: list[int | None]) -> None:
         """Label rows of the drafts this step verified (their probabilities were recorded last step)."""
-        if torch.is_tensor(sampled):
-            valid = (sampled != -1).sum(-1).tolist()  # the accepted drafts and the bonus token (-1: rejected)
-        else:
-            valid = [len(s) for s in sampled]
         rows = []
-        for i, r in enumerate(req_ids):
-            k = int(num_draft_tokens[i]) if i < len(num_draft_tokens) else 0
+        for i, (r, a) in enumerate(zip(req_ids, accepted)):
             confidence = self._pending.get(r)
-            if k > 0 and confidence is not None and i < len(valid) and k <= len(confidence):
-                row = step_row(r, self._step, self.num_spec + 1, confidence, k, max(0, min(k, valid[i] - 1)))
+            k = int(num_draft_tokens[i]) if i < len(num_draft_tokens) else 0
+            if a is not None and confidence is not None and 0 < k <= len(confidence):
+                row = step_row(r, self._step, self.num_spec + 1, confidence, k, a)
                 if row is not None:
                     rows.append(row)
         self.labels.write(rows)
