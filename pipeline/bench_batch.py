@@ -7,9 +7,10 @@
 For the configured target and drafter, the prompts (``data``, ``bench.split``) are first decoded one at a time with
 batch-1 ``ar`` (B = 1): that is every request's reference text and ``batch1_ar_tokens_per_s``. Then, for every arrival
 pattern of ``bench.arrivals`` (``burst``: every request arrives at once; ``poisson``: arrivals at ``bench.rate`` per
-second), every concurrency c (at most c requests decode together; the rest queue and join at a step boundary after
-their prefill) and every method of ``bench.methods`` (built by the one method table, ``pipeline.policy.setup``, as
-the eval stage and the server build them: ``ar``, ``fixed``, ``verify_width``, ``budget``, ...), the workload is decoded with ``pipeline.decoding.batched.decode_all``. Per run:
+second), every concurrency c (at most c requests decode together; the rest queue and join at a step boundary after their
+prefill) and every method of ``bench.methods`` (built by the one method table, ``pipeline.policy.setup``, as the eval
+stage and the server build them: ``ar``, ``fixed``, ``verify_width``, ``budget``, ...), the workload is decoded with
+``pipeline.decoding.batched.decode_all``. Per run:
 
 - ``tokens_per_s``: all requests' new tokens / wall time from the first arrival to the last token;
   ``tokens_per_s_ci``: a percentile bootstrap 95% interval, resampling the run's batched steps and prefills (each a
@@ -24,10 +25,11 @@ chosen with foresight, per concurrency, on the same cost model): how much of the
 
 The JSON has ``batch1_ar_tokens_per_s``, ``by_concurrency["<c>"]["<method>"]`` for the first arrival pattern (burst by
 default) and ``by_arrivals["<pattern>"]`` for each; a Markdown table is written beside it, and a W&B run logs the
-figures. The batched cost model that ``verify_width`` and ``budget`` read is measured once per machine
-(``pipeline.timing.batched.batch_costs_of``, cached after a spot check) from ``policy.budget.costs.*``, and the
-calibration and skip rule are ``policy.verify_width``'s (``conf/policy/default.yaml``): the settings the server's
-``serve.policy=budget`` reads, so both build the same ``BudgetPolicy``. Timings need a quiet machine: other processes on the cores inflate every figure.
+figures. ``verify_width`` reads the batch-1 cost model (``policy.verify_width.latency``); the batched cost model that
+``budget`` reads is measured once per machine (``pipeline.timing.batched.batch_costs_of``, cached after a spot check)
+from ``policy.budget.costs.*``, and the calibration and skip rule are ``policy.verify_width``'s
+(``conf/policy/default.yaml``): the settings the server's ``serve.policy=budget`` reads, so both build the same
+``BudgetPolicy``. Timings need a quiet machine: other processes on the cores inflate every figure.
 """
 
 from __future__ import annotations

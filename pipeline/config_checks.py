@@ -10,21 +10,19 @@ calls its own package's check).
 from __future__ import annotations
 
 STAGES = ("label", "dataset", "train", "eval", "bench_label", "draft", "serve")
-MODEL_STAGES = ("label", "eval", "bench_label", "draft", "serve")  # the stages that load the target on model.device
 
 
 def validate_config(cfg, stage: str) -> None:
     """Check the composed config of ``stage`` before any model or data loads.
 
-    Checks, where the groups exist: ``model.device`` for the stages that load the target (``MODEL_STAGES``: one this
+    Checks, where the groups exist: ``model.device`` for the stages that load the target (label, eval, bench_label, draft, serve: one this
     PyTorch can run on; ``cuda`` on a CPU-only build is refused before the weights load), ``model.candidates`` (distinct
     integers >= 1), ``decode.max_new_tokens`` (>= 1), ``decode.temperature`` (finite, >= 0), ``decode.block_size``
     (null or >= 1; 0 is not "default"), ``data.limit`` (null or >= 0), ``data.missing``; for ``eval``: every
     ``eval.methods`` entry is known and each predictor method has a ``policy.<method>.predictor`` sub-folder,
     ``policy.verify_width``, ``eval.split``; for ``label``: ``label.block_sizes``, ``mode``, ``turns``, ``lm_head``; for
     ``draft``: ``draft.loss``, each set's ``temperature`` and a ``source: self`` set's ``limit``,
-    ``draft.checkpoint_every``; for ``serve``: ``serve.policy`` (servable; ``budget`` only with ``serve.max_batch > 1``:
-    the message names ``serve.max_batch=8``), ``serve.max_batch``, ``policy.budget.costs`` (for budget) and the
+    ``draft.checkpoint_every``; for ``serve``: ``serve.policy`` (servable), ``serve.max_batch`` (>= 1), ``policy.budget.costs`` (for budget) and the
     policies' options.
 
     Args:

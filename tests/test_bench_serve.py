@@ -3,6 +3,10 @@ read alike (token ids, tau, steps), and the table has one row per server with ev
 
 from __future__ import annotations
 
+import pytest
+from omegaconf import OmegaConf
+
+from pipeline.bench_serve import bench_serve
 from pipeline.evaluation.serving import _figures, markdown
 
 
@@ -26,3 +30,9 @@ def test_the_table_has_a_row_per_server():
     assert table[0] == "| server | c=1 tokens/s (exact, tau) | c=8 tokens/s (exact, tau) |"
     assert table[2] == "| ours | 30.0 (1.00, 1.40) | 80.0 (1.00, 1.40) |"
     assert table[3] == "| vllm_ar | 16.0 (1.00, -) |  |"
+
+
+def test_one_running_server_cannot_be_benchmarked_as_several():
+    cfg = OmegaConf.create({"bench": {"base_url": "http://127.0.0.1:8000", "servers": [{"name": "a"}, {"name": "b"}]}})
+    with pytest.raises(ValueError, match="drop bench.base_url"):
+        bench_serve(cfg)

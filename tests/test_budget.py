@@ -188,3 +188,7 @@ def test_measured_costs_are_cached(tiny, tmp_path):
     assert fresh != costs and json.loads(files[0].read_text())["batch_costs"] == fresh.to_dict()
     with pytest.raises(ValueError, match="repeats"):
         batch_costs_of(decoder, {**settings_, "repeats": 0, "cache": None}, model, block_size=4, max_requests=2)
+    # B = 2: two blocks of 2 rows do not fit in one block of B, so no per-request drafter share is timed (0), and the
+    # draft table is the drafter's whole cost
+    small = batch_costs_of(decoder, {**settings_, "cache": None}, model, block_size=2, max_requests=2)
+    assert small.draft_per_request_ms == 0.0 and small.draft_rows == [2, 4] and all(v > 0 for v in small.draft_ms)

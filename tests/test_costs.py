@@ -147,9 +147,11 @@ def test_cached_per_machine_and_forward_path_and_remeasured_on_a_key_change(tmp_
     files = sorted(cache.glob("latency-*.json"))
     assert len(files) == 1 and first.block_sizes == list(range(1, 9)) and first.context_buckets == [8, 32]
     stored = json.loads(files[0].read_text())
-    assert stored["key"]["forward"] == trained_decoder.forward_path() and stored["key"]["block_sizes"] == [4, 8]
-    # reused (measured timings never repeat exactly), also by another stage's section with the same settings
+    assert stored["key"]["forward"] == trained_decoder.forward_path() and stored["key"]["block_sizes"] == list(range(1, 9))
+    # reused (measured timings never repeat exactly), also by another stage's section with the same settings, and by a
+    # caller reading other widths up to the same largest one (every width 1..max is measured and keyed)
     assert load_or_measure(trained_decoder, cfg, [8, 4, 4]) == first
+    assert load_or_measure(trained_decoder, cfg, [2, 8]) == first
     assert load_or_measure(trained_decoder, cfg, [4, 8], "eval.verify_width.latency") == first
     assert len(list(cache.glob("latency-*.json"))) == 1
     # another forward path (e.g. another backend or KV cache): another key, measured afresh, the first file kept

@@ -20,6 +20,7 @@ from pipeline import PROJECT_ROOT
 from pipeline.costs import CostModel
 from pipeline.policy.calibration import (AcceptanceCalibration, calibration_samples, export_calibration, find_calibration,
                                          fit_from_labels, load_calibration, reliability)
+from pipeline.policy.registry import run_folder
 from pipeline.policy.verify_width import VerifyWidthSchedule, foresight_bound, step_acceptances
 from pipeline.policy.widths import best_width, expected_tokens
 from pipeline.prompts import chat_input_ids
@@ -275,6 +276,13 @@ def test_calibration_lookup_order_and_the_shipped_one(tmp_path):
     assert find_calibration(str(shipped / "calibration.json"), tmp_path / "run" / "verify_width", None) == shipped / "calibration.json"
     with pytest.raises(FileNotFoundError, match="make label/dataset/train"):
         find_calibration(None, tmp_path / "other", None)
+    assert find_calibration(None, None, str(shipped)) == shipped / "calibration.json"  # no run: the drafter's
+    # the run behind serve.predictor_dir / eval.predictor_dir: the run's predictors folder itself, or, for a predictor
+    # folder given directly, the folder above it (whose verify_width/ holds the run's calibration)
+    (tmp_path / "run" / "mlp").mkdir()
+    (tmp_path / "run" / "mlp" / "predictor.json").write_text("{}")
+    assert run_folder(tmp_path / "run") == tmp_path / "run" and run_folder(tmp_path / "run" / "mlp") == tmp_path / "run"
+    assert run_folder(None) is None
 
 
 def test_the_train_stage_fits_on_the_train_split_and_checks_on_the_test_split(tmp_path):

@@ -13,10 +13,10 @@ Nothing here imports torch or any module of the project above it: the measuring 
 
 from pipeline.costs.batched import BatchCostModel, check_batch_cost_settings
 from pipeline.costs.curves import interp, monotone, suspect_points
-from pipeline.costs.model import CACHE_PREFIX, FIT, PARTS, CostModel, StepCosts, identity, load, steps_of
+from pipeline.costs.model import CACHE_PREFIX, FIT, PARTS, CostModel, identity, load, steps_of
 from pipeline.costs.monitor import DriftMonitor
 from pipeline.costs.timer import Timing, retime, time_points
 
-__all__ = ["BatchCostModel", "CACHE_PREFIX", "CostModel", "DriftMonitor", "FIT", "PARTS", "StepCosts", "Timing",
+__all__ = ["BatchCostModel", "CACHE_PREFIX", "CostModel", "DriftMonitor", "FIT", "PARTS", "Timing",
            "check_batch_cost_settings", "identity", "interp", "load", "monotone", "retime", "steps_of",
            "suspect_points", "time_points"]

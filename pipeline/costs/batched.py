@@ -7,12 +7,9 @@ only, like the rest of ``pipeline.costs``.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 from pipeline.costs.curves import interp
-
-log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -25,29 +25,15 @@ vLLM plugin) can read it.
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Protocol, Sequence
+from typing import Mapping, Sequence
 
 from pipeline.costs.curves import interp, monotone
-
-log = logging.getLogger(__name__)
 
 FIT = "isotonic"  # the one curve fit; stored models of older fits ("linear", "interp") hold the same timings
 CACHE_PREFIX = "latency"  # batch-1 cost models: <cache>/latency-<key>.json
 PARTS = ("verify", "draft")
-
-
-# ------------------------------------------------------------------------------------------------
-# the one curve fit
-# ------------------------------------------------------------------------------------------------
-class StepCosts(Protocol):
-    """What a policy reads of a cost model (ms). A batched cost model (issue 25) adds its own arguments."""
-
-    def step_ms(self, block_size: int, context: int, rows: int | None = None) -> float: ...
-
-    def prefill_ms(self, tokens: int) -> float: ...
 
 
 # ------------------------------------------------------------------------------------------------

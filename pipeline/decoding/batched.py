@@ -1,11 +1,12 @@
 """Many requests, one step: N active requests advance together, each exactly as ``SpeculativeDecoder.step`` would.
 
-A batched step (``BatchedDecoder.step``) takes every active request's next block size b_i (from its schedule, capped
-by its remaining token budget; a planner may make it 1 = skip the drafter), runs ONE drafter forward over all drafting
-requests' blocks, chooses each request's verify width k_i (its own verify-width policy, the ``BatchPolicy``'s joint
-allocation such as ``pipeline.policy.budget.BudgetPolicy``'s, or b_i - 1), runs ONE target forward over all verified rows (request i
-contributes k_i + 1), then per request keeps the longest matching prefix plus the bonus token, rolls its caches back and
-samples with its own position-keyed sampler. The forwards are ``pipeline.models.batched_forward.BatchedForward``:
+A batched step (``BatchedDecoder.step``) takes every active request's next block size b_i (from its schedule, capped by
+its remaining token budget; the ``BatchPolicy``'s ``plan`` may make it 1 = skip the drafter), runs ONE drafter forward
+over all drafting requests' blocks, chooses each request's verify width k_i (its own verify-width policy, the
+``BatchPolicy``'s joint allocation such as ``pipeline.policy.budget.BudgetPolicy``'s, or b_i - 1), runs ONE target
+forward over all verified rows (request i contributes k_i + 1), then per request keeps the longest matching prefix plus
+the bonus token, rolls its caches back and samples with its own position-keyed sampler. The forwards are
+``pipeline.models.batched_forward.BatchedForward``:
 linears once over the concatenated rows, attention per request over its own cache, so each request's logits are bit
 for bit those of its decode alone at the same widths (on the smallm backend; off it, each request's forward runs
 alone). Every k is lossless, so each request's text at T=0 is its autoregressive text whatever the batch's

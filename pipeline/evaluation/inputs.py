@@ -21,7 +21,6 @@ log = logging.getLogger(__name__)
 
 EvalInputs = PolicyInputs  # the eval stage's name for the methods' loaded inputs
 LABEL_METHODS = tuple(m for m, d in METHODS.items() if registry.LABELS in d.needs)
-PREDICTOR_METHODS = ("blockpilot", "full_vocab")
 WIDTH_METHODS = tuple(m for m, d in METHODS.items() if registry.CALIBRATION in d.needs)
 SPLIT_METHODS = tuple(m for m, d in METHODS.items() if d.label_split)
 

@@ -178,7 +178,7 @@ def label_prompt(decoder: SpeculativeDecoder, input_ids: torch.Tensor, settings:
         ValueError: replay mode without a latency model; bad prompts/block sizes (from the decoder).
     """
     if settings.mode == "replay" and latency is None:
-        raise ValueError("replay mode needs a cost model (pipeline.costs.load_or_measure) for tokens/s")
+        raise ValueError("replay mode needs a cost model (pipeline.timing.steps.load_or_measure) for tokens/s")
     candidates = settings.candidates
     prefill = decoder.prefill(input_ids, settings.decode_config(settings.seed), want_features=True)
     n = prefill.input_ids.shape[1]

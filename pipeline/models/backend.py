@@ -178,11 +178,14 @@ def exact_crossover() -> dict[str, int]:
     key = {"kernel": hashlib.sha256(_KERNEL.read_bytes()).hexdigest()[:12], "formats": list(EXACT_FORMATS),
            "rows": list(_TUNE_ROWS), "cpu": _cpu_name(), "threads": torch.get_num_threads()}
 
+    measured: dict = {}
+
     def measure() -> dict:
         log.info("smallm: measuring where float32 panels beat the exact forms on this CPU (once, ~5 s)")
         timings: dict = {}
         found = measure_crossover(timings=timings)
-        return {"crossover": found, "ms_exact_f32": {f: {str(r): v for r, v in t.items()} for f, t in timings.items()}}
+        measured.update(crossover=found, ms_exact_f32={f: {str(r): v for r, v in t.items()} for f, t in timings.items()})
+        return measured
 
     def check(stored: dict) -> str | None:
         found = stored.get("crossover") or {}
@@ -191,9 +194,9 @@ def exact_crossover() -> dict[str, int]:
 
     try:
         data = store.cached(store.default_dir(), "smallm-crossover", key, "crossover", measure, check)
-    except OSError as err:  # an unwritable cache folder: measured every process
+    except OSError as err:  # an unwritable cache folder: measured every process (once: kept if already measured)
         log.warning("smallm: could not cache the crossover (%s)", err)
-        data = measure()
+        data = measured or measure()
     return dict(data["crossover"])
 
 

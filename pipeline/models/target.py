@@ -188,7 +188,7 @@ def new_cache(model: PreTrainedModel, kind: str | None = "auto"):
     """An empty KV cache for ``model`` that the decoder can roll back, built from the config (sliding-window layers
     get transformers' sliding layers) with past recording on, as z-lab's code does, so that a sliding-window layer
     can be cropped after a verify step once the window is full (without it transformers raises at B > 1). Crop it
-    with ``pipeline.decoding.speculative.crop_to`` after every forward.
+    with ``pipeline.models.cache.crop_to`` after every forward.
 
     Args:
         kind: ``dynamic`` (transformers' ``DynamicCache``: every append concatenates), ``preallocated``

@@ -1,10 +1,12 @@
 """The BlockPilot policy: features of the prefill distribution -> a small predictor -> one block size per request.
 
-Modules: ``features`` (featurizers shared by the dataset stage and the decoder), ``predictors`` (nets),
-``module`` (Lightning training), ``fallback`` (the confidence fallback to the training block size),
-``export`` (``predictor.safetensors`` + ``predictor.json``), ``schedule`` (``PredictorSchedule``, the decoder-side ``Schedule``),
-``verify_width`` (the per-step verify width), ``baselines`` (transformers' own ``generate``), and ``registry``: every
-decoding method declared once, built by the eval stage and the server alike.
+Modules: ``features`` (featurizers shared by the dataset stage and the decoder), ``predictors`` (nets), ``module``
+(Lightning training), ``fallback`` (the confidence fallback to the training block size), ``export``
+(``predictor.safetensors`` + ``predictor.json``), ``schedule`` (``PredictorSchedule``, the decoder-side ``Schedule``),
+``calibration`` and ``widths`` (the drafts' acceptance and the verify width they pay for; light, read by the vLLM
+plugin), ``verify_width`` (the per-step verify-width schedule), ``budget`` (a batched step's widths chosen jointly),
+``baselines`` (transformers' ``generate``, vLLM), ``registry`` (every decoding method declared once) and ``setup`` (the
+one builder of a stage's methods: eval, serve and bench_batch), ``checks`` (the policy options' config check).
 """
 
 import importlib

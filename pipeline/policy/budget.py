@@ -86,7 +86,6 @@ class BudgetPolicy(BatchPolicy):
             ms of the step without them.
     Attributes:
         widths: the last ``WIDTHS_KEPT`` k it chose, in order (bounded: a server runs one policy for days);
-        drafted: per planned step (the last ``WIDTHS_KEPT``), how many requests drafted;
         population: [B-1] the moving average (weight ``POPULATION_WEIGHT`` per request-step) of every drafting
             request's calibrated acceptance per column, or None before any request drafted.
         drafted_yield: the moving average of (expected tokens, verified rows) of a drafting request's step at the
@@ -113,7 +112,6 @@ class BudgetPolicy(BatchPolicy):
         self.drafted_yield: tuple[float, float] | None = None
         self.admitted: dict[int, bool] = {}
         self.widths: collections.deque[int] = collections.deque(maxlen=WIDTHS_KEPT)
-        self.drafted: collections.deque[int] = collections.deque(maxlen=WIDTHS_KEPT)
 
     def admit(self, schedule: Schedule, load: int) -> Schedule:
         """``schedule`` when drafting can pay at ``load`` requests (``drafting_pays``), else autoregressive decoding
@@ -158,7 +156,6 @@ class BudgetPolicy(BatchPolicy):
         if self.gate:
             out = self._gate(requests, out)
         self._plain = sum(1 for b in out if b <= 1)
-        self.drafted.append(len(out) - self._plain)
         return out
 
     def _gate(self, requests: Sequence, sizes: list[int]) -> list[int]:

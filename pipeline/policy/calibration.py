@@ -212,9 +212,10 @@ def export_calibration(out_dir: str | Path, fitted: dict) -> Path:
     return path
 
 
-def find_calibration(explicit: str | None, run_dir: str | Path, drafter: str | None) -> Path:
+def find_calibration(explicit: str | None, run_dir: str | Path | None, drafter: str | None) -> Path:
     """Where a run's calibration is read: ``explicit`` when set, else ``run_dir/calibration.json`` (the train stage's
-    export, ``data/predictors/<run>/verify_width``) when present, else the drafter folder's shipped ``calibration.json``.
+    export, ``data/predictors/<run>/verify_width``; None: no run) when present, else the drafter folder's shipped
+    ``calibration.json``.
 
     Raises:
         FileNotFoundError: when none exists (names the train stage and the override).
@@ -223,7 +224,7 @@ def find_calibration(explicit: str | None, run_dir: str | Path, drafter: str | N
 
     if explicit:
         return Path(resolve_path(str(explicit)))
-    tried = [Path(run_dir) / CALIBRATION_NAME]
+    tried = [Path(run_dir) / CALIBRATION_NAME] if run_dir is not None else []
     if drafter:
         tried.append(Path(resolve_path(str(drafter))) / CALIBRATION_NAME)
     for path in tried:

@@ -1,7 +1,6 @@
 """Every decoding method (policy) declared once: what it needs and how it builds a per-request schedule.
 
-The eval stage (``pipeline.evaluation``) and the server (``pipeline.serving.engine.build_policy``) both build their
-schedules here, from the same options (the ``policy`` config group, ``conf/policy/default.yaml``: ``policy.<method>.*``
+The eval stage, the server and ``pipeline.bench_batch`` build their schedules here (through ``pipeline.policy.setup``), from the same options (the ``policy`` config group, ``conf/policy/default.yaml``: ``policy.<method>.*``
 in ``conf/evaluate.yaml`` and ``conf/serve.yaml`` alike) and the same loaded inputs (``PolicyInputs``).
 
 Methods (``METHODS``):
@@ -15,8 +14,8 @@ Methods (``METHODS``):
     ``policy.verify_width``); ``hybrid``: the same with blockpilot's B;
   * ``budget``: every batched step's verify widths chosen jointly over the requests sharing it
     (``pipeline.policy.budget.BudgetPolicy``: verify_width's calibration, B and skip rule + the batched step cost model,
-    ``policy.budget.costs``); only a batched decoder runs it: the server with ``serve.max_batch > 1`` (serve only: the
-    eval stage decodes one request at a time; ``pipeline.bench_batch`` benchmarks it);
+    ``policy.budget.costs``); only a batched decoder runs it: the server (any ``serve.max_batch``; the eval stage decodes
+    one request at a time; ``pipeline.bench_batch`` benchmarks it);
   * ``hf_generate`` / ``hf_prompt_lookup``: transformers' own ``generate`` on the same target (greedy at T=0, sampled
     above), plain or with prompt-lookup decoding (``pipeline.policy.baselines``; eval only: the server streams from the
     speculative decoder);
@@ -83,7 +82,7 @@ class PolicyInputs:
         labels: label rows (``pipeline.labeling.store.read_label_table``); label_meta: its ``meta.json``;
         splits: ``{split: prompt ids}`` from the feature DatasetDict; predictors: ``{method: Predictor}``;
         calibration / calibration_path / latency: the verify-width policy's acceptance calibration (and where it was
-        read) and this machine's ``LatencyModel`` (step costs by width and context, ms);
+        read) and this machine's ``CostModel`` (step costs by width and context, ms);
         batch_costs: this machine's ``BatchCostModel`` (a batched step's cost, ms; ``budget``).
     """
 
@@ -329,8 +328,8 @@ class Method:
         per_step: whether B changes after every step (the report's B column says so).
         servable: whether the server can run it (None: yes; else why not).
         label_split: whether it is scored on the dataset's test split (``eval.split=auto``).
-        batched: whether only a batched decoder runs it (its factory is a ``JointWidths``; not the eval stage, and the
-            server only with ``serve.max_batch > 1``).
+        batched: whether only a batched decoder runs it (its factory is a ``JointWidths``; the server and bench_batch, not the
+            eval stage).
     """
 
     name: str
@@ -368,7 +367,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
 )}
 SERVABLE = tuple(name for name, m in METHODS.items() if m.servable is None)
 EVALUABLE = tuple(name for name, m in METHODS.items() if not m.batched)  # what the eval stage can run
-BATCHED = tuple(name for name, m in METHODS.items() if m.batched)  # served only with serve.max_batch > 1
+BATCHED = tuple(name for name, m in METHODS.items() if m.batched)  # the server's and bench_batch's, not eval's
 
 
 def _vllm_installed() -> bool:
@@ -427,6 +426,16 @@ def predictor_folder(predictor_dir: str | Path, method: str, options: Mapping) -
     return directory / str(sub)
 
 
+def run_folder(predictor_dir: str | Path | None) -> Path | None:
+    """The run's predictors folder behind ``predictor_dir`` (its parent when ``predictor_dir`` is a predictor folder
+    given directly, ``predictor_folder``'s first case); its ``verify_width`` sub-folder holds the run's calibration.
+    None without one."""
+    if not predictor_dir:
+        return None
+    directory = Path(predictor_dir)
+    return directory.parent if (directory / "predictor.json").is_file() else directory
+
+
 def load_method_predictor(method: str, directory: str | Path, decoder=None, candidates=None, device: str = "cpu",
                           missing_hint: str = ""):
     """The exported predictor of ``method`` at ``directory``, checked against ``candidates`` and the decoder.
@@ -479,10 +488,11 @@ def load_verify_width(inputs: PolicyInputs, decoder, options: Mapping, run_dir: 
 
 
 def load_batch_costs(inputs: PolicyInputs, decoder, options: Mapping, model, block_size: int, max_requests: int,
-                     seed: int = 0) -> None:
+                     seed: int = 0, fresh: bool = False) -> None:
     """This machine's batched step cost model (``policy.budget.costs``: measured once per machine, models and forward
-    path, then read from its cache; ``pipeline.costs.batched.batch_costs_of``) into ``inputs.batch_costs``, timed for
-    blocks of ``block_size`` and up to ``max_requests`` requests per step.
+    path, then read from its cache; ``pipeline.timing.batched.batch_costs_of``) into ``inputs.batch_costs``, timed for
+    blocks of ``block_size`` and up to ``max_requests`` requests per step. ``fresh``: measure again, replace the cache
+    and update the model ``inputs`` holds in place (every policy holding it reads the new costs).
 
     Raises:
         ValueError: for a bad ``policy.budget.costs`` block, or as ``measure_batch_costs``.
@@ -490,6 +500,10 @@ def load_batch_costs(inputs: PolicyInputs, decoder, options: Mapping, model, blo
     from pipeline.timing.batched import batch_costs_of
 
     settings = (options.get("budget") or {}).get("costs")
-    inputs.batch_costs = batch_costs_of(decoder, settings, model, block_size, max_requests, seed, "policy.budget.costs")
+    costs = batch_costs_of(decoder, settings, model, block_size, max_requests, seed, "policy.budget.costs", fresh=fresh)
+    if fresh and inputs.batch_costs is not None:
+        inputs.batch_costs.update(costs)
+        return
+    inputs.batch_costs = costs
     log.info("budget: batched step cost model for B=%d and up to %d requests (%s)", block_size, max_requests,
              settings.get("cache") or "measured now, not cached")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from pipeline.policy import registry
 
@@ -100,7 +99,8 @@ def load_inputs(cfg, decoder, methods, src: Sources, inputs: registry.PolicyInpu
             method, directory, decoder, list(cfg.model.candidates) if src.check_candidates else None,
             str(decoder.device) if decoder is not None else "cpu", src.missing_hint)
     if registry.CALIBRATION in needs:
-        registry.load_verify_width(inputs, decoder, options, Path(str(src.predictor_dir)) / "verify_width",
+        run_dir = registry.run_folder(src.predictor_dir)
+        registry.load_verify_width(inputs, decoder, options, run_dir / "verify_width" if run_dir else None,
                                    cfg.model.get("drafter"), widths(cfg, decoder, src) if decoder is not None else [],
                                    cfg if registry.COSTS in needs else None)
     if registry.BATCH_COSTS in needs:
@@ -140,7 +140,7 @@ class CostWatch:
     decoder: object
     inputs: registry.PolicyInputs
     src: Sources
-    monitors: dict = field(default_factory=dict)
+    monitors: dict = field(init=False)
 
     def __post_init__(self) -> None:
         from pipeline.costs import DriftMonitor
@@ -165,9 +165,6 @@ class CostWatch:
         if costs is None:
             return
         if self.monitors["batch"].observe(costs.step_ms(*rows), ms) == "remeasure":
-            from pipeline.timing.batched import batch_costs_of
-
-            options = policy_options(self.cfg)
-            b = drafted_block_size(self.cfg, self.decoder, self.src)
-            costs.update(batch_costs_of(self.decoder, (options.get("budget") or {}).get("costs"), self.cfg.model, b,
-                                        self.src.max_requests, int(self.cfg.get("seed", 0)), fresh=True))
+            registry.load_batch_costs(self.inputs, self.decoder, policy_options(self.cfg), self.cfg.model,
+                                      drafted_block_size(self.cfg, self.decoder, self.src), self.src.max_requests,
+                                      int(self.cfg.get("seed", 0)), fresh=True)

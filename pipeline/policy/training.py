@@ -210,7 +210,7 @@ def export_verify_width_calibration(ccfg: DictConfig, dd, info: dict) -> Path | 
 
     Reads the label rows of ``ccfg.labels_dir`` (their ``conf_*`` replay samples), fits on the requests of the
     feature dataset's train split, tabulates reliability on its test split, writes ``ccfg.out/calibration.json``
-    (``pipeline.policy.verify_width``). Labels without samples are skipped with a warning (returns None).
+    (``pipeline.policy.calibration``). Labels without samples are skipped with a warning (returns None).
     """
     from pipeline.policy.calibration import export_calibration, fit_from_labels
 

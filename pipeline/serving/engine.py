@@ -42,14 +42,12 @@ from pipeline.decoding import DecodeConfig, FixedSchedule
 from pipeline.decoding.batched import BatchedDecoder
 from pipeline.decoding.schedules import BatchPolicy
 from pipeline.decoding.speculative import RequestStats, SpeculativeDecoder
-from pipeline.policy.registry import SERVABLE
 from pipeline.serving.recorder import Recorder, Served
 from pipeline.serving.schemas import DecodeInfo, RequestError
 from pipeline.serving.text import TextStream
 
 log = logging.getLogger(__name__)
 
-POLICIES = SERVABLE  # every method of pipeline.policy.registry the server can run
 STEPS_KEPT = 10_000  # batched steps whose ``BatchedDecoder.rows`` / ``step_log`` entries the server keeps
 
 
@@ -65,7 +63,7 @@ class Policy:
     """The server's method: a fresh schedule per request and the batched decoder's ``BatchPolicy``.
 
     Args:
-        name: one of ``POLICIES``; make: zero-argument schedule factory; batch: the ``BatchPolicy`` of every batched
+        name: a servable method (``pipeline.policy.registry.SERVABLE``); make: zero-argument schedule factory; batch: the ``BatchPolicy`` of every batched
             step (None: the base policy, each request's schedule decides).
     """
 
@@ -83,7 +81,7 @@ class Policy:
 
 
 def build_policy(name: str, decoder: SpeculativeDecoder, block_size: int | None = None, predictor_dir: str | None = None,
-                 candidates=(), options: dict | None = None, inputs=None, run_hint: str = "") -> Policy:
+                 candidates=(), options: dict | None = None, inputs=None, run_hint: str = "", target: str = "tau") -> Policy:
     """A ``serve.policy`` from the method table (``pipeline.policy.registry``) without a config: the registry's
     builders over the given inputs (``pipeline.serve`` builds from its config through ``pipeline.policy.setup``).
 
@@ -92,7 +90,7 @@ def build_policy(name: str, decoder: SpeculativeDecoder, block_size: int | None 
         predictor_dir: a predictor folder, or a run's predictors folder (blockpilot / full_vocab / hybrid).
         candidates: ``model.candidates`` (ema); options: ``{method: {option: value}}`` (the ``policy`` config group).
         inputs: ``PolicyInputs`` already loaded (calibration + latency for verify_width, + batch_costs for budget).
-        run_hint: appended to a missing predictor's message.
+        run_hint: appended to a missing predictor's message; target: best_fixed's label (``tau`` or ``speed``).
     Raises:
         ValueError: for an unknown or unservable policy, missing inputs, or a B the drafter cannot draft.
         FileNotFoundError: for a predictor policy without a trained predictor at ``predictor_dir``.
@@ -110,7 +108,7 @@ def build_policy(name: str, decoder: SpeculativeDecoder, block_size: int | None 
                                     f"and make train first (or serve.predictor_dir=...){run_hint}")
         inputs.predictors[wanted] = registry.load_method_predictor(wanted, directory, decoder, device=str(decoder.device))
     ctx = registry.Context(decoder, options, inputs, [int(c) for c in candidates], block_size, "serve.block_size",
-                           str(options.get("target", "tau")), "serve")
+                           target, "serve")
     return Policy.of(name, registry.build(name, ctx))
 
 
@@ -263,8 +261,9 @@ class Engine:
         self._pending: list[_Request] = []
         self._prefilling: _Request | None = None  # the request whose prefill is under way (it holds a slot)
         self._running: dict[int, _Request] = {}  # id(BatchRequest) -> request
-        self._idle = threading.Event()
+        self._idle = threading.Event()  # set only while nothing is admitted and unanswered
         self._idle.set()
+        self._admit = threading.Lock()  # orders clearing ``_idle`` + enqueueing against the scheduler setting it
         self._closed = False
         self._thread: threading.Thread | None = None
         self._loop_done: Future | None = None
@@ -345,8 +344,9 @@ class Engine:
         try:
             loop = asyncio.get_running_loop()
             future = loop.create_future()
-            self._idle.clear()
-            self._inbox.put(_Request(job, future, loop))
+            with self._admit:
+                self._idle.clear()
+                self._inbox.put(_Request(job, future, loop))
             try:
                 completion = await asyncio.shield(future)
             except asyncio.CancelledError:
@@ -378,7 +378,9 @@ class Engine:
     def _loop(self) -> None:
         while True:
             if not self._pending and not self._running and self._prefilling is None:
-                self._idle.set()
+                with self._admit:  # idle only when no request was enqueued: every later one clears it first
+                    if self._inbox.empty():
+                        self._idle.set()
                 request = self._inbox.get()
                 if request is None:
                     return

@@ -26,10 +26,10 @@ from pipeline.costs import BatchCostModel, check_batch_cost_settings, monotone, 
 from pipeline.costs import store
 from pipeline.models.cache import crop_to
 from pipeline.models.clock import synchronize
+from pipeline.timing.steps import SPOT_TOLERANCE, measured_under_load
 
 log = logging.getLogger(__name__)
 PREFIX = "batch-costs"
-SPOT_TOLERANCE, SPOT_FLOOR_MS = 1.25, 2.0  # as pipeline.timing.steps
 
 
 class BatchPoints:
@@ -133,11 +133,12 @@ def measure_batch_costs(decoder, block_size: int = 8, context: int = 128, max_re
         points[("verify_ones", q)] = bench.verify([1] * q)
         points[("verify_one", q)] = bench.verify([q])
     counts = _draft_counts(max_requests) if bench.has_drafter else []
-    pairs = max(2, bench.max_block // 2)
+    pairs = bench.max_block // 2  # blocks of 2 rows, against one block of their rows (at most B rows)
     if bench.has_drafter:
         points.update({("draft", n): bench.draft([bench.max_block] * n) for n in counts})
-        points[("draft_pairs", pairs)] = bench.draft([2] * pairs)
-        points[("draft_joint", pairs)] = bench.draft([2 * pairs])
+        if pairs >= 2:
+            points[("draft_pairs", pairs)] = bench.draft([2] * pairs)
+            points[("draft_joint", pairs)] = bench.draft([2 * pairs])
 
     def suspects() -> set:
         out = set()
@@ -158,7 +159,8 @@ def measure_batch_costs(decoder, block_size: int = 8, context: int = 128, max_re
     verify_ms = monotone([max(1e-3, ms[("verify", r)] - per_request * (len(bench.split_rows(r)) - 1)) for r in rows])
     draft_rows, draft_ms, draft_per_request = [bench.max_block], [0.0], 0.0
     if bench.has_drafter:
-        draft_per_request = max(0.0, (ms[("draft_pairs", pairs)] - ms[("draft_joint", pairs)]) / (pairs - 1))
+        if pairs >= 2:  # B < 4: no two blocks of 2 fit in one block, so no per-request share is measured
+            draft_per_request = max(0.0, (ms[("draft_pairs", pairs)] - ms[("draft_joint", pairs)]) / (pairs - 1))
         draft_rows = [n * bench.max_block for n in counts]
         draft_ms = monotone([max(1e-3, ms[("draft", n)] - draft_per_request * (n - 1)) for n in counts])
     spread = {"verify": [round(timings[("verify", r)].spread, 4) for r in rows],
@@ -187,7 +189,7 @@ def spot_check(decoder, costs: BatchCostModel, rounds: int = 3, tolerance: float
     timings = time_points({r: bench.verify(bench.split_rows(r)) for r in picks}, rounds=rounds,
                           sync=lambda: synchronize(decoder.device))
     for r, timing in timings.items():
-        if raw[r] > tolerance * timing.ms and raw[r] - timing.ms > SPOT_FLOOR_MS:
+        if measured_under_load(raw[r], timing.ms, tolerance):
             return (f"its step of {r} verified rows reads {raw[r]:.1f} ms, this machine takes {timing.ms:.1f} ms now "
                     "(it was measured while other work shared the cores)")
     return None

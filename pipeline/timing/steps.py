@@ -34,6 +34,13 @@ SPOT_TOLERANCE = 1.25  # a cached point this much slower than the machine now is
 SPOT_FLOOR_MS = 2.0  # ... and by at least this much (a timer's jitter on sub-millisecond points is not load)
 
 
+def measured_under_load(stored_ms: float, now_ms: float, tolerance: float = SPOT_TOLERANCE,
+                        floor_ms: float = SPOT_FLOOR_MS) -> bool:
+    """Whether a stored point reads slower than the machine runs it now by ``tolerance`` times and ``floor_ms`` (noise
+    only adds time, so such a point was measured while other work shared the cores): the spot checks' one test."""
+    return stored_ms > tolerance * now_ms and stored_ms - now_ms > floor_ms
+
+
 class StepPoints:
     """The timed points of one decoder's steps: ``("verify", b, L)``, ``("draft", b, L)``, ``("prefill", 0, L)``.
 
@@ -131,7 +138,7 @@ class StepPoints:
         return {name: self.point(*name) for name in names}
 
 
-def _tables(timings: Mapping, buckets: Sequence[int], widths: Sequence[int]) -> dict[str, dict[int, list]]:
+def _tables(timings: Mapping, buckets: Sequence[int]) -> dict[str, dict[int, list]]:
     """{"verify" | "draft" | "prefill": {b: [Timing per bucket]}} (prefill under b = 0)."""
     out: dict[str, dict[int, list]] = {"verify": {}, "draft": {}, "prefill": {}}
     for (part, b, length), timing in timings.items():
@@ -139,9 +146,9 @@ def _tables(timings: Mapping, buckets: Sequence[int], widths: Sequence[int]) -> 
     return out
 
 
-def _suspects(timings: Mapping, buckets, widths) -> set:
+def _suspects(timings: Mapping, buckets) -> set:
     names = set()
-    for part, table in _tables(timings, buckets, widths).items():
+    for part, table in _tables(timings, buckets).items():
         ms = {b: [t.ms for t in row] for b, row in table.items()}
         names |= {(part, b, buckets[j]) for b, j in suspect_points(ms)}
     return names
@@ -168,11 +175,11 @@ def measure(decoder, block_sizes: Sequence[int], context_buckets: Sequence[int],
     sync = lambda: synchronize(decoder.device)  # noqa: E731
     with tqdm(total=len(points) * repeats, desc="step costs of this machine", unit="timing") as bar:
         timings = time_points(points, rounds=repeats, sync=sync, progress=bar.update)
-        check = retime(points, timings, lambda: _suspects(timings, bench.buckets, bench.widths), rounds=repeats,
+        check = retime(points, timings, lambda: _suspects(timings, bench.buckets), rounds=repeats,
                        sync=sync, progress=bar.update)
     if check["unresolved"]:
         log.warning("step costs: %d points still break the cost's shape after timing them again (%s): the cores were "
-                    "busy; the curve's monotone fit pools them", len(check["unresolved"]), check["unresolved"][:4])
+                    "busy, or the cost bends there; the curve's monotone fit pools them", len(check["unresolved"]), check["unresolved"][:4])
     noise_ms = 0.0
     if temperature > 0:
         from pipeline.decoding.sampling import PositionKeyedSampler
@@ -181,7 +188,7 @@ def measure(decoder, block_sizes: Sequence[int], context_buckets: Sequence[int],
         next_position = iter(range(1 << 30))
         noise = time_points({"noise": lambda: [fresh.gumbel(next(next_position)) for _ in range(8)]}, rounds=repeats)
         noise_ms = noise["noise"].ms / 8
-    tables = _tables(timings, bench.buckets, bench.widths)
+    tables = _tables(timings, bench.buckets)
     ms = {part: {b: [t.ms for t in row] for b, row in table.items()} for part, table in tables.items()}
     spread = {part: {b: [round(t.spread, 4) for t in row] for b, row in table.items()} for part, table in tables.items()}
     spread["prefill"] = spread["prefill"].get(0, [])
@@ -201,8 +208,6 @@ def spot_check(decoder, model: CostModel, rounds: int = 3, tolerance: float = SP
     and the widest draft at the middle bucket. Returns why the model must be measured again (a point stored more than
     ``tolerance`` times, and ``floor_ms``, slower than it runs now: it was measured under load), or None."""
     widths = [w for w in (1, max(model.block_sizes)) if w in model.verify_points]
-    if decoder.drafter is None:
-        widths = [1]
     try:
         bench = StepPoints(decoder, widths, model.context_buckets)
     except ValueError as err:
@@ -215,7 +220,7 @@ def spot_check(decoder, model: CostModel, rounds: int = 3, tolerance: float = SP
     for (part, b, length), timing in timings.items():
         table = model.verify_points if part == "verify" else model.draft_points
         stored = table[b][model.context_buckets.index(length)]
-        if stored > tolerance * timing.ms and stored - timing.ms > floor_ms:
+        if measured_under_load(stored, timing.ms, tolerance, floor_ms):
             return (f"its {part} of {b} rows at context {length} reads {stored:.1f} ms, this machine takes "
                     f"{timing.ms:.1f} ms now (it was measured while other work shared the cores)")
     return None
@@ -249,8 +254,13 @@ def _settings(cfg, section: str, widths: Sequence[int]) -> dict:
     settings["repeats"] = int(settings["repeats"])
     settings["temperature"] = float(_select(cfg, "decode.temperature") or 0.0)
     settings["seed"] = int(_select(cfg, "seed") or 0)
-    settings["widths"] = sorted({int(b) for b in widths})
+    settings["widths"] = list(range(1, max([2, *[int(b) for b in widths]]) + 1))  # the widths ``measure`` times
     return settings
+
+
+def _key(decoder, cfg, s: dict) -> dict:
+    return cache_key(decoder, identity(_select(cfg, "model") or {}), s["widths"], s["context_buckets"], s["repeats"],
+                     s["temperature"], s["seed"])
 
 
 def _measure_with(decoder, s: dict) -> CostModel:
@@ -293,11 +303,10 @@ def load_or_measure(decoder, cfg, widths: Sequence[int], section: str = "label.l
     if decoder is None:
         raise ValueError(f"measuring the latency model needs the models loaded; or set {section}.path to a stored one")
     log.info("step costs: %s (%s.context_buckets=%s, widths 1..%d)", "reusing or measuring" if s["cache"] else
-             "measuring", section, s["context_buckets"], max([2, *s["widths"]]))
+             "measuring", section, s["context_buckets"], max(s["widths"]))
     if not s["cache"]:
         return _measure_with(decoder, s)
-    key = cache_key(decoder, identity(_select(cfg, "model") or {}), s["widths"], s["context_buckets"], s["repeats"],
-                    s["temperature"], s["seed"])
+    key = _key(decoder, cfg, s)
     check = (lambda d: spot_check(decoder, CostModel.from_dict(d))) if s["spot_check"] else None
     data = store.cached(s["cache"], CACHE_PREFIX, key, "latency_model", lambda: _measure_with(decoder, s).to_dict(),
                         check=check)
@@ -310,9 +319,7 @@ def remeasure(decoder, cfg, widths: Sequence[int], section: str, into: CostModel
     s = _settings(cfg, section, widths)
     fresh = _measure_with(decoder, s)
     if s["cache"]:
-        key = cache_key(decoder, identity(_select(cfg, "model") or {}), s["widths"], s["context_buckets"],
-                        s["repeats"], s["temperature"], s["seed"])
-        path = store.put(s["cache"], CACHE_PREFIX, key, "latency_model", fresh.to_dict())
+        path = store.put(s["cache"], CACHE_PREFIX, _key(decoder, cfg, s), "latency_model", fresh.to_dict())
         log.info("step costs: measured again and stored in %s", path)
     if into is not None:
         into.update(fresh)

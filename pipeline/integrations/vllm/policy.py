@@ -97,6 +97,7 @@ class StepPolicy:
         rows next step)."""
         self.decisions["steps"] += 1
         self._explore_width = None
+        self._expected = {}  # ``observe`` read last step's already; a step whose widths are not chosen here leaves none
         live = set(req_ids)
         for gone in [r for r in self.priors if r not in live]:
             del self.priors[gone]
