@@ -38,6 +38,9 @@ from pipeline.decoding.speculative import SpeculativeDecoder
 from pipeline.models.backend import resolve_backend
 from pipeline.models.cache import resolve_kv_cache
 from pipeline.models.loading import load_models
+from pipeline.models.backend import _cpu_name
+from pipeline.models.kernel import kernel_isa
+from pipeline.timing.limits import floor_ms, machine_limits, weight_footprint
 from pipeline.timing.steps import step_figures
 
 log = logging.getLogger(__name__)
@@ -68,6 +71,9 @@ def bench_step(cfg: DictConfig) -> dict:
         name = resolve_backend(str(backend), target.model.device, target.model.dtype)
         if name not in names:
             names.append(name)
+    limits = machine_limits()  # read bandwidth and FMA rate: the floor beside each figure
+    log.info("bench_step: this machine reads %.1f GB/s and multiplies at %.0f GFLOP/s (float32)", limits["read_gb_s"],
+             limits["gflop_s"])
     by_kv_cache = {}
     for kind in kinds:
         by_backend = by_kv_cache[kind] = {}
@@ -85,8 +91,12 @@ def bench_step(cfg: DictConfig) -> dict:
                          name, kind, int(length), fig["ar_ms"], {k: round(v, 2) for k, v in fig["step_ms"].items()},
                          {k: round(v, 3) for k, v in fig["step_over_ar"].items()})
             first = by_context[str(int(cfg.contexts[0]))]
+            weight_bytes, params = weight_footprint(decoder)
+            floors = {"ar_ms": round(floor_ms(weight_bytes, params, 1, limits), 3),
+                      "forward_ms": {str(q): round(floor_ms(weight_bytes, params, int(q), limits), 3) for q in cfg.widths}}
             by_backend[name] = {**{k: first[k] for k in KEYS}, "kv_cache": decoder.kv_cache, "by_context": by_context,
-                                "forward_path": decoder.forward_path()}
+                                "forward_path": decoder.forward_path(), "weight_mb": round(weight_bytes / 1e6, 1),
+                                "floor_ms": floors}
     chosen = by_kv_cache[kinds[0]][names[0]]
     return {
         "backend": names[0], "context": int(cfg.contexts[0]), **chosen,
@@ -95,7 +105,8 @@ def bench_step(cfg: DictConfig) -> dict:
                  "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": str(target.model.dtype),
                  "device": str(target.model.device), "target": target.name, "drafter": str(cfg.model.drafter),
                  "repeats": int(cfg.repeats), "pending_features": int(cfg.pending_features),
-                 "fast_forward": str(cfg.model.get("fast_forward", "auto"))},
+                 "fast_forward": str(cfg.model.get("fast_forward", "auto")), "cpu": _cpu_name(),
+                 "isa": kernel_isa(), "limits": limits},
     }
 
 
@@ -109,11 +120,16 @@ def markdown(result: dict, block_size: int | None = None) -> str:
                 bs = sorted(fig["step_ms"], key=int)
                 b = str(block_size) if block_size is not None and str(block_size) in fig["step_ms"] else bs[len(bs) // 2]
                 qs = [q for q in ("1", "2", "4", "8", "16") if q in fig["forward_ms"]]
+                floors = per.get("floor_ms") or {}
+                floor_ar = floors.get("ar_ms")
+                floor_8 = (floors.get("forward_ms") or {}).get("8")
                 rows.append([name, length, f"{fig['ar_ms']:.1f}", *[f"{fig['forward_ms'][q]:.1f}" for q in qs],
                              f"{fig['drafter_ms'][b]:.1f}", f"{fig['step_ms'][b]:.1f}", f"{fig['step_over_ar'][b]:.2f}",
-                             per.get("kv_cache", kind)])
+                             per.get("kv_cache", kind),
+                             f"{floor_ar:.1f} ({fig['ar_ms'] / floor_ar:.1f}x)" if floor_ar else "-",
+                             f"{floor_8:.1f} ({fig['forward_ms']['8'] / floor_8:.1f}x)" if floor_8 and "8" in fig["forward_ms"] else "-"])
                 header = ["backend", "context", "ar_ms", *[f"forward q={q}" for q in qs], f"drafter B={b}",
-                          f"step B={b}", f"step/ar B={b}", "kv_cache"]
+                          f"step B={b}", f"step/ar B={b}", "kv_cache", "floor ar (ar/floor)", "floor q=8 (q=8/floor)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
@@ -123,6 +139,9 @@ def markdown(result: dict, block_size: int | None = None) -> str:
 def main(cfg: DictConfig) -> None:
     result = bench_step(cfg)
     table = markdown(result, int(cfg.model.get("training_block_size") or 8))
+    info = result["info"]
+    print(f"{info['cpu']}, kernel ISA {info['isa']}, {info['threads']} threads: reads {info['limits']['read_gb_s']} GB/s, "
+          f"{info['limits']['gflop_s']} GFLOP/s float32 (floor = max(weights read once, products at that rate))")
     print(table)
     print(json.dumps({k: result[k] for k in ("backend", "kv_cache", "ar_ms", "step_over_ar")}, indent=1))
     if cfg.out:

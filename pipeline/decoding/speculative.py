@@ -200,6 +200,8 @@ class SpeculativeDecoder:
         # bf16/fp16 model (a bf16 product rounds logits to bf16's grid: ties a verify and single steps break differently)
         self.head = logit_head(target.model).with_backend(self.backend, float32=True)
         self.fast = fast_forward_for(self.base, fast_forward, self.backend)
+        if self.fast is not None and drafter is not None:
+            self.fast.set_taps([i + 1 for i in drafter.target_layer_ids])
         self.kv_cache = resolve_kv_cache(kv_cache, self.fast.attention if self.fast is not None else "sdpa")
         self.fast_draft = fast_draft_for(drafter, fast_forward, self.backend)
         self.drafter_head = LMHead(self.draft_head, self.backend, float32=True) if drafter is not None else None
@@ -218,13 +220,17 @@ class SpeculativeDecoder:
         differ from autoregressive ones by near-ties: report the exact-match rate (``bench_label check=true``).
         ``kernel_failure``: why ``smallm`` was not used, when ``auto`` fell back because its build failed. Cache keys
         of timed results include it; results.json and the bench JSONs record it."""
-        from pipeline.models.backend import backend_signature, batch_invariant, kernel_failure
+        from pipeline.models.backend import SMALLM, backend_signature, batch_invariant, kernel_failure
+        from pipeline.models.kernel import kernel_isa
 
         path = {"backend": backend_signature(self.backend), "fast_forward": self.fast is not None,
                 "attention": self.fast.attention if self.fast is not None else "sdpa",
                 "fast_draft": self.fast_draft is not None, "kv_cache": self.kv_cache,
                 "batch_invariant": batch_invariant(self.backend) and self.device.type == "cpu",
-                "dtype": str(self.model.dtype).removeprefix("torch."), "device": str(self.device)}
+                "dtype": str(self.model.dtype).removeprefix("torch."), "device": str(self.device),
+                "native_stack": bool(self.fast is not None and self.fast.native and self.backend in SMALLM)}
+        if self.backend in SMALLM:
+            path["isa"] = kernel_isa()
         if kernel_failure() is not None:
             path["kernel_failure"] = kernel_failure()
         return path

@@ -78,7 +78,8 @@ def backend_signature(backend: str) -> str:
     if backend not in SMALLM:
         return backend
     crossover = exact_crossover() if backend == "smallm" else {}
-    digest = hashlib.sha256(_KERNEL.read_bytes() + repr((EXACT_FORMATS, crossover)).encode()).hexdigest()[:8]
+    isa = smallm_kernel().isa()
+    digest = hashlib.sha256(_KERNEL.read_bytes() + repr((EXACT_FORMATS, crossover, isa)).encode()).hexdigest()[:8]
     return f"{backend}:{digest}"
 
 
@@ -175,7 +176,8 @@ def exact_crossover() -> dict[str, int]:
         return {fmt: min(value, SMALLM_MAX_ROWS) for fmt in EXACT_FORMATS}
     from pipeline.costs import store
 
-    key = {"kernel": hashlib.sha256(_KERNEL.read_bytes()).hexdigest()[:12], "formats": list(EXACT_FORMATS),
+    key = {"kernel": hashlib.sha256(_KERNEL.read_bytes()).hexdigest()[:12], "isa": smallm_kernel().isa(),
+           "formats": list(EXACT_FORMATS),
            "rows": list(_TUNE_ROWS), "cpu": _cpu_name(), "threads": torch.get_num_threads()}
 
     measured: dict = {}

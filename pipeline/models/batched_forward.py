@@ -128,9 +128,13 @@ class BatchedForward:
         if kernel:  # every request's cos/sin side by side: the rotation is element-wise, so per row as alone
             cos_all, sin_all = (torch.cat([r[0] for r in rope], dim=1), torch.cat([r[1] for r in rope], dim=1))
         keep = any(want_features[i] for i in batch)
-        states = [h] if keep else None
         first = base.layers[0].self_attn.q_proj
         kind = first._bp_packed.kind if type(first) is PackedLinear else None
+        done = fast.run_native(h, cos_all, sin_all, [caches[i] for i in batch], sizes, kind, keep) if kernel else None
+        if done is not None:  # the whole stack in one native call over every request's rows
+            h, tapped = done
+            return self._finish(results, batch, cuts, h, tapped, want_features)
+        states = [h] if keep else None
         for li, layer in enumerate(base.layers[: base.config.num_hidden_layers]):
             qkv, gate_up, o_proj, down_proj = fast._linears(li, layer, kind)
             attn = layer.self_attn
@@ -155,8 +159,14 @@ class BatchedForward:
         h = _rms_norm(base.norm, h)
         if states is not None:
             states[-1] = h
+        return self._finish(results, batch, cuts, h, tuple(states) if keep else None, want_features)
+
+    def _finish(self, results, batch, cuts, h, states, want_features):
+        """The LM head over the final states ``h`` [1, R, H] and the drafter's features from ``states`` (indexable by
+        hidden_states index; None: none wanted), split per request into ``results``."""
+        dec = self.decoder
         logits = chunked(dec.head, h)[0][0].float()
-        features = dec.drafter.extract_context(tuple(states)) if keep else None
+        features = dec.drafter.extract_context(states) if states is not None else None
         for j, i in enumerate(batch):
             a, b = cuts[j], cuts[j + 1]
             results[i] = (logits[a:b], features[:, a:b] if want_features[i] else None)

@@ -151,8 +151,8 @@ class PreallocatedLayer(DynamicLayer):
         return not (self._key_buffer.requires_grad or self._value_buffer.requires_grad)
 
     # -- the CacheLayerMixin API ------------------------------------------------------------------
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
+    def lazy_initialization(self, key_states: torch.Tensor | None, value_states: torch.Tensor | None) -> None:
+        self.device = key_states.device if key_states is not None else torch.device("cpu")
         self._key_buffer = self._value_buffer = None
         self._length = 0
         self._stale = False
@@ -183,16 +183,27 @@ class PreallocatedLayer(DynamicLayer):
         self._expose()
         return self.keys, self.values
 
-    def reserve(self, q: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    def reserve(self, q: int, like: tuple[int, int, torch.dtype] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """Make room for ``q`` new tokens after the cached ones and count them in, without writing them: the caller
         writes their keys/values into the buffers at positions ``length - q .. length - 1`` (the smallm kernel's
         ``attend`` does, in the same call as the attention). Cheaper than ``update`` when many requests append every
         layer (``pipeline.models.batched_forward``).
 
+        Args:
+            like: (kv_heads, head_dim, dtype) of the states: a layer with no buffer yet (a fresh cache) gets one of
+                ``q`` + headroom tokens; without it such a layer returns None.
         Returns:
             (key buffer [kv_heads, capacity, head_dim], value buffer, the new length), or None when an ``update``
-            must run instead (no buffer yet, batch > 1, or one that cannot take in-place writes here).
+            must run instead (no buffer yet and no ``like``, batch > 1, or one that cannot take in-place writes here).
         """
+        if self._key_buffer is None and like is not None and not torch.is_grad_enabled():
+            heads, dim, dtype = like
+            if not self.is_initialized:
+                self.lazy_initialization(None, None)
+            self._key_buffer = torch.empty(1, heads, q + self.headroom, dim, dtype=dtype)
+            self._value_buffer = torch.empty(1, heads, q + self.headroom, dim, dtype=dtype)
+            self._length = 0
         if self._key_buffer is None or self._key_buffer.shape[0] != 1 or not self._writable():
             return None
         needed = self._length + q

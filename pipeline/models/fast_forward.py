@@ -35,7 +35,8 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask
 
-from pipeline.models.backend import EXACT_FORMATS, PACKED, SMALLM, PackedLinear, pack_smallm, weight_version
+from pipeline.models.backend import (_FORMAT_CODE, EXACT_FORMATS, PACKED, SMALLM, PackedLinear, SmallmWeight, pack_smallm,
+                                     weight_version)
 from pipeline.models.kernel import smallm_kernel
 
 ATTENTIONS = ("sdpa", "kernel")  # transformers' SDPA (bit-identical to its forward) | the smallm kernel's ``attend``
@@ -82,6 +83,114 @@ def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches, 
         values.append(vj[0])
         at += r
     return attend(q, None, None, keys, values, list(rows), [x.shape[1] for x in keys], scale)
+
+
+def _spec(weight: SmallmWeight, bias: torch.Tensor | None = None) -> tuple:
+    """A packed weight as the native stack takes it: (format code, panels, scales, offsets, float32 panels, N,
+    exact_rows, bias)."""
+    empty = torch.empty(0)
+    code = 0 if weight.fmt == "f32" else _FORMAT_CODE[weight.fmt]
+    return (code, weight.q, weight.d, weight.m, weight.f32 if weight.f32 is not None else empty, weight.n,
+            weight.exact_rows, None if bias is None else bias.detach().float())
+
+
+class NativeStack:
+    """The target's decoder layers and final norm as ONE call of the smallm kernel per forward (``Stack`` in
+    ``kernels/smallm.cpp``): the norms, the fused q/k/v and gate/up products, q/k norms, rotary, the cache append, the
+    batch-invariant attention, SiLU x up and the residuals run in C++; Python hands over the embedded rows, the rotary
+    tables and the caches' buffers once. Any number of rows of any number of requests; a row's result is the same
+    bits alone or beside others (and the same on AVX2 and AVX-512 builds).
+
+    Built from ``base`` on the smallm backend ``kind``; rebuilt when any weight changes (``weight_version``).
+    """
+
+    def __init__(self, base: nn.Module, kind: str):
+        self.base, self.kind = base, kind
+        self.layers = base.layers[: base.config.num_hidden_layers]
+        attn = self.layers[0].self_attn
+        self.kv_heads = base.config.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.scale = attn.scaling
+        self._weights = [w for layer in self.layers for w in self._layer_weights(layer)] + [base.norm.weight]
+        self._versions = None
+        self._stack = None
+
+    @staticmethod
+    def _layer_weights(layer: nn.Module) -> list[torch.Tensor]:
+        attn, mlp = layer.self_attn, layer.mlp
+        return [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight, mlp.gate_proj.weight,
+                mlp.up_proj.weight, mlp.down_proj.weight]
+
+    def _build(self):
+        base, formats = self.base, () if self.kind == "smallm_f32" else EXACT_FORMATS
+        config = base.config
+        first = self.layers[0]
+        stack = smallm_kernel().Stack(config.hidden_size, first.self_attn.config.num_attention_heads, self.kv_heads,
+                                      self.head_dim, first.mlp.gate_proj.weight.shape[0],
+                                      float(base.norm.variance_epsilon), float(self.scale),
+                                      base.norm.weight.detach().float())
+        with torch.no_grad():
+            for layer in self.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+                biases = [lin.bias for lin in qkv]
+                bias = None if all(b is None for b in biases) else torch.cat(
+                    [b.detach() if b is not None else torch.zeros(lin.weight.shape[0]) for b, lin in zip(biases, qkv)])
+                q_norm = getattr(attn, "q_norm", None)
+                k_norm = getattr(attn, "k_norm", None)
+                stack.add_layer(_spec(pack_smallm(torch.cat([lin.weight.detach() for lin in qkv]), formats), bias),
+                                _spec(attn.o_proj._bp_packed.get(), attn.o_proj.bias),
+                                _spec(pack_smallm(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]),
+                                                  formats), None),
+                                _spec(mlp.down_proj._bp_packed.get(), mlp.down_proj.bias),
+                                layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                                None if q_norm is None else q_norm.weight.detach(),
+                                None if k_norm is None else k_norm.weight.detach())
+        return stack
+
+    def _reserve(self, caches, rows) -> tuple[list, list, list] | None:
+        """Room for each request's new rows in every layer of its cache: (keys, values) request-major and the new
+        lengths; None (nothing reserved) where a cache is not a ``PreallocatedCache`` that can take them."""
+        like = (self.kv_heads, self.head_dim, torch.float32)
+        keys, values, lengths, done = [], [], [], []
+        for cache, r in zip(caches, rows):
+            layers = getattr(cache, "layers", None)
+            if layers is None or len(layers) < len(self.layers) or not all(hasattr(x, "reserve") for x in layers):
+                break
+            got = [layers[i].reserve(r, like) for i in range(len(self.layers))]
+            done.append((layers, got, r))
+            if any(g is None for g in got):
+                break
+            keys.extend(g[0] for g in got)
+            values.extend(g[1] for g in got)
+            lengths.append(got[0][2])
+        else:
+            return keys, values, lengths
+        for layers, got, r in done:  # undo what was reserved (nothing is written yet)
+            for layer, g in zip(layers, got):
+                if g is not None:
+                    layer.crop(-r)
+        return None
+
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches, rows, taps
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The decoder layers over ``h`` [R, H] (the embedded rows; request i's ``rows[i]`` consecutive, appended to
+        ``caches[i]``) with rotary tables ``cos``/``sin`` [R, D].
+
+        Returns:
+            (final normed states [R, H], the hidden states at ``taps`` (transformers' ``hidden_states`` indices) side
+            by side [R, len(taps) * H]), or None when a cache cannot take the native path (nothing was changed).
+        """
+        versions = [weight_version(w) for w in self._weights]
+        if versions != self._versions:
+            self._stack = self._build()
+            self._versions = versions
+        reserved = self._reserve(caches, rows)
+        if reserved is None:
+            return None
+        keys, values, lengths = reserved
+        out, tapped = self._stack.forward(h, cos, sin, keys, values, list(rows), lengths, list(taps))
+        return out, tapped
 
 
 class _Fused:
@@ -132,7 +241,7 @@ class FastForward:
             ``attention``.
     """
 
-    def __init__(self, base: nn.Module, attention: str = "sdpa"):
+    def __init__(self, base: nn.Module, attention: str = "sdpa", native: bool = True):
         reason = self.unsupported(base)
         if reason:
             raise ValueError(f"FastForward does not support this model: {reason}")
@@ -144,6 +253,45 @@ class FastForward:
         self.rotary = sys.modules[type(layer).__module__].apply_rotary_pos_emb
         self._fused: dict[tuple, tuple] = {}
         self._layers: dict[tuple, tuple] = {}
+        self._native: dict[str, NativeStack] = {}
+        self.native = attention == "kernel" and native
+        # the hidden_states indices a caller reads (the drafter's taps: ``set_taps``); None: all of them
+        self.taps: list[int] | None = None
+
+    def set_taps(self, taps) -> None:
+        """Return only hidden states ``taps`` (indices of transformers' ``hidden_states``) from forwards with
+        ``output_hidden_states``: the drafter's tapped layers (``[i + 1 for i in target_layer_ids]``)."""
+        self.taps = sorted(set(int(t) for t in taps))
+
+    def native_stack(self, kind: str | None) -> NativeStack | None:
+        """The ``NativeStack`` of the base model on smallm backend ``kind`` (None where the native path is off or the
+        linears are not on the smallm kernels)."""
+        if not self.native or kind not in SMALLM:
+            return None
+        if kind not in self._native:
+            self._native[kind] = NativeStack(self.base, kind)
+        return self._native[kind]
+
+    def run_native(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches, rows, kind: str | None,
+                   output_hidden_states: bool):
+        """The layers of ``h`` [1, R, H] on the ``NativeStack`` (see there), or None where it cannot run.
+
+        Returns:
+            (final normed states [1, R, H], {hidden_states index: [1, R, H]} for ``self.taps`` (all indices when
+            unset) or None without ``output_hidden_states``).
+        """
+        stack = self.native_stack(kind)
+        if stack is None:
+            return None
+        count = len(stack.layers)
+        taps = (self.taps if self.taps is not None else list(range(count + 1))) if output_hidden_states else []
+        got = stack(h[0], cos[0], sin[0], caches, rows, taps)
+        if got is None:
+            return None
+        out, tapped = got
+        H = out.shape[-1]
+        states = {t: tapped[None, :, j * H: (j + 1) * H] for j, t in enumerate(taps)} if output_hidden_states else None
+        return out[None], states
 
     @staticmethod
     def unsupported(base: nn.Module) -> str | None:
@@ -209,9 +357,13 @@ class FastForward:
         kind = first._bp_packed.kind if type(first) is PackedLinear else None
         h = base.embed_tokens(ids)
         kernel = self.attention == "kernel"
+        cos, sin = base.rotary_emb(h, position_ids=positions)
+        if kernel and self.native:
+            done = self.run_native(h, cos, sin, [cache], [ids.shape[1]], kind, output_hidden_states)
+            if done is not None:
+                return done
         mask = None if kernel else create_causal_mask(config=base.config, inputs_embeds=h, attention_mask=None,
                                                       cache=cache, position_ids=positions)
-        cos, sin = base.rotary_emb(h, position_ids=positions)
         states = [h] if output_hidden_states else None
         q_len = ids.shape[1]
         for i, layer in enumerate(base.layers[: base.config.num_hidden_layers]):

@@ -1,6 +1,11 @@
-"""Building and loading the ``smallm`` AVX2 kernel (``kernels/smallm.cpp``) once per process.
+"""Building and loading the ``smallm`` kernel (``kernels/smallm.cpp``) once per process, for the widest instruction set
+this CPU runs.
 
-``torch.utils.cpp_extension.load`` compiles it on first use (~45 s, cached under ``~/.cache/torch_extensions``). On a
+The ISA is chosen at run time from what the CPU reports (``cpu_isa``: ``avx512`` where /proc/cpuinfo lists AVX-512
+F/BW/VL/DQ, else ``avx2`` with FMA; ``$BLOCKPILOT_SMALLM_ISA`` forces one the CPU has) and the source is compiled for
+it as its own extension (``blockpilot_smallm_<isa>``): the AVX-512 build's products hold up to 16 rows per tile. Both
+builds give the same bits (the same FMA chain per output). ``torch.utils.cpp_extension.load`` compiles it on first
+use (~1 min, cached under ``~/.cache/torch_extensions``). On a
 machine without a C++ compiler or ninja the build fails: the failure is remembered for the process with its reason
 (``kernel_failure``) and warned once, so ``model.backend=auto`` falls back (``pipeline.models.backend``) without
 retrying the build for every new decoder. torch waits without limit on a build lock; a lock left by a killed build is
@@ -31,8 +36,52 @@ class KernelUnavailableError(RuntimeError, ValueError):
 
 LOCK_WAIT_ENV = "BLOCKPILOT_SMALLM_LOCK_WAIT_S"
 """Seconds a ``torch_extensions`` build lock may be held before it is reported as stale (default ``LOCK_WAIT_S``)."""
-LOCK_WAIT_S = 300.0  # a build takes ~45 s; a lock older than this was left by a killed build
+LOCK_WAIT_S = 300.0  # a build takes ~1 min; a lock older than this was left by a killed build
 _KERNEL_NAME = "blockpilot_smallm"
+ISA_ENV = "BLOCKPILOT_SMALLM_ISA"
+"""Forces the kernel's instruction set (``avx2`` or ``avx512``; one this CPU has); unset: the widest it has."""
+ISAS = ("avx512", "avx2")  # widest first
+_ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+              "avx2": ["-mavx2", "-mfma", "-mf16c"]}
+_ISA_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"}, "avx2": {"avx2", "fma"}}
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def supported_isas(flags: set[str] | None = None) -> list[str]:
+    """The kernel's instruction sets this CPU runs, widest first (``flags``: /proc/cpuinfo's by default)."""
+    flags = cpu_flags() if flags is None else flags
+    if not flags:  # no /proc/cpuinfo: ask torch
+        capability = torch.backends.cpu.get_cpu_capability()
+        return ["avx512", "avx2"] if capability == "AVX512" else ["avx2"] if capability == "AVX2" else []
+    return [isa for isa in ISAS if _ISA_NEEDS[isa] <= flags]
+
+
+def cpu_isa() -> str | None:
+    """The instruction set the kernel is built for here: ``$BLOCKPILOT_SMALLM_ISA`` when set, else the widest this CPU
+    runs; None when it runs none (no AVX2/FMA).
+
+    Raises:
+        KernelUnavailableError: when the variable names an unknown ISA or one this CPU lacks.
+    """
+    have = supported_isas()
+    forced = os.environ.get(ISA_ENV)
+    if forced:
+        if forced not in ISAS:
+            raise KernelUnavailableError(f"${ISA_ENV}={forced!r} is not one of {list(ISAS)}; unset it to use the widest")
+        if forced not in have:
+            raise KernelUnavailableError(f"${ISA_ENV}={forced} but this CPU runs only {have or 'neither'}; unset it")
+        return forced
+    return have[0] if have else None
 _failure: str | None = None  # why the kernel could not be had in this process (remembered, warned once)
 
 
@@ -91,6 +140,8 @@ def smallm_kernel():
     if capability not in ("AVX2", "AVX512"):
         raise _fail(f"the smallm kernel needs an AVX2 CPU (this one reports {capability}); "
                     "use model.backend=onednn or eager")
+    isa = cpu_isa() or "avx2"
+    name = f"{_KERNEL_NAME}_{isa}"
     from torch.utils import cpp_extension
 
     try:
@@ -98,10 +149,10 @@ def smallm_kernel():
     except ValueError:
         raise ValueError(f"${LOCK_WAIT_ENV} must be a number of seconds, got {os.environ.get(LOCK_WAIT_ENV)!r}") from None
     try:
-        _check_build_lock(Path(cpp_extension._get_build_directory(_KERNEL_NAME, verbose=False)), limit)
+        _check_build_lock(Path(cpp_extension._get_build_directory(name, verbose=False)), limit)
         # -fopenmp: at::parallel_for runs on torch's OpenMP threads (torch's own libgomp.so.1 is already loaded)
-        _module = cpp_extension.load(_KERNEL_NAME, [str(SMALLM_SOURCE)],
-                                     extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"],
+        _module = cpp_extension.load(name, [str(SMALLM_SOURCE)],
+                                     extra_cflags=["-O3", *_ISA_FLAGS[isa], "-fopenmp", "-ffp-contract=off"],
                                      extra_ldflags=["-fopenmp"], verbose=False)
     except KernelUnavailableError:
         raise
@@ -112,3 +163,9 @@ def smallm_kernel():
 
 
 _module = None  # the loaded extension
+
+
+def kernel_isa() -> str | None:
+    """The instruction set of the smallm kernel loaded in this process (``avx512`` | ``avx2``), or None when it is not
+    loaded (not built yet, or unavailable here)."""
+    return _module.isa() if _module is not None else None

@@ -289,6 +289,179 @@ int64_t panel_bytes(int64_t fmt, int64_t K) {
   return fmt == kBF16 ? K * kPanel * 2 : fmt == kQ8 ? K * kPanel : K * kPanel / 2;
 }
 
+#ifdef __AVX512F__
+// ---- AVX-512: a 16-column panel is one zmm register, so a tile holds up to 16 rows (16 accumulators) and every
+// weight is expanded ONCE per call of up to 16 rows. Each output is the same FMA chain over k = 0..K-1 in order as
+// the AVX2 code's (the same expansion d * q (+ m) in two roundings, one fmadd per k), so both builds give the same bits.
+template <int FMT>
+inline __m512 load_w16(const uint8_t* __restrict src, int64_t k, __m512 d, __m512 m) {
+  if (FMT == kQ4) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + k * (kPanel / 2)));
+    const __m128i both = _mm_unpacklo_epi64(_mm_and_si128(v, low), _mm_and_si128(_mm_srli_epi16(v, 4), low));
+    return _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(both))), m);
+  } else if (FMT == kQ8) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k * kPanel));
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)));
+  } else if (FMT == kBF16) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k * kPanel * 2));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+  } else {  // float32 panels
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(src) + k * kPanel);
+  }
+}
+
+constexpr int kF32 = 0;  // float32 panels [P, K, 16] (any K)
+
+// MT rows (<= 16) x NP consecutive panels from p0: y[m0 + i, panel columns] = x[m0 + i] . W.
+template <int FMT, int MT, int NP>
+void tile16(const uint8_t* qp, const float* dp, const float* mp, int64_t p0, int64_t pbytes, int64_t K,
+            const float* __restrict x, int64_t m0, float* __restrict y, int64_t n) {
+  __m512 a[NP][MT];
+#pragma GCC unroll 16
+  for (int j = 0; j < NP; ++j)
+#pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i) a[j][i] = _mm512_setzero_ps();
+  // x: this tile's rows interleaved, x[k * MT + i] = row m0 + i at k (one pointer, constant offsets)
+  const int64_t G = K / kGroup;
+  for (int64_t k0 = 0; k0 < K; k0 += kGroup) {
+    const int64_t g = k0 / kGroup, kend = std::min(K, k0 + kGroup);
+    __m512 d[NP], mn[NP];
+    const uint8_t* src[NP];
+#pragma GCC unroll 16
+    for (int j = 0; j < NP; ++j) {
+      const int64_t p = p0 + j;
+      d[j] = (FMT == kQ4 || FMT == kQ8) ? _mm512_loadu_ps(dp + (p * G + g) * kPanel) : _mm512_setzero_ps();
+      mn[j] = FMT == kQ4 ? _mm512_loadu_ps(mp + (p * G + g) * kPanel) : _mm512_setzero_ps();
+      src[j] = qp + p * pbytes;
+      // many short streams (NP panels' weights, scales and offsets): fetch the groups ahead by hand
+      constexpr int64_t gb = FMT == kQ4 ? kGroup * kPanel / 2 : FMT == kQ8 ? kGroup * kPanel : FMT == kBF16 ? kGroup * kPanel * 2 : kGroup * kPanel * 4;
+      const char* ahead = reinterpret_cast<const char*>(src[j] + (g + 2) * gb);
+      for (int64_t b = 0; b < gb; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+      if (FMT == kQ4 || FMT == kQ8) _mm_prefetch(reinterpret_cast<const char*>(dp + (p * G + g + 2) * kPanel), _MM_HINT_T0);
+      if (FMT == kQ4) _mm_prefetch(reinterpret_cast<const char*>(mp + (p * G + g + 2) * kPanel), _MM_HINT_T0);
+    }
+    for (int64_t k = k0; k < kend; ++k) {
+#pragma GCC unroll 16
+      for (int j = 0; j < NP; ++j) {
+        const __m512 w = load_w16<FMT>(src[j], k, d[j], mn[j]);
+#pragma GCC unroll 16
+        for (int i = 0; i < MT; ++i) a[j][i] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[k * MT + i]), a[j][i]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < NP; ++j) {
+    const int64_t n0 = (p0 + j) * kPanel, ncols = std::min(kPanel, n - n0);
+    if (ncols <= 0) break;
+    const __mmask16 keep = ncols >= kPanel ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
+#pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i) _mm512_mask_storeu_ps(y + (m0 + i) * n + n0, keep, a[j][i]);
+  }
+}
+
+template <int FMT, int MT, int NP>
+void unit16(const uint8_t* qp, const float* dp, const float* mp, int64_t p0, int64_t np, int64_t pbytes, int64_t K,
+            const float* x, int64_t m0, float* y, int64_t n) {
+  if (np == NP) tile16<FMT, MT, NP>(qp, dp, mp, p0, pbytes, K, x, m0, y, n);
+  else for (int64_t j = 0; j < np; ++j) tile16<FMT, MT, 1>(qp, dp, mp, p0 + j, pbytes, K, x, m0, y, n);
+}
+
+// A tile of mt rows over np (<= kUnit16) panels: more panels side by side for few rows (independent FMA chains).
+constexpr int64_t kUnit16 = 4;
+template <int FMT>
+void rows16(const uint8_t* qp, const float* dp, const float* mp, int64_t p0, int64_t np, int64_t pbytes, int64_t K,
+            const float* x, int64_t m0, int64_t mt, float* y, int64_t n) {
+#define BP_T(MT, NP) case MT: unit16<FMT, MT, NP>(qp, dp, mp, p0, np, pbytes, K, x, m0, y, n); break;
+  switch (mt) {
+    BP_T(16, 1) BP_T(15, 1) BP_T(14, 1) BP_T(13, 1) BP_T(12, 1) BP_T(11, 1) BP_T(10, 1) BP_T(9, 1)
+    BP_T(8, 2) BP_T(7, 2) BP_T(6, 2) BP_T(5, 2) BP_T(4, 4) BP_T(3, 4) BP_T(2, 4)
+    default: unit16<FMT, 1, 4>(qp, dp, mp, p0, np, pbytes, K, x, m0, y, n); break;
+  }
+#undef BP_T
+}
+constexpr int64_t kTile16 = 16;
+#endif
+
+// y [M, n] = x [M, K] @ W^T for W in fmt (0: float32 panels from pack(); kBF16 / kQ8 / kQ4: the exact forms), P
+// panels. The one product of the extension: linear, linear_exact and the native stack call it. An AVX-512 build
+// expands each weight once for every call of up to 16 rows (tiles of <= 16 rows, balanced); an AVX2 build uses the
+// register-fused tiles of <= 6 rows, or for 9-32 rows one expansion per group into an L1 buffer.
+void matmul(int64_t fmt, const uint8_t* qp, const float* dp, const float* mp, int64_t P, int64_t K, const float* xp,
+            int64_t M, float* yp, int64_t n) {
+  if (M <= 0) return;
+  const int64_t pbytes = fmt == 0 ? K * kPanel * 4 : panel_bytes(fmt, K);
+#ifdef __AVX512F__
+  const int64_t tiles = (M + kTile16 - 1) / kTile16, base = M / tiles, extra = M % tiles;
+  const int64_t units = (P + kUnit16 - 1) / kUnit16;
+  // each tile's rows interleaved by k (xt + r * K: x[k * mt + i]), so a tile reads its rows' k-th values side by side
+  std::vector<float> interleaved;
+  const float* xt = xp;
+  if (M > 1) {
+    interleaved.resize(M * K);
+    int64_t r = 0;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t mt = base + (t < extra ? 1 : 0);
+      float* dst = interleaved.data() + r * K;
+      for (int64_t i = 0; i < mt; ++i)
+        for (int64_t k = 0; k < K; ++k) dst[k * mt + i] = xp[(r + i) * K + k];
+      r += mt;
+    }
+    xt = interleaved.data();
+  }
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t p0 = u * kUnit16, np = std::min<int64_t>(kUnit16, P - p0);
+      int64_t r = 0;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t mt = base + (t < extra ? 1 : 0);
+        const float* xtile = xt + r * K;
+        if (fmt == kQ4) rows16<kQ4>(qp, dp, mp, p0, np, pbytes, K, xtile, r, mt, yp, n);
+        else if (fmt == kQ8) rows16<kQ8>(qp, dp, mp, p0, np, pbytes, K, xtile, r, mt, yp, n);
+        else if (fmt == kBF16) rows16<kBF16>(qp, dp, mp, p0, np, pbytes, K, xtile, r, mt, yp, n);
+        else rows16<kF32>(qp, dp, mp, p0, np, pbytes, K, xtile, r, mt, yp, n);
+        r += mt;
+      }
+    }
+  });
+#else
+  if (fmt == 0) {
+    const float* pp = reinterpret_cast<const float*>(qp);
+    at::parallel_for(0, P, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const float* panel = pp + p * K * kPanel;
+        const int64_t n0 = p * kPanel, ncols = std::min(kPanel, n - n0);
+        // the fewest balanced row tiles of at most 6 (8 rows: 4 + 4), each reading the panel once
+        const int64_t tiles = (M + 5) / 6, base = M / tiles, extra = M % tiles;
+        int64_t m = 0;
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t mt = base + (t < extra ? 1 : 0);
+          tile_rows(mt, xp, K, panel, K, yp, n, n0, ncols, m);
+          m += mt;
+        }
+      }
+    });
+    return;
+  }
+  const int64_t G = K / kGroup;
+  if (M > kBufferedFrom && M <= kMaxBufferedRows) {  // several row tiles: expand each group once for all of them
+    at::parallel_for(0, P, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) buffered_panel(fmt, qp, dp, mp, p, pbytes, G, xp, M, K, yp, n);
+    });
+    return;
+  }
+  const int64_t units = (P + 3) / 4;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t p0 = u * 4, np = std::min<int64_t>(4, P - p0);
+      if (fmt == kQ4) fused_all<kQ4>(qp, dp, mp, p0, np, pbytes, G, xp, M, K, yp, n);
+      else if (fmt == kQ8) fused_all<kQ8>(qp, dp, mp, p0, np, pbytes, G, xp, M, K, yp, n);
+      else fused_all<kBF16>(qp, dp, mp, p0, np, pbytes, G, xp, M, K, yp, n);
+    }
+  });
+#endif
+}
+
 }  // namespace
 
 // w [N, K] float32 -> panels [ceil(N/16), K, 16] (zero-padded past N).
@@ -310,21 +483,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor panels, int64_t n, c10::opti
   const float* xp = x.data_ptr<float>();
   const float* pp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, P, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const float* panel = pp + p * K * kPanel;
-      const int64_t n0 = p * kPanel, ncols = std::min(kPanel, n - n0);
-      // the fewest balanced row tiles of at most 6 (8 rows: 4 + 4), each reading the panel once
-      if (M <= 0) continue;
-      const int64_t tiles = (M + 5) / 6, base = M / tiles, extra = M % tiles;
-      int64_t m = 0;
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t mt = base + (t < extra ? 1 : 0);
-        tile_rows(mt, xp, K, panel, K, yp, n, n0, ncols, m);
-        m += mt;
-      }
-    }
-  });
+  matmul(0, reinterpret_cast<const uint8_t*>(pp), nullptr, nullptr, P, K, xp, M, yp, n);
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
@@ -347,24 +506,7 @@ torch::Tensor linear_exact(torch::Tensor x, int64_t fmt, torch::Tensor q, torch:
   const float* dp = fmt == kBF16 ? nullptr : d.data_ptr<float>();
   const float* mp = fmt == kQ4 ? m.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  const int64_t G = K / kGroup, pbytes = panel_bytes(fmt, K);
-  // every weight expanded in registers once per row tile and used at once by its rows (4 panels a unit)
-  if (M > kBufferedFrom && M <= kMaxBufferedRows) {  // several row tiles: expand each group once for all of them
-    at::parallel_for(0, P, 4, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) buffered_panel(fmt, qp, dp, mp, p, pbytes, G, xp, M, K, yp, n);
-    });
-    if (bias.has_value() && bias->defined()) y.add_(*bias);
-    return y;
-  }
-  const int64_t units = (P + 3) / 4;
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t p0 = u * 4, np = std::min<int64_t>(4, P - p0);
-      if (fmt == kQ4) fused_all<kQ4>(qp, dp, mp, p0, np, pbytes, G, xp, M, K, yp, n);
-      else if (fmt == kQ8) fused_all<kQ8>(qp, dp, mp, p0, np, pbytes, G, xp, M, K, yp, n);
-      else fused_all<kBF16>(qp, dp, mp, p0, np, pbytes, G, xp, M, K, yp, n);
-    }
-  });
+  matmul(fmt, qp, dp, mp, P, K, xp, M, yp, n);
   if (bias.has_value() && bias->defined()) y.add_(*bias);
   return y;
 }
@@ -597,10 +739,246 @@ torch::Tensor attend(torch::Tensor q, c10::optional<torch::Tensor> k_new, c10::o
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// The native decoder stack: a Llama-family target's decoder layers (RMSNorm, the fused q/k/v product with optional
+// biases, q/k norms where the family has them, rotary, the append to each request's preallocated KV cache and the
+// batch-invariant attention above, the o product, the residual, RMSNorm, the fused gate/up product, SiLU x up, the
+// down product, the residual), the final norm, and the hidden states the drafter taps: ONE call per forward, for any
+// number of rows of any number of requests. Every element-wise step is a fixed computation of its own row (norm sums
+// in 8 lanes added in a fixed order, the same exp8 as the attention's softmax), and every product the matmul above, so
+// a row's result is the same bits alone, in a verify or in a batched step of many requests, on AVX2 and AVX-512.
+namespace {
+
+struct Lin {
+  int64_t fmt = 0, n = 0, exact_rows = 0;  // fmt 0: float32 panels in q
+  torch::Tensor q, d, m, f32, bias;
+  int64_t P = 0, K = 0;
+};
+
+// y [M, n] = x [M, K] @ W^T (+ bias); calls of more rows than exact_rows use the float32 panels kept beside an exact
+// form (the same bits).
+void apply(const Lin& w, const float* x, int64_t M, float* y) {
+  const bool wide = w.fmt != 0 && w.f32.defined() && w.f32.numel() > 0 && M > w.exact_rows;
+  if (w.fmt == 0 || wide) {
+    const torch::Tensor& panels = wide ? w.f32 : w.q;
+    matmul(0, static_cast<const uint8_t*>(panels.data_ptr()), nullptr, nullptr, panels.size(0), w.K, x, M, y, w.n);
+  } else {
+    matmul(w.fmt, static_cast<const uint8_t*>(w.q.data_ptr()), w.fmt == kBF16 ? nullptr : w.d.data_ptr<float>(),
+           w.fmt == kQ4 ? w.m.data_ptr<float>() : nullptr, w.P, w.K, x, M, y, w.n);
+  }
+  if (w.bias.defined() && w.bias.numel() > 0) {
+    const float* b = w.bias.data_ptr<float>();
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t c = 0; c < w.n; ++c) y[r * w.n + c] += b[c];
+  }
+}
+
+// x [H] -> w * (x * rsqrt(mean(x^2) + eps)) (LlamaRMSNorm's steps in float32; the sum of squares in 8 lanes, then
+// the lanes added in a fixed order).
+inline void rms_norm(const float* __restrict x, const float* __restrict w, int64_t H, float eps, float* __restrict out) {
+  const int64_t lanes = H / 8 * 8;
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < lanes; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+  }
+  float s = hsum8(acc);
+  for (int64_t i = lanes; i < H; ++i) s += x[i] * x[i];
+  const float r = 1.0f / std::sqrt(s / static_cast<float>(H) + eps);
+  for (int64_t i = 0; i < H; ++i) out[i] = w[i] * (x[i] * r);
+}
+
+// q [D] rotated in place: q * cos + rotate_half(q) * sin (transformers' apply_rotary_pos_emb, element for element).
+inline void rotate(float* __restrict q, const float* __restrict cos, const float* __restrict sin, int64_t D) {
+  const int64_t half = D / 2;
+  alignas(64) float tmp[512];
+  for (int64_t d = 0; d < D; ++d) tmp[d] = q[d];
+  for (int64_t d = 0; d < half; ++d) q[d] = tmp[d] * cos[d] + (-tmp[d + half]) * sin[d];
+  for (int64_t d = half; d < D; ++d) q[d] = tmp[d] * cos[d] + tmp[d - half] * sin[d];
+}
+
+// out[i] = silu(gate[i]) * up[i] = gate / (1 + exp(-gate)) * up, 8 lanes at a time with the attention's exp8.
+inline void silu_mul(const float* __restrict gate, const float* __restrict up, int64_t n, float* __restrict out) {
+  const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(s, _mm256_loadu_ps(up + i)));
+  }
+  if (i < n) {
+    alignas(32) float g8[8] = {0}, u8[8] = {0}, o8[8];
+    for (int64_t j = 0; i + j < n; ++j) { g8[j] = gate[i + j]; u8[j] = up[i + j]; }
+    const __m256 g = _mm256_load_ps(g8);
+    const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
+    _mm256_store_ps(o8, _mm256_mul_ps(s, _mm256_load_ps(u8)));
+    for (int64_t j = 0; i + j < n; ++j) out[i + j] = o8[j];
+  }
+}
+
+Lin to_lin(const std::tuple<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t,
+                            c10::optional<torch::Tensor>>& t, int64_t K) {
+  Lin w;
+  w.fmt = std::get<0>(t);
+  w.q = std::get<1>(t).contiguous();
+  w.d = std::get<2>(t).contiguous();
+  w.m = std::get<3>(t).contiguous();
+  w.f32 = std::get<4>(t).contiguous();
+  w.n = std::get<5>(t);
+  w.exact_rows = std::get<6>(t);
+  if (std::get<7>(t).has_value() && std::get<7>(t)->defined()) w.bias = std::get<7>(t)->contiguous().to(torch::kFloat32);
+  w.P = w.q.size(0);
+  w.K = K;
+  TORCH_CHECK(w.fmt == 0 || w.fmt == kBF16 || w.fmt == kQ8 || w.fmt == kQ4, "Stack: unknown weight format ", w.fmt);
+  TORCH_CHECK(w.q.size(1) == K, "Stack: a weight's K does not match its input");
+  TORCH_CHECK(w.P * kPanel >= w.n, "Stack: a weight has fewer panels than columns");
+  return w;
+}
+
+struct Layer {
+  Lin qkv, o, gate_up, down;
+  torch::Tensor in_norm, post_norm, q_norm, k_norm;
+};
+
+}  // namespace
+
+using LinSpec = std::tuple<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t,
+                           c10::optional<torch::Tensor>>;
+
+class Stack {
+ public:
+  Stack(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
+        double scale, torch::Tensor norm)
+      : H(hidden), Hq(heads), Hkv(kv_heads), D(head_dim), I(intermediate), eps_(static_cast<float>(eps)),
+        scale_(scale), norm_(norm.contiguous().to(torch::kFloat32)) {
+    TORCH_CHECK(Hq % Hkv == 0 && D <= 512 && D % 2 == 0, "Stack: unsupported head layout");
+  }
+
+  void add_layer(const LinSpec& qkv, const LinSpec& o, const LinSpec& gate_up, const LinSpec& down,
+                 torch::Tensor in_norm, torch::Tensor post_norm, c10::optional<torch::Tensor> q_norm,
+                 c10::optional<torch::Tensor> k_norm) {
+    Layer l;
+    l.qkv = to_lin(qkv, H);
+    l.o = to_lin(o, Hq * D);
+    l.gate_up = to_lin(gate_up, H);
+    l.down = to_lin(down, I);
+    TORCH_CHECK(l.qkv.n == (Hq + 2 * Hkv) * D && l.o.n == H && l.gate_up.n == 2 * I && l.down.n == H,
+                "Stack: a layer's weights do not match the model's shapes");
+    l.in_norm = in_norm.contiguous().to(torch::kFloat32);
+    l.post_norm = post_norm.contiguous().to(torch::kFloat32);
+    if (q_norm.has_value() && q_norm->defined()) l.q_norm = q_norm->contiguous().to(torch::kFloat32);
+    if (k_norm.has_value() && k_norm->defined()) l.k_norm = k_norm->contiguous().to(torch::kFloat32);
+    layers_.push_back(std::move(l));
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // h [R, H] float32 (the embedded rows of N requests, request i's rows[i] consecutive); cos, sin [R, D]; keys,
+  // values: request-major, keys[i * L + l] request i's layer-l key buffer [Hkv, C, D] (the append goes to positions
+  // lengths[i] - rows[i] .. lengths[i] - 1); taps: indices into transformers' hidden_states (0: the embedding, l: layer
+  // l's output, L: the final norm's). Returns (the final normed states [R, H], the taps side by side [R, T * H]).
+  std::vector<torch::Tensor> forward(torch::Tensor h_in, torch::Tensor cos, torch::Tensor sin,
+                                     std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values,
+                                     std::vector<int64_t> rows, std::vector<int64_t> lengths,
+                                     std::vector<int64_t> taps) {
+    const int64_t L = num_layers(), N = static_cast<int64_t>(rows.size());
+    TORCH_CHECK(h_in.dim() == 2 && h_in.size(1) == H && h_in.scalar_type() == torch::kFloat32, "Stack: h must be float32 [R, H]");
+    TORCH_CHECK(static_cast<int64_t>(keys.size()) == N * L && static_cast<int64_t>(values.size()) == N * L,
+                "Stack: one key and one value buffer per request and layer");
+    const int64_t R = h_in.size(0);
+    TORCH_CHECK(cos.dim() == 2 && cos.size(0) == R && cos.size(1) == D && sin.sizes() == cos.sizes(), "Stack: cos/sin must be [R, D]");
+    cos = cos.contiguous().to(torch::kFloat32);
+    sin = sin.contiguous().to(torch::kFloat32);
+    auto opts = h_in.options();
+    torch::Tensor h = h_in.contiguous().clone();
+    const int64_t T = static_cast<int64_t>(taps.size()), QKV = (Hq + 2 * Hkv) * D;
+    auto tapped = torch::empty({R, T * H}, opts);
+    auto x = torch::empty({R, H}, opts), qkv = torch::empty({R, QKV}, opts), q = torch::empty({R, Hq, D}, opts);
+    auto y = torch::empty({R, H}, opts), gu = torch::empty({R, 2 * I}, opts), act = torch::empty({R, I}, opts);
+    float* hp = h.data_ptr<float>();
+    float* xp = x.data_ptr<float>();
+    float* qkvp = qkv.data_ptr<float>();
+    float* qp = q.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    float* gup = gu.data_ptr<float>();
+    float* ap = act.data_ptr<float>();
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    auto tap = [&](int64_t index, const float* src) {
+      for (int64_t t = 0; t < T; ++t)
+        if (taps[t] == index)
+          for (int64_t r = 0; r < R; ++r) std::copy_n(src + r * H, H, tapped.data_ptr<float>() + r * T * H + t * H);
+    };
+    tap(0, hp);
+    std::vector<torch::Tensor> lk(N), lv(N);
+    // k / v as views of the q/k/v product (rows of QKV floats; heads of D)
+    auto k_new = qkv.as_strided({R, Hkv, D}, {QKV, D, 1}, Hq * D);
+    auto v_new = qkv.as_strided({R, Hkv, D}, {QKV, D, 1}, (Hq + Hkv) * D);
+    for (int64_t li = 0; li < L; ++li) {
+      const Layer& l = layers_[li];
+      const float* w_in = l.in_norm.data_ptr<float>();
+      for (int64_t r = 0; r < R; ++r) rms_norm(hp + r * H, w_in, H, eps_, xp + r * H);
+      apply(l.qkv, xp, R, qkvp);
+      for (int64_t r = 0; r < R; ++r) {
+        float* row = qkvp + r * QKV;
+        for (int64_t hd = 0; hd < Hq + Hkv; ++hd) {  // the q heads, then the k heads
+          float* v = row + hd * D;
+          if (l.q_norm.defined()) {
+            alignas(64) float tmp[512];
+            rms_norm(v, (hd < Hq ? l.q_norm : l.k_norm).data_ptr<float>(), D, eps_, tmp);
+            std::copy_n(tmp, D, v);
+          }
+          rotate(v, cp + r * D, sp + r * D, D);
+        }
+        std::copy_n(row, Hq * D, qp + r * Hq * D);
+      }
+      for (int64_t i = 0; i < N; ++i) {
+        lk[i] = keys[i * L + li];
+        lv[i] = values[i * L + li];
+      }
+      auto att = attend(q, k_new, v_new, lk, lv, rows, lengths, scale_);
+      apply(l.o, att.data_ptr<float>(), R, yp);
+      for (int64_t e = 0; e < R * H; ++e) hp[e] = hp[e] + yp[e];
+      const float* w_post = l.post_norm.data_ptr<float>();
+      for (int64_t r = 0; r < R; ++r) rms_norm(hp + r * H, w_post, H, eps_, xp + r * H);
+      apply(l.gate_up, xp, R, gup);
+      for (int64_t r = 0; r < R; ++r) silu_mul(gup + r * 2 * I, gup + r * 2 * I + I, I, ap + r * I);
+      apply(l.down, ap, R, yp);
+      for (int64_t e = 0; e < R * H; ++e) hp[e] = hp[e] + yp[e];
+      if (li + 1 < L) tap(li + 1, hp);
+    }
+    auto out = torch::empty({R, H}, opts);
+    for (int64_t r = 0; r < R; ++r) rms_norm(hp + r * H, norm_.data_ptr<float>(), H, eps_, out.data_ptr<float>() + r * H);
+    tap(L, out.data_ptr<float>());
+    return {out, tapped};
+  }
+
+ private:
+  int64_t H, Hq, Hkv, D, I;
+  float eps_;
+  double scale_;
+  torch::Tensor norm_;
+  std::vector<Layer> layers_;
+};
+
+std::string isa() {
+#ifdef __AVX512F__
+  return "avx512";
+#else
+  return "avx2";
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack W [N, K] into [ceil(N/16), K, 16] panels");
   m.def("linear", &linear, "y = x @ W^T (+ bias) from packed panels");
   m.def("linear_exact", &linear_exact, "y = x @ W^T (+ bias) from bf16 / q8 / q4 panels expanded exactly");
   m.def("attend", &attend, "causal attention of many requests' rows over their own caches, each row bit-identical alone or batched");
   m.def("unpack_exact", &unpack_exact, "the float32 weight that linear_exact computes with");
+  m.def("isa", &isa, "the instruction set this build's products use (avx512 | avx2)");
+  pybind11::class_<Stack>(m, "Stack", pybind11::module_local())
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, torch::Tensor>())
+      .def("add_layer", &Stack::add_layer)
+      .def("num_layers", &Stack::num_layers)
+      .def("forward", &Stack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

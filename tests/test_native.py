@@ -1,0 +1,158 @@
+"""The native decoder stack (``pipeline.models.fast_forward.NativeStack``, ``Stack`` in ``kernels/smallm.cpp``) and the
+kernel's run-time ISA dispatch (``pipeline.models.kernel``).
+
+- one native call per forward gives the logits and tapped states of the per-layer Python forward on the same kernel
+  (to rounding: its norms and SiLU sum in another order) and decodes the same text as transformers' ``generate``
+  (``tests/test_backend.py::test_b1_equals_transformers_generate`` runs it on smallm);
+- a row's result is the same bits alone, in a 16-row verify, and beside other requests of other lengths;
+- the AVX2 and AVX-512 builds give the same bits (products and whole stack), on a CPU that runs both (else skipped
+  with the reason); the ISA is chosen from the CPU's flags, and a forced one the CPU lacks is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pipeline import PROJECT_ROOT
+from pipeline.decoding import DecodeConfig, SpeculativeDecoder
+from pipeline.models import kernel
+from pipeline.models.backend import set_backend, smallm_available
+from pipeline.models.cache import crop_to
+from pipeline.models.target import new_cache
+from pipeline.timing.limits import floor_ms
+
+needs_smallm = pytest.mark.skipif(not smallm_available(), reason="the smallm kernel does not build on this CPU")
+
+
+@pytest.fixture
+def smallm_decoder(tiny, arch):
+    decoder = SpeculativeDecoder(tiny.target(arch), tiny.drafter(arch, "random"), backend="smallm")
+    yield decoder
+    set_backend(tiny.target(arch).model, "eager")
+    set_backend(tiny.drafter(arch, "random"), "eager")
+
+
+def _context(decoder, length: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, decoder.lm_head.shape[0], (1, length), generator=g)
+    cache = new_cache(decoder.model, decoder.kv_cache)
+    with torch.inference_mode():
+        decoder.target_forward(ids, cache, 0, want_features=False)
+    return cache
+
+
+@needs_smallm
+def test_native_stack_matches_the_per_layer_forward(smallm_decoder):
+    dec = smallm_decoder
+    assert dec.fast is not None and dec.fast.native and dec.forward_path()["native_stack"]
+    assert dec.forward_path()["isa"] == kernel.smallm_kernel().isa()
+    g = torch.Generator().manual_seed(1)
+    for width in (1, 3, 8, 16):
+        block = torch.randint(3, dec.lm_head.shape[0], (1, width), generator=g)
+        cache = _context(dec, 21)
+        got = {}
+        for native in (True, False):
+            dec.fast.native = native
+            with torch.inference_mode():
+                got[native] = dec.target_forward(block, cache, 21, want_features=True)
+            crop_to(cache, 21)
+        dec.fast.native = True
+        (nl, nf), (pl, pf) = got[True], got[False]
+        assert nl.shape == pl.shape and nf.shape == pf.shape
+        torch.testing.assert_close(nl, pl, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(nf, pf, rtol=1e-4, atol=1e-4)
+        assert torch.equal(nl.argmax(-1), pl.argmax(-1))
+
+
+@needs_smallm
+def test_native_rows_are_the_same_bits_alone_in_a_verify_and_beside_other_requests(smallm_decoder):
+    dec = smallm_decoder
+    from pipeline.models.batched_forward import BatchedForward
+
+    g = torch.Generator().manual_seed(2)
+    block = torch.randint(3, dec.lm_head.shape[0], (1, 16), generator=g)
+    cache = _context(dec, 30)
+    with torch.inference_mode():
+        wide, wide_features = dec.target_forward(block, cache, 30, want_features=True)
+        crop_to(cache, 30)
+        for j in range(16):  # row j alone, after rows 0..j-1 (an autoregressive step at each position)
+            alone, features = dec.target_forward(block[:, j: j + 1], cache, 30 + j, want_features=True)
+            assert torch.equal(alone[0], wide[j]) and torch.equal(features[0, 0], wide_features[0, j]), j
+        others = [_context(dec, n, seed=n) for n in (5, 44)]
+        crop_to(cache, 30)
+        batched = BatchedForward(dec).target([block, block[:, :3], block[:, :1]], [cache, *others], [30, 5, 44],
+                                             [True, True, False])
+    assert torch.equal(batched[0][0], wide) and torch.equal(batched[0][1], wide_features)
+
+
+_ISA_PROBE = r"""
+import json, sys, torch
+from pipeline.models.backend import pack_smallm
+from pipeline.models.kernel import smallm_kernel
+torch.manual_seed(0)
+n, k = 80, 96
+d = (torch.rand(n, k // 32, 1) * 0.01 + 1e-3).half().float()
+m = (-torch.rand(n, k // 32, 1) * 0.05).half().float()
+q = torch.randint(0, 16, (n, k // 32, 32)).float(); q[..., 0] = 0; q[..., 1] = 15
+weights = {"q4": ((d * q) + m).view(n, k), "bf16": torch.randn(n, k).bfloat16().float(), "f32": torch.randn(n, k)}
+out = {"isa": smallm_kernel().isa()}
+for name, w in weights.items():
+    packed = pack_smallm(w, exact_rows=32)
+    for rows in (1, 5, 16, 21):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        out[f"{name}-{rows}"] = packed(x, None).view(torch.int32).flatten().tolist()
+json.dump(out, sys.stdout)
+"""
+
+
+def _probe(isa: str) -> dict:
+    env = {**os.environ, kernel.ISA_ENV: isa}
+    done = subprocess.run([sys.executable, "-c", _ISA_PROBE], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.slow
+@needs_smallm
+def test_avx2_and_avx512_builds_give_the_same_bits():
+    if "avx512" not in kernel.supported_isas():
+        pytest.skip(f"this CPU runs only {kernel.supported_isas()}: the AVX-512 build cannot be compared here")
+    wide, narrow = _probe("avx512"), _probe("avx2")
+    assert wide.pop("isa") == "avx512" and narrow.pop("isa") == "avx2"
+    assert wide == narrow
+
+
+def test_the_isa_follows_the_cpu_flags_and_a_forced_one_must_exist(monkeypatch):
+    avx2 = {"avx2", "fma", "sse4_2"}
+    avx512 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+    assert kernel.supported_isas(avx2) == ["avx2"]
+    assert kernel.supported_isas(avx512) == ["avx512", "avx2"]
+    assert kernel.supported_isas(avx2 | {"avx512f"}) == ["avx2"]  # F alone is not enough
+    assert kernel.supported_isas({"sse4_2"}) == []
+    monkeypatch.setattr(kernel, "cpu_flags", lambda: avx2)
+    monkeypatch.delenv(kernel.ISA_ENV, raising=False)
+    assert kernel.cpu_isa() == "avx2"
+    monkeypatch.setenv(kernel.ISA_ENV, "avx512")
+    with pytest.raises(kernel.KernelUnavailableError, match="runs only"):
+        kernel.cpu_isa()
+    monkeypatch.setenv(kernel.ISA_ENV, "neon")
+    with pytest.raises(kernel.KernelUnavailableError, match="not one of"):
+        kernel.cpu_isa()
+    monkeypatch.setattr(kernel, "cpu_flags", lambda: avx512)
+    monkeypatch.setenv(kernel.ISA_ENV, "avx2")
+    assert kernel.cpu_isa() == "avx2"
+
+
+def test_the_floor_is_the_slower_of_reading_the_weights_and_their_products():
+    limits = {"read_gb_s": 40.0, "gflop_s": 200.0}
+    # 100 MB at 40 GB/s = 2.5 ms; 2 x 100M x rows at 200 GFLOP/s = 1 ms a row
+    assert floor_ms(100e6, 100e6, 1, limits) == pytest.approx(2.5)
+    assert floor_ms(100e6, 100e6, 2, limits) == pytest.approx(2.5)
+    assert floor_ms(100e6, 100e6, 8, limits) == pytest.approx(8.0)
