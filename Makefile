@@ -178,7 +178,8 @@ bench-label: $(STAMP)
 
 # A short look at the decoder (conf/experiment/demo.yaml): needs no labels or predictors. Like the eval stage it
 # writes results.json, results.md and the figures (data/eval/demo/) and logs to W&B; the last line is results.md's path.
-# Prompt sets missing from ../shared/data (BLOCKPILOT_SHARED_DATA) come from the hub, or are skipped with a warning.
+# Prompt sets missing from ../shared/data (BLOCKPILOT_SHARED_DATA) come from the hub, or are skipped with a warning and
+# HumanEval takes their prompts (data.skipped_to): a clone without ../shared/ decodes 5 HumanEval prompts.
 demo: $(STAMP)
 	$(PY) -m pipeline.evaluate experiment=demo $(PROFILE) $(ARGS)
 	@out="$$($(PY) -m pipeline.evaluate experiment=demo $(PROFILE) $(ARGS) --cfg job --resolve -p eval.out | tail -n 1)"; \

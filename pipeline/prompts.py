@@ -7,7 +7,8 @@ Sources:
     read from the Hugging Face hub instead, as the same prompts with the same ids;
   * a hub dataset id (``hub:<id>[:<split>[:<field>]]``), through ``datasets.load_dataset``.
 A set that can be had neither way raises ``PromptSetUnavailable`` naming the fix, or, with ``data.missing=skip``
-(``load_prompt_sets(missing="skip")``, the demo), is left out with a warning.
+(``load_prompt_sets(missing="skip")``, the demo), is left out with a warning; with ``data.skipped_to`` naming a set
+(the demo: HumanEval), that set takes the skipped sets' share of prompts.
 """
 
 from __future__ import annotations
@@ -293,35 +294,67 @@ _WARNED: set[str] = set()
 
 
 def load_prompt_sets(sets: Iterable[dict], limit_per_set: int | None = None, seed: int | None = None,
-                     offset: int = 0, missing: str = "error") -> list[Prompt]:
+                     offset: int = 0, missing: str = "error", skipped_to: str | None = None) -> list[Prompt]:
     """Concatenate several sets, each given as ``{"name", "source"[, "hub", "limit"]}`` (``offset``, ``hub``: see
     ``load_prompt_set``).
 
     Args:
         missing: ``data.missing``: what a set that can be read neither from its file nor from the hub does: ``error``
             raises, ``skip`` leaves it out with a warning (once per set and process) naming the set and the fix.
+        skipped_to: ``data.skipped_to``: the name of the set that takes a skipped set's share: its limit grows by the
+            limit of every set skipped (``missing=skip``), so a run rests on about as many prompts whichever sets
+            could be read (the demo: HumanEval, which ships offline). The same seed and offset: its first prompts stay
+            the same. No effect without limits (every prompt is read anyway), when that set was skipped too, or when it
+            names none of ``sets``.
     Raises:
         PromptSetUnavailable: for an unavailable set (``missing=error``: the message also names ``data.missing=skip``),
             or when no set at all could be read (``skip``); ValueError: for an unknown ``missing``, a bad offset or line.
     """
     if missing not in MISSING:
         raise ValueError(f"data.missing={missing!r}: choose one of {list(MISSING)}")
-    prompts: list[Prompt] = []
-    skipped: list[str] = []
+    sets = list(sets)
+    names = [s.get("name") for s in sets]
+    if skipped_to not in names:  # e.g. the demo's HumanEval under data=gsm8k: nothing takes a share
+        skipped_to = None
+    loaded: list[tuple[dict, list[Prompt]]] = []
+    skipped: list[dict] = []
+    reasons: list[str] = []
     for s in sets:
         try:
-            prompts += load_prompt_set(s["source"], s.get("name"), s.get("limit") or limit_per_set, seed, int(offset or 0),
-                                       s.get("hub"))
+            loaded.append((s, load_prompt_set(s["source"], s.get("name"), s.get("limit") or limit_per_set, seed,
+                                              int(offset or 0), s.get("hub"))))
         except PromptSetUnavailable as err:
             if missing == "error":
                 raise PromptSetUnavailable(f"{err} (or run with data.missing=skip to go on without this set)") from None
-            skipped.append(str(err))
+            skipped.append(s)
+            reasons.append(str(err))
             if str(err) not in _WARNED:
                 _WARNED.add(str(err))
                 log.warning("skipping a prompt set (data.missing=skip): %s", err)
-    if skipped and not prompts:
-        raise PromptSetUnavailable("none of the configured prompt sets could be loaded: " + "; ".join(skipped))
-    return prompts
+    if skipped and not loaded:
+        raise PromptSetUnavailable("none of the configured prompt sets could be loaded: " + "; ".join(reasons))
+    if skipped and skipped_to is not None:
+        loaded = [(s, _with_share(s, prompts, skipped, limit_per_set, seed, offset) if s.get("name") == skipped_to
+                   else prompts) for s, prompts in loaded]
+    return [p for _, prompts in loaded for p in prompts]
+
+
+def _with_share(s: dict, prompts: list[Prompt], skipped: list[dict], limit_per_set: int | None, seed: int | None,
+                offset: int) -> list[Prompt]:
+    """Set ``s`` read again with its limit grown by each skipped set's (``data.skipped_to``); a skipped set without a
+    limit lifts it. Unchanged when ``s`` has no limit."""
+    own = s.get("limit") or limit_per_set
+    if not own:
+        return prompts
+    shares = [t.get("limit") or limit_per_set for t in skipped]
+    limit = own + sum(shares) if all(shares) else None
+    more = load_prompt_set(s["source"], s.get("name"), limit, seed, int(offset or 0), s.get("hub"))
+    note = (f"prompt set {s.get('name')} takes the share of the {len(skipped)} skipped set(s) (data.skipped_to): "
+            f"{len(more)} prompts instead of {len(prompts)}")
+    if note not in _WARNED:
+        _WARNED.add(note)
+        log.warning("%s", note)
+    return more
 
 
 TEMPLATE_KWARGS_ATTR = "blockpilot_chat_template_kwargs"

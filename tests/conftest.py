@@ -117,6 +117,36 @@ def trained_decoder(tiny) -> SpeculativeDecoder:
     return tiny.decoder("llama", "trained")
 
 
+class SteadyClock:
+    """A deterministic stand-in for the measuring harness's clock (``pipeline.timing.steps.clock``): every read moves
+    it on, so a timed point reads ``tick_ms`` plus ``growth_ms`` for every read of the clock up to its end, whatever the
+    host's speed or load. A point timed later reads a little more: a second measurement never repeats the first, the
+    shape check finds nothing to time again, and a spot check never finds the machine faster than a stored measurement
+    (its verdict is reuse, unless the test inflates the stored one)."""
+
+    def __init__(self, tick_ms: float = 1.0, growth_ms: float = 1e-4):
+        self.tick_ms, self.growth_ms = tick_ms, growth_ms
+        self.reads, self.t = 0, 0.0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        self.t += (self.tick_ms + self.growth_ms * self.reads) / 1e3
+        return self.t
+
+
+@pytest.fixture
+def steady_clock():
+    """The harness's clock swapped for a ``SteadyClock`` for one test (its own patch: a test's ``monkeypatch.undo()``
+    keeps it): the verdicts of step-cost measurements and spot checks (reused, refused, measured again) then hold on a
+    loaded machine as on an idle one."""
+    from pipeline.timing import steps
+
+    clock = SteadyClock()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(steps, "clock", clock)
+        yield clock
+
+
 @pytest.fixture(params=ARCHS)
 def arch(request) -> str:
     return request.param

@@ -172,7 +172,7 @@ def test_batched_foresight_bound_orders_the_policies():
         batched_foresight_bound(labels, costs, 8, [1])
 
 
-def test_measured_costs_are_cached(tiny, tmp_path):
+def test_measured_costs_are_cached(tiny, tmp_path, steady_clock):
     decoder = tiny.decoder("llama", "random")
     settings_ = {"context": 16, "rows": [1, 2, 4, 8], "repeats": 1, "cache": str(tmp_path), "spot_check": False}
     model = {"target": "tiny", "drafter": "tiny"}

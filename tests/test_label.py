@@ -345,7 +345,9 @@ def test_bad_label_settings_name_the_fix(label_setup, trained_decoder, tmp_path)
         run(label_setup(tmp_path / "x", f"label.latency.path={tmp_path}/none.json"), trained_decoder)
 
 
-def test_replay_measures_its_latency_model_once_per_run_dir(label_setup, trained_decoder, tmp_path):
+def test_replay_measures_its_latency_model_once_per_run_dir(label_setup, trained_decoder, tmp_path, steady_clock):
+    """Timed on the steady clock (conftest): the spot check's verdict on the cached model (reuse) and a fresh
+    measurement's difference from it do not depend on how busy the machine is."""
     out = tmp_path / "measured"
     cache = f"label.latency.cache={tmp_path}/latency-cache"
     run(label_setup(out, "label.latency.path=null", "label.latency.context_buckets=[8,32]", "label.latency.repeats=1",
@@ -356,7 +358,8 @@ def test_replay_measures_its_latency_model_once_per_run_dir(label_setup, trained
     run(label_setup(out, "label.latency.path=null", "label.latency.context_buckets=[8,32]", cache), trained_decoder)
     assert LabelStore(out).read_meta()["latency_model"] == model  # reused, not re-measured
     assert len(read_labels(out)) == len(TEXTS)
-    # a new run on the same machine and models reuses the stored model (measured timings never repeat exactly)
+    # a new run on the same machine and models reuses the stored model after its spot check (measured timings never
+    # repeat exactly: a re-measured model would differ)
     other = tmp_path / "another-run"
     run(label_setup(other, "label.latency.path=null", "label.latency.context_buckets=[8,32]", "label.latency.repeats=1",
                     "data.limit=1", cache), trained_decoder)
@@ -366,6 +369,7 @@ def test_replay_measures_its_latency_model_once_per_run_dir(label_setup, trained
     run(label_setup(fresh, "label.latency.path=null", "label.latency.context_buckets=[8,32]", "label.latency.repeats=1",
                     "data.limit=1", "label.latency.cache=null"), trained_decoder)
     assert LabelStore(fresh).read_meta()["latency_model"]["verify_ms"] != model["verify_ms"]
+    assert steady_clock.reads  # every measurement and spot check above read the injected clock
 
 
 def test_qwen3_target_label_path(tiny, tmp_path):

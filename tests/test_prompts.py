@@ -91,6 +91,44 @@ def test_load_prompt_sets_with_per_set_limits(five_prompts):
     assert [p.id for p in prompts] == ["p0", "p1", "HumanEval/0", "HumanEval/1", "HumanEval/2"]
 
 
+def test_a_skipped_sets_share_goes_to_data_skipped_to(five_prompts, tmp_path, caplog):
+    """``data.skipped_to`` (the demo: HumanEval): a set that takes the share of prompts of every set skipped
+    (``missing=skip``), so a clone without ../shared/ runs about as many requests as one with every set (issue 41)."""
+    gone = [{"name": "gsm8k", "source": str(tmp_path / "gsm8k.jsonl")},
+            {"name": "mbpp", "source": str(tmp_path / "mbpp.jsonl"), "limit": 2}]
+    sets = [{"name": "he", "source": "humaneval"}, {"name": "mine", "source": five_prompts}, *gone]
+    alone = load_prompt_sets(sets, 1, seed=0, missing="skip")
+    assert [p.source_set for p in alone] == ["he", "mine"]  # without it: one prompt each from the sets there are
+    with caplog.at_level("WARNING", logger="pipeline.prompts"):
+        shared = load_prompt_sets(sets, 1, seed=0, missing="skip", skipped_to="he")
+    # he takes gsm8k's 1 and mbpp's 2 (its own limit): 1 + 3 prompts, the same first one (same seed), then mine's
+    assert [p.source_set for p in shared] == ["he"] * 4 + ["mine"] and shared[0].id == alone[0].id
+    assert [p.id for p in shared[:4]] == [p.id for p in load_prompt_set("humaneval", limit=4, seed=0)]
+    assert "prompt set he takes the share of the 2 skipped set(s) (data.skipped_to): 4 prompts instead of 1" in caplog.text
+    assert [p.source_set for p in load_prompt_sets(sets, 1, missing="skip", skipped_to="mine")] == ["he"] + ["mine"] * 4
+    # nothing skipped, or no limit (every prompt is read anyway): no change
+    present = sets[:2]
+    assert load_prompt_sets(present, 1, missing="skip", skipped_to="he") == load_prompt_sets(present, 1)
+    assert len(load_prompt_sets(sets, None, missing="skip", skipped_to="he")) == 164 + 5
+    # a skipped set without a limit: the share is all of it
+    unlimited = [{"name": "he", "source": "humaneval", "limit": 1}, {"name": "gsm8k", "source": str(tmp_path / "x.jsonl")}]
+    assert len(load_prompt_sets(unlimited, None, missing="skip", skipped_to="he")) == 164
+    # a name that is none of the sets (the demo's HumanEval under data=gsm8k) gives no set a share
+    assert load_prompt_sets(sets, 1, missing="skip", skipped_to="humaneval") == load_prompt_sets(sets, 1, missing="skip")
+
+
+def test_the_demo_gives_humaneval_the_skipped_sets_share(compose_config):
+    from pipeline.decoding.checks import check_data
+
+    cfg = compose_config("evaluate", ["experiment=demo"])
+    assert (cfg.data.limit, cfg.data.missing, cfg.data.skipped_to) == (1, "skip", "humaneval")
+    check_data(cfg.data)
+    assert compose_config("evaluate", []).data.skipped_to is None  # other runs: a missing set stops them anyway
+    check_data(compose_config("evaluate", ["experiment=demo", "data=gsm8k"]).data)  # HumanEval not among the sets: no share
+    with pytest.raises(ValueError, match=r"data.skipped_to=3: the name of the set"):
+        check_data(compose_config("evaluate", ["experiment=demo", "data.skipped_to=3"]).data)
+
+
 def test_hub_spec_is_parsed(monkeypatch):
     import datasets
 
@@ -323,7 +361,9 @@ def test_a_fresh_clone_without_shared_data_or_hub_runs_the_demo_sets_it_has(tmp_
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout.strip().splitlines()[-1])
-    assert out["checked"] == 164 and len(out["ids"]) == 1 and out["ids"][0].startswith("HumanEval/")  # data.limit=1
+    # data.limit=1 per set, and HumanEval takes the four skipped sets' share (data.skipped_to): 5 requests
+    assert out["checked"] == 164 and len(set(out["ids"])) == 5 and all(i.startswith("HumanEval/") for i in out["ids"])
+    assert "WARNING prompt set humaneval takes the share of the 4 skipped set(s)" in result.stderr
     warnings = [line for line in result.stderr.splitlines() if line.startswith("WARNING skipping a prompt set")]
     for name in ("mbpp", "gsm8k", "math500", "mt_bench"):
         mine = [w for w in warnings if f"prompt set {name}: {empty}/{name}.jsonl not found" in w]

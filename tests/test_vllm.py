@@ -20,6 +20,7 @@ from conftest import composed, require
 from pipeline import PROJECT_ROOT
 from pipeline.decoding import DecodeConfig
 from pipeline.decoding.build import build_decoder
+from pipeline.integrations.vllm.costs import StepCosts
 from pipeline.integrations.vllm.labels import read_rows, refit
 from pipeline.integrations.vllm.server import VENV, VllmServer
 from pipeline.policy.calibration import load_calibration
@@ -84,14 +85,19 @@ def test_vllm_dflash_loads_the_shipped_drafter_and_drafts_as_ours(reference, tmp
 
 def test_vllm_with_the_budget_plugin_is_lossless_and_trims(reference, tmp_path):
     labels = tmp_path / "labels.jsonl"
-    with VllmServer(policy="budget", num_speculative_tokens=K, max_num_seqs=4, port=_port(),
-                    cache_dir=str(tmp_path / "cache"), labels=str(labels), log_path=str(tmp_path / "budget.log"),
+    cache = tmp_path / "cache"
+    # save_every_s=0: no save while serving, so the learned curve is on disk only if the worker saved it as vLLM
+    # stopped it (by signal), however long or short the server ran
+    with VllmServer(policy="budget", num_speculative_tokens=K, max_num_seqs=4, port=_port(), cache_dir=str(cache),
+                    labels=str(labels), save_every_s=0, log_path=str(tmp_path / "budget.log"),
                     startup_timeout_s=900) as server:
         with ThreadPoolExecutor(4) as pool:  # the four at once: batched steps, the joint widths
             responses = list(pool.map(lambda r: _chat(server, r["prompt"].turns[0]), reference))
         opted_out = _chat(server, reference[0]["prompt"].turns[0], vllm_xargs={"blockpilot_speculate": False})
         counters = server.spec_decode_counters()
         log = server.log_tail(400)
+        assert not list(cache.glob("step-costs-*.json"))  # nothing written while it serves
+    stopped_log = server.log_tail(400)
     drafted = []
     for r, response in zip(reference, responses):
         assert response["choices"][0]["token_ids"] == r["ids"], r["prompt"].id  # lossless, token for token
@@ -103,7 +109,9 @@ def test_vllm_with_the_budget_plugin_is_lossless_and_trims(reference, tmp_path):
     drafts, tokens = counters["vllm:spec_decode_num_drafts_total"], counters["vllm:spec_decode_num_draft_tokens_total"]
     assert drafts > 0 and 0 < tokens < K * drafts and counters["vllm:spec_decode_num_accepted_tokens_total"] > 0
     assert "BlockPilot: policy budget, K=7" in log
-    assert list((tmp_path / "cache").glob("step-costs-*.json"))  # the learned curve, cached for the next start
+    (saved,) = cache.glob("step-costs-*.json")  # the learned curve, written as the worker stopped, for the next start
+    assert sum(len(samples) for samples in StepCosts.load(saved).tables["verify"].values()) > 0  # decode steps timed
+    assert "BlockPilot: step costs saved to" in stopped_log and "at stop" in stopped_log
 
     rows = read_rows([labels])  # the plugin's label log: one row per verified request-step
     assert len(rows) > 0 and rows["k"].between(1, K).all() and (rows["accepted"] <= rows["k"]).all()

@@ -45,8 +45,10 @@ def test_the_plugin_module_loads_no_model_code():
 def test_settings_from_the_environment():
     assert Settings.from_env({}) == Settings() and not Settings().active
     s = Settings.from_env({"BLOCKPILOT_VLLM_POLICY": "Budget", "BLOCKPILOT_VLLM_MARGIN": "0.2",
-                           "BLOCKPILOT_VLLM_MAX_SKIP": "4", "BLOCKPILOT_VLLM_LABELS": "/tmp/x.jsonl"})
+                           "BLOCKPILOT_VLLM_MAX_SKIP": "4", "BLOCKPILOT_VLLM_LABELS": "/tmp/x.jsonl",
+                           "BLOCKPILOT_VLLM_SAVE_EVERY_S": "0"})
     assert s.active and (s.policy, s.margin, s.max_skip, s.labels) == ("budget", 0.2, 4, "/tmp/x.jsonl")
+    assert s.save_every_s == 0.0 and Settings().save_every_s == 5.0  # 0: the step costs are saved only at stop
     assert Settings.from_env(s.to_env()) == s
     with pytest.raises(ValueError, match="BLOCKPILOT_VLLM_POLICY='greedy' is not one of"):
         Settings.from_env({"BLOCKPILOT_VLLM_POLICY": "greedy"})
@@ -54,6 +56,8 @@ def test_settings_from_the_environment():
         Settings.from_env({"BLOCKPILOT_VLLM_MAX_SKIP": "two"})
     with pytest.raises(ValueError, match="BLOCKPILOT_VLLM_MARGIN='-1' must be >= 0"):
         Settings.from_env({"BLOCKPILOT_VLLM_MARGIN": "-1"})
+    with pytest.raises(ValueError, match="BLOCKPILOT_VLLM_SAVE_EVERY_S='-5' must be >= 0"):
+        Settings.from_env({"BLOCKPILOT_VLLM_SAVE_EVERY_S": "-5"})
 
 
 def test_a_request_opts_out_of_speculation():
@@ -292,15 +296,18 @@ def test_the_launcher_command_and_environment(tmp_path, monkeypatch):
     (venv / "lib" / "libiomp5.so").touch()
     monkeypatch.setenv("BLOCKPILOT_VLLM_POLICY", "fixed")  # the caller's own setting does not leak in
     monkeypatch.delenv("LD_PRELOAD", raising=False)
-    server = VllmServer(policy="budget", num_speculative_tokens=3, port=8011, venv=str(venv), labels="/tmp/l.jsonl")
+    server = VllmServer(policy="budget", num_speculative_tokens=3, port=8011, venv=str(venv), labels="/tmp/l.jsonl",
+                        save_every_s=0)
     cmd = server.command(target="/models/t")
     assert cmd[:3] == [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
     assert spec["method"] == "dflash" and spec["num_speculative_tokens"] == 3 and spec["model"] == str(SHIPPED)
     assert cmd[cmd.index("--port") + 1] == "8011" and "--enforce-eager" in cmd and cmd[cmd.index("--model") + 1] == "/models/t"
     assert cmd[cmd.index("--per-request-spec-decode-metrics") + 1] == "detailed"
+    assert int(cmd[cmd.index("--shutdown-timeout") + 1]) > 0  # the worker saves its step costs before it is killed
     env = server.environment()
     assert env["BLOCKPILOT_VLLM_POLICY"] == "budget" and env["BLOCKPILOT_VLLM_LABELS"] == "/tmp/l.jsonl"
+    assert Settings.from_env(env).save_every_s == 0.0
     assert env["LD_PRELOAD"] == str(venv / "lib" / "libiomp5.so") and env["HF_HUB_OFFLINE"] == "1"
     ar = VllmServer(method="ar", venv=str(venv))
     assert "--speculative-config" not in ar.command(target="/models/t")
@@ -311,6 +318,46 @@ def test_the_launcher_command_and_environment(tmp_path, monkeypatch):
         VllmServer(method="eagle")
     with pytest.raises(FileNotFoundError, match="make vllm"):
         VllmServer(venv=str(tmp_path / "none")).command(target="/models/t")
+
+
+STOPPED_BY_SIGNAL = """
+import os, signal, sys, time
+from pipeline.integrations.vllm.runtime import save_on_stop_signals
+
+class Controller:  # what the hooks call: stop(why) saves the learned step costs
+    def stop(self, why):
+        with open(sys.argv[1], "a") as f:
+            f.write(why + "\\n")
+
+if sys.argv[2] == "vllm":  # the handler vLLM's worker installs first: SystemExit, then Worker.shutdown
+    def worker_handler(signum, frame):
+        raise SystemExit(3)
+    signal.signal(signal.SIGTERM, worker_handler)
+assert save_on_stop_signals(Controller())
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("before, code", [("vllm", 3), ("default", -15)])
+def test_a_stop_signal_saves_the_step_costs_then_does_what_it_did(tmp_path, before, code):
+    """vLLM stops its workers by SIGTERM (a forked worker then leaves by os._exit: no atexit): the plugin saves first,
+    then the handler that was there runs (vLLM's: SystemExit and the worker's shutdown; none: the process ends by the
+    signal, as it would have)."""
+    import threading
+
+    from pipeline.integrations.vllm.runtime import save_on_stop_signals
+
+    saved = tmp_path / "saved.txt"
+    result = subprocess.run([sys.executable, "-c", STOPPED_BY_SIGNAL, str(saved), before], capture_output=True,
+                            text=True, timeout=120, cwd=PROJECT_ROOT)
+    assert result.returncode == code, result.stderr[-2000:]
+    assert saved.read_text() == "signal SIGTERM\n"
+    answers = []  # off the main thread no handler can be set: nothing changes
+    thread = threading.Thread(target=lambda: answers.append(save_on_stop_signals(object())))
+    thread.start()
+    thread.join()
+    assert answers == [False]
 
 
 def test_metrics_counters_are_summed_over_labels():

@@ -128,7 +128,9 @@ def check_decode(decode) -> None:
 
 
 def check_data(data) -> None:
-    """The ``data`` group: ``data.limit`` (null or >= 0) and ``data.missing`` (``error`` or ``skip``).
+    """The ``data`` group: ``data.limit`` (null or >= 0), ``data.missing`` (``error`` or ``skip``) and
+    ``data.skipped_to`` (null or a set's name; one that names none of ``data.sets`` has no effect, so the demo's
+    HumanEval default stays harmless under ``data=gsm8k``).
 
     Raises:
         ValueError: for a bad value, naming the key and the fix.
@@ -141,6 +143,10 @@ def check_data(data) -> None:
     if str(missing) not in MISSING:
         raise ValueError(f"data.missing={missing!r}: choose error (a set that cannot be loaded stops the stage) or skip "
                          "(warn and go on with the sets there are)")
+    skipped_to = data.get("skipped_to")
+    if skipped_to is not None and not isinstance(skipped_to, str):
+        raise ValueError(f"data.skipped_to={skipped_to!r}: the name of the set that takes a skipped set's share of "
+                         "prompts, or null")
 
 
 def check_common(cfg, loads_model: bool) -> None:

@@ -61,7 +61,8 @@ def check_prompts(cfg: DictConfig) -> int:
         FileNotFoundError / ValueError: for a prompt set that can be read neither from its file nor from the hub (with
             ``data.missing=skip``: only when no set can), or a broken line (``pipeline.prompts`` names the fix, the line).
     """
-    return len(load_prompt_sets(cfg.data.sets, None, cfg.data.seed, missing=missing_sets(cfg)))
+    return len(load_prompt_sets(cfg.data.sets, None, cfg.data.seed, missing=missing_sets(cfg),
+                                skipped_to=cfg.data.get("skipped_to")))
 
 
 def missing_sets(cfg: DictConfig) -> str:
@@ -126,7 +127,8 @@ def select_prompts(cfg: DictConfig, split: str | None, inputs: EvalInputs) -> li
         ValueError: when none of the split's prompts is among the configured prompt sets.
     """
     if split is None:
-        return load_prompt_sets(cfg.data.sets, cfg.data.limit, cfg.data.seed, cfg.data.get("offset", 0), missing_sets(cfg))
+        return load_prompt_sets(cfg.data.sets, cfg.data.limit, cfg.data.seed, cfg.data.get("offset", 0), missing_sets(cfg),
+                                cfg.data.get("skipped_to"))  # a skipped set's share to data.skipped_to (the demo)
     wanted = {prompt_id_of(i) for i in inputs.splits[split]}
     prompts = [p for p in load_prompt_sets(cfg.data.sets, None, cfg.data.seed, missing=missing_sets(cfg)) if p.id in wanted]
     if not prompts:

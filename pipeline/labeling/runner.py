@@ -136,7 +136,8 @@ def run_label(cfg: DictConfig, decoder: SpeculativeDecoder | None = None,
         torch.set_num_threads(int(cfg.label.num_threads))
     shard, num_shards = effective_shard(cfg.label.shard, cfg.label.num_shards)
     prompts = load_prompt_sets(cfg.data.sets, cfg.data.limit, cfg.data.seed, cfg.data.get("offset", 0),
-                               str(cfg.data.get("missing", "error")))  # a missing set fails before the model loads
+                               str(cfg.data.get("missing", "error")),  # a missing set fails before the model loads
+                               cfg.data.get("skipped_to"))
     prompts = shard_prompts(prompts, shard, num_shards)
     if decoder is None:
         model_cfg = cfg.model

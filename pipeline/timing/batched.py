@@ -26,6 +26,7 @@ from pipeline.costs import BatchCostModel, check_batch_cost_settings, monotone, 
 from pipeline.costs import store
 from pipeline.models.cache import crop_to
 from pipeline.models.clock import synchronize
+from pipeline.timing import steps as step_timing
 from pipeline.timing.steps import SPOT_TOLERANCE, measured_under_load
 
 log = logging.getLogger(__name__)
@@ -152,8 +153,9 @@ def measure_batch_costs(decoder, block_size: int = 8, context: int = 128, max_re
 
     sync = lambda: synchronize(decoder.device)  # noqa: E731
     with tqdm(total=len(points) * repeats, desc="batched step costs of this machine", unit="timing") as bar:
-        timings = time_points(points, rounds=repeats, sync=sync, progress=bar.update)
-        check = retime(points, timings, suspects, rounds=repeats, sync=sync, progress=bar.update)
+        timings = time_points(points, rounds=repeats, sync=sync, clock=step_timing.clock, progress=bar.update)
+        check = retime(points, timings, suspects, rounds=repeats, sync=sync, clock=step_timing.clock,
+                       progress=bar.update)
     ms = {k: t.ms for k, t in timings.items()}
     per_request = max(0.0, (ms[("verify_ones", q)] - ms[("verify_one", q)]) / (q - 1)) if q > 1 else 0.0
     verify_ms = monotone([max(1e-3, ms[("verify", r)] - per_request * (len(bench.split_rows(r)) - 1)) for r in rows])
@@ -187,7 +189,7 @@ def spot_check(decoder, costs: BatchCostModel, rounds: int = 3, tolerance: float
     except ValueError as err:
         return str(err)
     timings = time_points({r: bench.verify(bench.split_rows(r)) for r in picks}, rounds=rounds,
-                          sync=lambda: synchronize(decoder.device))
+                          sync=lambda: synchronize(decoder.device), clock=step_timing.clock)
     for r, timing in timings.items():
         if measured_under_load(raw[r], timing.ms, tolerance):
             return (f"its step of {r} verified rows reads {raw[r]:.1f} ms, this machine takes {timing.ms:.1f} ms now "

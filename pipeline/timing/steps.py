@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -32,6 +33,15 @@ log = logging.getLogger(__name__)
 DEFAULTS = {"path": None, "cache": None, "context_buckets": [64, 256, 512], "repeats": 5, "spot_check": True}
 SPOT_TOLERANCE = 1.25  # a cached point this much slower than the machine now is refused (noise only adds time)
 SPOT_FLOOR_MS = 2.0  # ... and by at least this much (a timer's jitter on sub-millisecond points is not load)
+
+
+def clock() -> float:
+    """The clock every measurement and spot check of this harness reads (seconds; ``time.perf_counter``), here and in
+    ``pipeline.timing.batched``. It is looked up by name at each measurement, so a test swaps it for a deterministic one
+    (``monkeypatch.setattr(pipeline.timing.steps, "clock", fake)``): its verdicts (a cache reused or refused, a curve
+    measured again) then do not depend on the host's speed or load. Other users of the timer (the smallm kernel's
+    crossover, ``step_figures``) keep their own clock."""
+    return time.perf_counter()
 
 
 def measured_under_load(stored_ms: float, now_ms: float, tolerance: float = SPOT_TOLERANCE,
@@ -174,9 +184,9 @@ def measure(decoder, block_sizes: Sequence[int], context_buckets: Sequence[int],
     points = bench.points()
     sync = lambda: synchronize(decoder.device)  # noqa: E731
     with tqdm(total=len(points) * repeats, desc="step costs of this machine", unit="timing") as bar:
-        timings = time_points(points, rounds=repeats, sync=sync, progress=bar.update)
+        timings = time_points(points, rounds=repeats, sync=sync, clock=clock, progress=bar.update)
         check = retime(points, timings, lambda: _suspects(timings, bench.buckets), rounds=repeats,
-                       sync=sync, progress=bar.update)
+                       sync=sync, clock=clock, progress=bar.update)
     if check["unresolved"]:
         log.warning("step costs: %d points still break the cost's shape after timing them again (%s): the cores were "
                     "busy, or the cost bends there; the curve's monotone fit pools them", len(check["unresolved"]), check["unresolved"][:4])
@@ -186,7 +196,8 @@ def measure(decoder, block_sizes: Sequence[int], context_buckets: Sequence[int],
 
         fresh = PositionKeyedSampler(temperature, seed + 1, bench.vocab)
         next_position = iter(range(1 << 30))
-        noise = time_points({"noise": lambda: [fresh.gumbel(next(next_position)) for _ in range(8)]}, rounds=repeats)
+        noise = time_points({"noise": lambda: [fresh.gumbel(next(next_position)) for _ in range(8)]}, rounds=repeats,
+                            clock=clock)
         noise_ms = noise["noise"].ms / 8
     tables = _tables(timings, bench.buckets)
     ms = {part: {b: [t.ms for t in row] for b, row in table.items()} for part, table in tables.items()}
@@ -216,7 +227,7 @@ def spot_check(decoder, model: CostModel, rounds: int = 3, tolerance: float = SP
     widest, middle = max(bench.widths), bench.buckets[len(bench.buckets) // 2]
     if widest > 1 and widest in model.draft_points:
         names.append(("draft", widest, middle))
-    timings = time_points(bench.points(names), rounds=rounds, sync=lambda: synchronize(decoder.device))
+    timings = time_points(bench.points(names), rounds=rounds, sync=lambda: synchronize(decoder.device), clock=clock)
     for (part, b, length), timing in timings.items():
         table = model.verify_points if part == "verify" else model.draft_points
         stored = table[b][model.context_buckets.index(length)]

@@ -1,7 +1,7 @@
 """The policy's hooks on vLLM 0.32's model runner (worker process), installed at run time; vLLM's source is not edited.
 
 ``install`` (called by ``BlockPilotDFlashQwen3ForCausalLM``'s constructor, so only in a process that builds our
-drafter) checks vLLM's version and wraps four methods of ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` (the V1
+drafter) checks vLLM's version and wraps five methods of ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` (the V1
 runner; the CPU runner ``CPUModelRunner`` inherits them):
 
 * ``execute_model`` (gpu_model_runner.py:3940) and ``sample_tokens`` (:4304): time each decode step (the target's
@@ -17,7 +17,12 @@ runner; the CPU runner ``CPUModelRunner`` inherits them):
 * ``take_draft_token_ids`` (:4627, called by the engine after each step, v1/engine/core.py:694): cut each request's
   draft list to its width. The scheduler verifies exactly ``len(request.spec_token_ids)`` drafts of each request
   (v1/core/sched/scheduler.py:861-876), so a cut request verifies fewer rows next step; verification stays vLLM's
-  (greedy: the text is the target's own, whatever the widths).
+  (greedy: the text is the target's own, whatever the widths);
+* ``shutdown`` (:6238): save the learned step costs before the runner lets go of its models. vLLM stops its workers by
+  signal: a worker process (``MultiprocExecutor``, the CPU default, forked) turns SIGTERM into SystemExit and calls
+  ``Worker.shutdown`` -> ``model_runner.shutdown`` on its way out (v1/executor/multiproc_executor.py:871-985,
+  gpu_worker.py:1606), then leaves by ``os._exit``, so ``atexit`` never runs there; an in-process runner
+  (``UniProcExecutor``) gets the same call from ``EngineCore.shutdown`` (v1/engine/core.py:2211).
 
 and one method of ``vllm.v1.spec_decode.dflash.DFlashProposer``: ``propose`` (``SpecDecodeBaseProposer.propose``,
 llm_base_proposer.py:512) with K = 0 runs only what keeps the drafter's cache complete, the projection of the step's
@@ -26,8 +31,11 @@ context into the drafter's keys/values (``set_inputs_first_pass``, dflash.py:113
 of the block's query rows, whose keys/values the next step's context overwrites and whose outputs a K = 0 step
 discards (llm_base_proposer.py:606-614). A step without drafts then costs the target's step and that projection.
 
-One ``Controller`` per runner holds the policy, the learned costs (saved to ``<cache>/step-costs-<key>.json`` every
-``SAVE_EVERY`` samples or ``SAVE_AFTER_S`` seconds, and at a clean exit) and the label log.
+One ``Controller`` per runner holds the policy, the learned costs and the label log. The costs are saved to
+``<cache>/step-costs-<key>.json`` when the worker stops: at the runner's ``shutdown``, on SIGTERM / SIGINT (a handler
+chained before the one the process had: vLLM's worker raises SystemExit there, a plain process ends as it would have)
+and at interpreter exit (``atexit``); while serving, also every ``SAVE_EVERY`` samples or
+``BLOCKPILOT_VLLM_SAVE_EVERY_S`` seconds (default 5; 0: only at stop), for a worker killed outright.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ import atexit
 import dataclasses
 import functools
 import logging
+import os
+import signal
 import time
 
 import torch
@@ -48,8 +58,8 @@ from pipeline.integrations.vllm.settings import Settings, check_vllm_version, de
 log = logging.getLogger("vllm.blockpilot")
 
 GAP_LIMIT_S = 0.25  # a longer pause between two steps is an idle engine, not the engine's per-step overhead
-SAVE_EVERY = 256  # step-cost samples between two saves of the cache ...
-SAVE_AFTER_S = 5.0  # ... or seconds (vLLM stops its workers by signal: what is not saved by then is lost)
+SAVE_EVERY = 256  # step-cost samples between two saves of the cache while serving (or settings.save_every_s seconds)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # the signals that stop a vLLM worker: the costs are saved first
 SUMMARY_EVERY_S = 10.0  # seconds between two log lines of the policy's choices (while it serves)
 _installed = False
 
@@ -70,6 +80,7 @@ def install() -> None:
     check_vllm_version(vllm.__version__)
     execute_model, sample_tokens = GPUModelRunner.execute_model, GPUModelRunner.sample_tokens
     propose, take = GPUModelRunner.propose_draft_token_ids, GPUModelRunner.take_draft_token_ids
+    shutdown = GPUModelRunner.shutdown
 
     @functools.wraps(execute_model)
     def timed_execute_model(self, scheduler_output, *args, **kwargs):
@@ -106,8 +117,16 @@ def install() -> None:
             return out
         return DraftTokenIds(out.req_ids, controller.cut(out.req_ids, out.draft_token_ids))
 
+    @functools.wraps(shutdown)
+    def saving_shutdown(self, *args, **kwargs):
+        controller = self.__dict__.get("_blockpilot")  # the runner's own, if it served (none is built now)
+        if controller is not None:
+            controller.stop("the worker shuts down")
+        return shutdown(self, *args, **kwargs)
+
     GPUModelRunner.execute_model, GPUModelRunner.sample_tokens = timed_execute_model, timed_sample_tokens
     GPUModelRunner.propose_draft_token_ids, GPUModelRunner.take_draft_token_ids = planned_propose, cut_take
+    GPUModelRunner.shutdown = saving_shutdown
     _install_context_only_proposer()
     _installed = True
     log.info("BlockPilot: hooks installed on GPUModelRunner (vLLM %s)", vllm.__version__)
@@ -183,6 +202,28 @@ def accepted_drafts(sampled, num_draft_tokens, n: int) -> list[int | None]:
     return out
 
 
+def save_on_stop_signals(controller, signals=STOP_SIGNALS) -> bool:
+    """Make SIGTERM and SIGINT first save ``controller``'s step costs (``controller.stop``), then do what the handler
+    installed before did: call it (vLLM's worker handler raises SystemExit and shuts the worker down; Python's SIGINT
+    handler raises KeyboardInterrupt), or, for the default action, end the process by the signal as it would have;
+    an ignored signal stays ignored. Returns False where handlers cannot be set (not the main thread)."""
+    try:
+        for signum in signals:
+            signal.signal(signum, functools.partial(_stop_then_chain, controller, signal.getsignal(signum)))
+    except ValueError:  # signal handlers are the main thread's
+        return False
+    return True
+
+
+def _stop_then_chain(controller, previous, signum, frame) -> None:
+    controller.stop(f"signal {signal.Signals(signum).name}")
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_DFL:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
 def _controller(runner) -> "Controller | None":
     """The runner's ``Controller``, built on first use; None when the runner does not serve our drafter."""
     controller = runner.__dict__.get("_blockpilot")
@@ -229,7 +270,8 @@ class Controller:
         self._timing: dict | None = None
         self._summary_t, self._summary = time.monotonic(), {}
         self._saved_t = time.perf_counter()
-        atexit.register(self.save)
+        atexit.register(self.stop, "exit")
+        save_on_stop_signals(self)
         log.info("BlockPilot: policy %s, K=%d, calibration %s, step costs %s (%d samples), labels %s",
                  settings.policy, self.num_spec, settings.calibration or f"{drafter_dir}/calibration.json",
                  self.cache_file, sum(len(s) for t in self.costs.tables.values() for s in t.values()),
@@ -271,7 +313,9 @@ class Controller:
                 step_ms = (now - self._t0) * 1e3
                 self.costs.add("verify", timing["tokens"], max(0.0, step_ms - timing["draft_ms"]))
                 self.costs.add("draft" if timing["drafted"] else "idle", timing["requests"], timing["draft_ms"])
-                if self.costs.added >= SAVE_EVERY or (self.costs.added and now - self._saved_t >= SAVE_AFTER_S):
+                every_s = self.settings.save_every_s  # 0: saved only when the worker stops
+                due = self.costs.added >= SAVE_EVERY or (self.costs.added and now - self._saved_t >= every_s)
+                if every_s > 0 and due:
                     self.save()
 
     def propose(self, run, scheduler_output, sampled_token_ids, spec_decode_metadata):
@@ -336,10 +380,21 @@ class Controller:
                     rows.append(row)
         self.labels.write(rows)
 
-    def save(self) -> None:
-        """Write the learned step costs to the cache (errors are logged: the server keeps running)."""
+    def save(self) -> bool:
+        """Write the learned step costs to the cache unless the file already holds them (nothing learned since the last
+        save); errors are logged (the server keeps running). Returns whether it wrote."""
         self._saved_t = time.perf_counter()
+        if not self.costs.added and self.cache_file.exists():
+            return False
         try:
             self.costs.save(self.cache_file)
         except OSError as err:
             log.warning("BlockPilot: could not write the step costs to %s: %s", self.cache_file, err)
+            return False
+        return True
+
+    def stop(self, why: str) -> None:
+        """Save the learned step costs as the worker stops (``why``: the runner's shutdown, a signal, exit)."""
+        new = self.costs.added
+        if self.save():
+            log.info("BlockPilot: step costs saved to %s at stop (%s; %d new samples)", self.cache_file, why, new)

@@ -88,7 +88,7 @@ class VllmServer:
         target: the target's HF folder (default: the embedded SmolLM2's); drafter: the drafter folder (default:
             the shipped one); served_model_name: the ``model`` of requests (default ``smollm2-135m-instruct`` for the
             embedded target, else the folder's name).
-        calibration, labels, cache_dir, margin, max_skip, explore: the plugin's settings
+        calibration, labels, cache_dir, margin, max_skip, explore, save_every_s: the plugin's settings
             (``pipeline.integrations.vllm.settings``; None: their defaults).
         kv_cache_gib: the KV cache vLLM allocates (GiB); preload_iomp: preload Intel OpenMP (CPU).
         prefix_caching: vLLM's prefix caching. In vLLM 0.32 a dflash server never hits its prefix cache (observed:
@@ -96,6 +96,10 @@ class VllmServer:
             it off for every method (False) or send each prompt once.
         per_request_metrics: ``--per-request-spec-decode-metrics`` of dflash (``detailed``: each response's
             per-step drafted/accepted counts; ``none`` to leave them out).
+        shutdown_timeout_s: vLLM's ``--shutdown-timeout``: how long a stopping server lets in-flight requests finish
+            and its engine and worker exit before it kills them. vLLM's default (0) kills the engine and the worker at
+            once, in the same instant as the stop signal reaches the worker, whose plugin saves its learned step
+            costs then (``pipeline.integrations.vllm.runtime``): a few seconds let that save finish on a busy machine.
         seed: vLLM's seed; extra_args: more ``vllm serve`` arguments; env: more environment variables.
         venv: vLLM's environment (default ``.venv-vllm``); log_path: the server's log file;
         startup_timeout_s: how long ``start`` waits for ``/health``; progress: print the wait's progress to stderr.
@@ -121,10 +125,12 @@ class VllmServer:
     margin: float | None = None
     max_skip: int | None = None
     explore: int | None = None
+    save_every_s: float | None = None
     kv_cache_gib: float = 1.0
     preload_iomp: bool = True
     prefix_caching: bool = True
     per_request_metrics: str = "detailed"
+    shutdown_timeout_s: int = 5
     seed: int = 0
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -169,7 +175,8 @@ class VllmServer:
                         cache_dir=self.cache_dir, labels=self.labels,
                         margin=defaults.margin if self.margin is None else float(self.margin),
                         max_skip=defaults.max_skip if self.max_skip is None else int(self.max_skip),
-                        explore=defaults.explore if self.explore is None else int(self.explore))
+                        explore=defaults.explore if self.explore is None else int(self.explore),
+                        save_every_s=defaults.save_every_s if self.save_every_s is None else float(self.save_every_s))
 
     def command(self, target: str | Path | None = None) -> list[str]:
         """The server's command line (``target``: the target folder, default ``target_folder(self.target)``)."""
@@ -179,6 +186,7 @@ class VllmServer:
                "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
                "--max-num-seqs", str(self.max_num_seqs), "--seed", str(self.seed),
                "--kv-cache-memory-bytes", str(int(self.kv_cache_gib * (1 << 30))),
+               "--shutdown-timeout", str(int(self.shutdown_timeout_s)),
                "--generation-config", "vllm"]  # requests' defaults are vLLM's, not the checkpoint's
         if self.enforce_eager:
             cmd.append("--enforce-eager")

@@ -15,6 +15,8 @@ Environment (``BLOCKPILOT_VLLM_*``; the launcher ``pipeline.integrations.vllm.se
 ``BLOCKPILOT_VLLM_MAX_SKIP``        the longest run of steps without the drafter before it drafts again to
                                     refresh its priors (default 32)
 ``BLOCKPILOT_VLLM_EXPLORE``         samples each step-cost bucket needs before the policy trusts it (default 3)
+``BLOCKPILOT_VLLM_SAVE_EVERY_S``    seconds of serving between two saves of the learned step costs (default 5),
+                                    besides the save when the worker stops; 0: only when it stops
 ==================================  ==========================================================================
 
 A request opts out of speculation with ``extra_args`` ``{"blockpilot_speculate": false}`` (OpenAI clients: the body's
@@ -34,6 +36,7 @@ ENV_PREFIX = "BLOCKPILOT_VLLM_"
 DEFAULT_MARGIN = 0.1  # = pipeline.policy.budget.GATE_MARGIN (kept here: this module imports no torch)
 DEFAULT_MAX_SKIP = 32
 DEFAULT_EXPLORE = 3
+DEFAULT_SAVE_EVERY_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class Settings:
     margin: float = DEFAULT_MARGIN
     max_skip: int = DEFAULT_MAX_SKIP
     explore: int = DEFAULT_EXPLORE
+    save_every_s: float = DEFAULT_SAVE_EVERY_S
 
     @property
     def active(self) -> bool:
@@ -81,12 +85,14 @@ class Settings:
                    cache_dir=env.get(ENV_PREFIX + "CACHE") or None, labels=env.get(ENV_PREFIX + "LABELS") or None,
                    margin=number("MARGIN", float, DEFAULT_MARGIN, 0.0),
                    max_skip=number("MAX_SKIP", int, DEFAULT_MAX_SKIP, 0),
-                   explore=number("EXPLORE", int, DEFAULT_EXPLORE, 1))
+                   explore=number("EXPLORE", int, DEFAULT_EXPLORE, 1),
+                   save_every_s=number("SAVE_EVERY_S", float, DEFAULT_SAVE_EVERY_S, 0.0))
 
     def to_env(self) -> dict[str, str]:
         """The environment variables that make ``from_env`` return these settings (unset ones left out)."""
         out = {"POLICY": self.policy, "CALIBRATION": self.calibration, "CACHE": self.cache_dir, "LABELS": self.labels,
-               "MARGIN": repr(self.margin), "MAX_SKIP": str(self.max_skip), "EXPLORE": str(self.explore)}
+               "MARGIN": repr(self.margin), "MAX_SKIP": str(self.max_skip), "EXPLORE": str(self.explore),
+               "SAVE_EVERY_S": repr(self.save_every_s)}
         return {ENV_PREFIX + k: str(v) for k, v in out.items() if v is not None}
 
 
