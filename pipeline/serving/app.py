@@ -1,13 +1,14 @@
 """The OpenAI-compatible FastAPI app over an ``Engine``: guards, error bodies, routes, shutdown.
 
-Where things are: the routes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``) in
-``pipeline.serving.routes``; the guards every request passes first (allowed Host names, the API key, the body limit)
-in ``pipeline.serving.guards``; the request and response bodies in ``pipeline.serving.schemas``; the engine in
-``pipeline.serving.engine``. This module assembles them (``create_app``) and maps every error to OpenAI's body
-``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (validation errors, malformed JSON, invalid
-UTF-8, nesting too deep, unsupported fields, a request's own chat template, a Host header not in ``allowed_hosts``),
-401 for a missing or wrong API key, 404 for an unknown model or path, 405 for a wrong method, 413 for a body over
-``max_body_bytes``, 503 when the queue is full, 500 when a decode fails (the server keeps serving).
+Where things are: the routes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``,
+``/metrics``) in ``pipeline.serving.routes``, the ``/metrics`` series in ``pipeline.serving.metrics``; the guards
+every request passes first (allowed Host names, the API key, the body limit) in ``pipeline.serving.guards``; the
+request and response bodies in ``pipeline.serving.schemas``; the engine in ``pipeline.serving.engine``. This module
+assembles them (``create_app``) and maps every error to OpenAI's body ``{"error": {"message", "type", "param",
+"code"}}``: 400 for bad input (validation errors, malformed JSON, invalid UTF-8, nesting too deep, unsupported fields,
+a request's own chat template, a Host header not in ``allowed_hosts``), 401 for a missing or wrong API key, 404 for an
+unknown model or path, 405 for a wrong method, 413 for a body over ``max_body_bytes``, 503 when the queue is full, 500
+when a decode fails (the server keeps serving).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pipeline.serving.engine import Engine
 from pipeline.serving.guards import (API_KEY_ENV, GuardMiddleware, ServeOptions, body_too_large, host_name,
                                      error_response, is_loopback)
+from pipeline.serving.metrics import ServeMetrics
 from pipeline.serving.routes import router
 from pipeline.serving.schemas import RequestError
 
@@ -122,6 +124,8 @@ def create_app(engine: Engine, options: ServeOptions | None = None) -> FastAPI:
     app = FastAPI(title="BlockPilot", summary="DFlash speculative decoding with a per-request block size, OpenAI API",
                   lifespan=lifespan)
     app.state.engine, app.state.options, app.state.reserved = engine, options, reserved
+    app.state.metrics = ServeMetrics(engine.model_name)  # its own registry: apps in one process do not clash
+    engine.listeners.append(app.state.metrics.observe)
     app.add_middleware(GuardMiddleware, options=options)
     add_error_handlers(app, options)
     app.include_router(router)

@@ -11,7 +11,8 @@ scheduler thread with each text delta (``pipeline.serving.text``).
 
 The request's life in one place (``_Request``): the schedule its policy gives it (or its own fixed ``block_size``), its
 text stream and stop strings, its finish reason, the recorder hand-off, cancellation; and the engine's: ``drain``,
-``close``, the counters ``/health`` reads.
+``close``, the counters ``/health`` reads, the ``listeners`` told of each finished request (``/metrics``,
+``pipeline.serving.metrics``).
 
 Policies (``serve.policy``): every method of ``pipeline.policy.registry`` the server can run, built by the one method
 table (``pipeline.policy.setup``, as the eval stage and ``pipeline.bench_batch`` build it). A method whose verify
@@ -42,6 +43,7 @@ from pipeline.decoding import DecodeConfig, FixedSchedule
 from pipeline.decoding.batched import BatchedDecoder
 from pipeline.decoding.schedules import BatchPolicy
 from pipeline.decoding.speculative import RequestStats, SpeculativeDecoder
+from pipeline.serving.metrics import Finished
 from pipeline.serving.recorder import Recorder, Served
 from pipeline.serving.schemas import DecodeInfo, RequestError
 from pipeline.serving.text import TextStream
@@ -119,7 +121,8 @@ class Job:
     Attributes:
         request_id: the response id; input_ids: [1, n] prompt ids; config: decode settings;
         stops: stop strings; block_size: a request's own fixed B (None: the policy);
-        on_text: called from the scheduler thread with each text delta (streaming), or None;
+        on_text: called from the scheduler thread with each text delta (streaming; the first token's delta even when it
+            is empty, so a stream's first chunk goes out with the first token), or None;
         cancelled: set when the client went away (the decode ends after the current step).
     """
 
@@ -178,9 +181,11 @@ class _Request:
                                                   want_features=self.schedule.max_block_size > 1 or self.record)
 
     def on_tokens(self, ids: list[int]) -> bool:
-        """Stream new tokens' text; True ends the request (a stop string, or its client went away)."""
+        """Stream new tokens' text; True ends the request (a stop string, or its client went away). The first token
+        is streamed even when its text is held back (``""``): a stream's first chunk goes out with the first token."""
+        first = not self.stream.ids
         delta = self.stream.push(ids)
-        if delta and self.job.on_text is not None:
+        if (delta or first) and self.job.on_text is not None:
             self.job.on_text(delta)
         return self.stream.stopped or self.job.cancelled.is_set()
 
@@ -250,6 +255,8 @@ class Engine:
         self.default_max_tokens, self.max_tokens = int(default_max_tokens), int(max_tokens)
         self.default_seed, self.default_temperature = int(default_seed), float(default_temperature)
         self.recorder, self.watch = recorder, watch
+        # called with each finished request (``metrics.Finished``) on the scheduler thread before it is answered
+        self.listeners: list[Callable[[Finished], None]] = []
         self.batch = BatchedDecoder(decoder, policy.batch)
         # the recorder labels finished requests on a thread of its own (a replay per request, after its answer)
         self._recording = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recorder") if recorder else None
@@ -481,8 +488,19 @@ class Engine:
             self._running[id(req)] = request
 
     def _finish(self, request: _Request) -> None:
-        """Answer a finished request, then hand it to the recorder."""
-        request.settle(request.completion())
+        """Answer a finished request (its listeners first: counters move before its client hears), then hand it to
+        the recorder."""
+        completion = request.completion()
+        if self.listeners:
+            req = request.batch_request
+            done = Finished(req.stats, completion.finish_reason, request.job.submitted, req.first_token_s,
+                            req.finished_s, list(req.token_times))
+            for listener in self.listeners:
+                try:
+                    listener(done)
+                except Exception:  # noqa: BLE001 - a metrics failure must not fail the request
+                    log.exception("a listener failed on request %s", request.job.request_id)
+        request.settle(completion)
         if self.watch is not None and self.max_batch == 1:
             self.watch.request(request.batch_request.stats)
         served = request.served()

@@ -1,8 +1,10 @@
 """The OpenAI-compatible routes over an ``Engine`` (``request.app.state.engine``; the app is ``pipeline.serving.app``).
 
-``GET /health``, ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming as server-sent
-events: one ``data: {chunk}`` per text delta, then a final chunk with ``finish_reason``, the ``blockpilot`` extension
-and, with ``stream_options.include_usage``, ``usage``; then ``data: [DONE]``). A request is checked (``check_request``:
+``GET /health``, ``GET /metrics`` (Prometheus text, vLLM's names: ``pipeline.serving.metrics``), ``GET /v1/models``,
+``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming as server-sent events: one ``data: {chunk}`` per
+text delta, the first sent with the first token and carrying the chat role, then a final chunk with
+``finish_reason``, the ``blockpilot`` extension, vLLM's ``metrics.speculative_decoding`` and, with
+``stream_options.include_usage``, ``usage``; then ``data: [DONE]``). A request is checked (``check_request``:
 the model, unsupported fields, the block size; ``check_prompt_chars``), tokenised off the event loop, turned into a
 ``Job`` (``make_job``) and answered by ``respond``; a client that goes away (streaming or not) stops its decode after
 the current step.
@@ -17,12 +19,13 @@ from typing import AsyncIterator
 
 import torch
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from pipeline.prompts import messages_input_ids
 from pipeline.serving.engine import Completion, Engine, Job, JobCancelled, QueueFull
 from pipeline.serving.guards import ServeOptions, error_response
+from pipeline.serving.metrics import speculative_decoding
 from pipeline.serving.schemas import (ChatCompletionRequest, CompletionRequest, RequestError, SamplingRequest, Usage,
                                       new_id, now)
 
@@ -37,7 +40,8 @@ def _usage(n_prompt: int, completion: Completion) -> dict:
 
 def _extensions(req: SamplingRequest, completion: Completion) -> dict:
     info = completion.info.model_copy(update={"token_ids": completion.output_ids if req.return_token_ids else None})
-    out = {"blockpilot": info.model_dump(exclude_none=True)}
+    out = {"blockpilot": info.model_dump(exclude_none=True),
+           "metrics": {"speculative_decoding": speculative_decoding(completion.stats)}}  # vLLM's per-request object
     if req.return_meta_info:  # SGLang's field, read by `dflash benchmark openai`
         out["meta_info"] = {"spec_accept_length": completion.info.tau, "spec_verify_ct": completion.info.steps,
                             "completion_tokens": len(completion.output_ids)}
@@ -59,6 +63,15 @@ async def health(request: Request):
     return {"status": "ok", "in_flight": engine.in_flight, "running": running,
             "waiting": max(0, engine.in_flight - running), "served": engine.served, "failed": engine.failed,
             "aborted": engine.aborted, "recorder": recorder, "forward_path": engine.decoder.forward_path()}
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    """Prometheus text in vLLM's names (``pipeline.serving.metrics``), what ``vllm bench serve`` and AIPerf scrape."""
+    engine = request.app.state.engine
+    running = engine.running
+    body, content_type = request.app.state.metrics.render(running, max(0, engine.in_flight - running))
+    return Response(body, media_type=content_type)
 
 
 @router.get("/v1/models")
@@ -158,18 +171,23 @@ async def stream_events(request: Request, req: SamplingRequest, job: Job, chat: 
     task = asyncio.ensure_future(engine.run(job))
     watcher = asyncio.ensure_future(wait_disconnect(request))
     watcher.add_done_callback(lambda w: w.cancelled() or job.cancelled.set())  # the client went away while queued
+    first = True  # the first chunk goes out with the first token (vLLM's), the role riding on it: TTFT tools time it
+
+    def delta_event(text: str) -> str:
+        nonlocal first
+        out, first = event(chunk(text, role=first)), False
+        return out
+
     try:
-        if chat:
-            yield event(chunk("", role=True))
         while True:
             getter = asyncio.ensure_future(deltas.get())
             done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
             if getter in done:
-                yield event(chunk(getter.result()))
+                yield delta_event(getter.result())
                 continue
             getter.cancel()
             while not deltas.empty():
-                yield event(chunk(deltas.get_nowait()))
+                yield delta_event(deltas.get_nowait())
             break
         try:
             completion = task.result()
@@ -182,7 +200,7 @@ async def stream_events(request: Request, req: SamplingRequest, job: Job, chat: 
             log.exception("request %s failed", job.request_id)
             yield event({"error": {"message": f"decoding failed: {err}", "type": "server_error", "param": None, "code": None}})
         else:
-            final = chunk(None if chat else "", completion.finish_reason) | _extensions(req, completion)
+            final = chunk(None if chat else "", completion.finish_reason, role=first) | _extensions(req, completion)
             if req.stream_options is not None and req.stream_options.include_usage:
                 final["usage"] = _usage(n_prompt, completion)
             yield event(final)
