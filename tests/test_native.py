@@ -156,3 +156,66 @@ def test_the_floor_is_the_slower_of_reading_the_weights_and_their_products():
     assert floor_ms(100e6, 100e6, 1, limits) == pytest.approx(2.5)
     assert floor_ms(100e6, 100e6, 2, limits) == pytest.approx(2.5)
     assert floor_ms(100e6, 100e6, 8, limits) == pytest.approx(8.0)
+
+
+def _q4_exact_target(tiny, arch: str):
+    """A fresh copy of the tiny target whose decoder-layer weights hold GGUF Q4_1 values (d * q + m per block of 32
+    along K, two roundings), as the embedded SmolLM2 does: the int8 path multiplies exactly such weights."""
+    from pipeline.models.target import load_target
+
+    target = load_target(str(tiny.target_dir(arch)))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, lin in target.model.base_model.layers.named_modules():
+            if isinstance(lin, torch.nn.Linear):
+                n, k = lin.weight.shape
+                blocks = lin.weight.view(n, k // 32, 32)
+                m = blocks.amin(-1, keepdim=True)
+                d = ((blocks.amax(-1, keepdim=True) - m) / 15).half().float().clamp_min(1e-3)
+                q = torch.randint(0, 16, blocks.shape, generator=g).float()
+                q[..., 0], q[..., 1] = 0, 15
+                lin.weight.copy_(((d * q) + m).view(n, k))
+    return target
+
+
+needs_vnni = pytest.mark.skipif(
+    not smallm_available() or kernel.cpu_isa() != "avx512" or "avx512_vnni" not in kernel.cpu_flags(),
+    reason="model.precision=int8 needs the kernel's AVX-512 build and AVX-512 VNNI, which this CPU lacks")
+
+
+@needs_vnni
+def test_int8_precision_is_lossless_against_its_own_ar_and_close_to_exact(tiny):
+    target = _q4_exact_target(tiny, "llama")
+    drafter = tiny.drafter("llama", "trained")
+    try:
+        exact = SpeculativeDecoder(target, drafter, backend="smallm")
+        int8 = SpeculativeDecoder(target, drafter, backend="smallm", precision="int8")
+        assert int8.forward_path()["precision"] == "int8" and exact.forward_path()["precision"] == "exact"
+        # the q4 layers do run on the int8 products: logits close to the exact ones, not equal
+        block = torch.randint(3, exact.lm_head.shape[0], (1, 6), generator=torch.Generator().manual_seed(0))
+        got = {}
+        for name, dec in (("exact", exact), ("int8", int8)):
+            cache = _context(dec, 17)
+            with torch.inference_mode():
+                got[name] = dec.target_forward(block, cache, 17, want_features=False)[0]
+                for j in range(6):  # each row the same bits alone (its own activations' quantization)
+                    crop_to(cache, 17 + j)
+                    alone = dec.target_forward(block[:, j: j + 1], cache, 17 + j, want_features=False)[0]
+                    assert torch.equal(alone[0], got[name][j]), (name, j)
+        assert not torch.equal(got["exact"], got["int8"])
+        torch.testing.assert_close(got["int8"], got["exact"], rtol=0.1, atol=0.1)
+        config = DecodeConfig(max_new_tokens=24)
+        for text in ("def add(a, b):", "Count to ten.", "The quick brown fox"):
+            ids = target.tokenizer(text, return_tensors="pt").input_ids
+            ar = int8.generate(ids, 1, config).output_ids
+            for B in (2, 4, 8):
+                assert int8.generate(ids, B, config).output_ids == ar, (text, B)
+    finally:
+        set_backend(drafter, "eager")
+
+
+def test_int8_precision_is_refused_off_the_native_stack(tiny):
+    with pytest.raises(ValueError, match="model.precision"):
+        SpeculativeDecoder(tiny.target("llama"), None, backend="eager", precision="int8")
+    with pytest.raises(ValueError, match="must be one of"):
+        SpeculativeDecoder(tiny.target("llama"), None, backend="eager", precision="fp8")

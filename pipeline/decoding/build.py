@@ -19,4 +19,5 @@ def build_decoder(model_cfg) -> SpeculativeDecoder:
     return SpeculativeDecoder(target, drafter, backend=model_cfg.get("backend", "auto"),
                               kv_cache=model_cfg.get("kv_cache", "auto"),
                               fast_forward=model_cfg.get("fast_forward", "auto"),
-                              prefill_chunk=model_cfg.get("prefill_chunk", None))
+                              prefill_chunk=model_cfg.get("prefill_chunk", None),
+                              precision=model_cfg.get("precision", "exact"))

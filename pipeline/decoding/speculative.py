@@ -21,7 +21,7 @@ from pipeline.models.backend import SMALLM_MAX_ROWS, LMHead, resolve_backend, se
 from pipeline.models.cache import crop_to, resolve_kv_cache
 from pipeline.models.clock import now
 from pipeline.models.drafter import DFlashDrafter, check_compatible
-from pipeline.models.fast_forward import fast_draft_for, fast_forward_for
+from pipeline.models.fast_forward import check_precision, fast_draft_for, fast_forward_for
 from pipeline.models.target import Target, logit_head, new_cache
 
 
@@ -165,6 +165,10 @@ class SpeculativeDecoder:
             overhead: ``auto`` (on a packed backend when the target's architecture is supported), True (raises
             when unsupported) or False. Prefills always take transformers' forward. ``self.fast`` holds it or None.
             The same setting puts the drafter's draft forward on ``FastDraft`` (``self.fast_draft``, or None).
+        precision: ``exact`` (every product on the weights' exact float32 values; the reference) or ``int8`` (the native
+            stack's 4-bit products on activations quantized to int8 per group of 32, AVX-512 VNNI; prefills of more
+            than ``SMALLM_MAX_ROWS`` tokens stay exact). Every method of one decoder runs on the same one, so
+            speculation stays lossless against that decoder's own autoregressive text.
         prefill_chunk: the most prompt tokens one prefill forward takes (None or 0: the whole prompt in one forward);
             a longer prompt is prefilled chunk by chunk over its growing cache (``prefill_steps``), so that a batching
             server can run the other requests' steps between two chunks. The chunks are a function of the prompt
@@ -176,7 +180,8 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None, backend: str = "eager",
-                 kv_cache: str = "auto", fast_forward: bool | str = "auto", prefill_chunk: int | None = None):
+                 kv_cache: str = "auto", fast_forward: bool | str = "auto", prefill_chunk: int | None = None,
+                 precision: str = "exact"):
         if prefill_chunk is not None and int(prefill_chunk) < 0:
             raise ValueError(f"model.prefill_chunk must be >= 0 tokens (0: no chunking), got {prefill_chunk}")
         self.prefill_chunk = int(prefill_chunk) if prefill_chunk else None
@@ -199,7 +204,10 @@ class SpeculativeDecoder:
         # [..., H] -> [..., V] target logits as the model computes them (bias, scaling, softcapping), in float32 for a
         # bf16/fp16 model (a bf16 product rounds logits to bf16's grid: ties a verify and single steps break differently)
         self.head = logit_head(target.model).with_backend(self.backend, float32=True)
-        self.fast = fast_forward_for(self.base, fast_forward, self.backend)
+        if precision != "exact":
+            check_precision(precision)
+        self.precision = precision
+        self.fast = fast_forward_for(self.base, fast_forward, self.backend, precision)
         if self.fast is not None and drafter is not None:
             self.fast.set_taps([i + 1 for i in drafter.target_layer_ids])
         self.kv_cache = resolve_kv_cache(kv_cache, self.fast.attention if self.fast is not None else "sdpa")
@@ -228,7 +236,8 @@ class SpeculativeDecoder:
                 "fast_draft": self.fast_draft is not None, "kv_cache": self.kv_cache,
                 "batch_invariant": batch_invariant(self.backend) and self.device.type == "cpu",
                 "dtype": str(self.model.dtype).removeprefix("torch."), "device": str(self.device),
-                "native_stack": bool(self.fast is not None and self.fast.native and self.backend in SMALLM)}
+                "native_stack": bool(self.fast is not None and self.fast.native and self.backend in SMALLM),
+                "precision": self.precision}
         if self.backend in SMALLM:
             path["isa"] = kernel_isa()
         if kernel_failure() is not None:

@@ -85,13 +85,41 @@ def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches, 
     return attend(q, None, None, keys, values, list(rows), [x.shape[1] for x in keys], scale)
 
 
-def _spec(weight: SmallmWeight, bias: torch.Tensor | None = None) -> tuple:
+PRECISIONS = ("exact", "int8")
+_Q4_INT8 = 4  # kernels/smallm.cpp's kQ4Int8: q4 weights in the VNNI layout times int8 activations
+
+
+def vnni_layout(q: torch.Tensor) -> torch.Tensor:
+    """q4 panels [P, K, 8] (byte j: column j's nibble low, column j + 8's high) -> the VNNI layout [P, K / 32, 4, 64]
+    of ``linear_q4_int8``: chunk u's byte 4c + b holds k = 4u + b of column c (low nibble) and k = 4(u + 4) + b (high)."""
+    P, K, _ = q.shape
+    nibbles = torch.cat([q & 15, q >> 4], dim=-1)  # [P, K, 16]: column c's value at k
+    quads = nibbles.view(P, K // 32, 8, 4, 16).permute(0, 1, 2, 4, 3)  # [P, G, quad, c, b]
+    return (quads[:, :, :4] | (quads[:, :, 4:] << 4)).contiguous().view(P, K // 32, 4, 64)
+
+
+def _spec(weight: SmallmWeight, bias: torch.Tensor | None = None, precision: str = "exact") -> tuple:
     """A packed weight as the native stack takes it: (format code, panels, scales, offsets, float32 panels, N,
-    exact_rows, bias)."""
+    exact_rows, bias). With ``precision="int8"`` a q4 weight goes in the VNNI layout (int8 activations)."""
     empty = torch.empty(0)
+    bias = None if bias is None else bias.detach().float()
+    if precision == "int8" and weight.fmt == "q4":
+        return (_Q4_INT8, vnni_layout(weight.q), weight.d, weight.m, empty, weight.n, weight.exact_rows, bias)
     code = 0 if weight.fmt == "f32" else _FORMAT_CODE[weight.fmt]
     return (code, weight.q, weight.d, weight.m, weight.f32 if weight.f32 is not None else empty, weight.n,
-            weight.exact_rows, None if bias is None else bias.detach().float())
+            weight.exact_rows, bias)
+
+
+def check_precision(precision: str) -> None:
+    """Raise ``ValueError`` unless ``precision`` (``model.precision``) can run here: ``exact`` anywhere; ``int8`` needs
+    the kernel's AVX-512 build on a CPU with AVX-512 VNNI."""
+    from pipeline.models.kernel import cpu_flags, cpu_isa
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"model.precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    if precision == "int8" and (cpu_isa() != "avx512" or "avx512_vnni" not in cpu_flags()):
+        raise ValueError("model.precision=int8 needs a CPU with AVX-512 VNNI (and the kernel's avx512 build); this one "
+                         f"runs {cpu_isa()} without it: use model.precision=exact")
 
 
 class NativeStack:
@@ -104,8 +132,8 @@ class NativeStack:
     Built from ``base`` on the smallm backend ``kind``; rebuilt when any weight changes (``weight_version``).
     """
 
-    def __init__(self, base: nn.Module, kind: str):
-        self.base, self.kind = base, kind
+    def __init__(self, base: nn.Module, kind: str, precision: str = "exact"):
+        self.base, self.kind, self.precision = base, kind, precision
         self.layers = base.layers[: base.config.num_hidden_layers]
         attn = self.layers[0].self_attn
         self.kv_heads = base.config.num_key_value_heads
@@ -138,11 +166,12 @@ class NativeStack:
                     [b.detach() if b is not None else torch.zeros(lin.weight.shape[0]) for b, lin in zip(biases, qkv)])
                 q_norm = getattr(attn, "q_norm", None)
                 k_norm = getattr(attn, "k_norm", None)
-                stack.add_layer(_spec(pack_smallm(torch.cat([lin.weight.detach() for lin in qkv]), formats), bias),
-                                _spec(attn.o_proj._bp_packed.get(), attn.o_proj.bias),
+                mode = self.precision
+                stack.add_layer(_spec(pack_smallm(torch.cat([lin.weight.detach() for lin in qkv]), formats), bias, mode),
+                                _spec(attn.o_proj._bp_packed.get(), attn.o_proj.bias, mode),
                                 _spec(pack_smallm(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]),
-                                                  formats), None),
-                                _spec(mlp.down_proj._bp_packed.get(), mlp.down_proj.bias),
+                                                  formats), None, mode),
+                                _spec(mlp.down_proj._bp_packed.get(), mlp.down_proj.bias, mode),
                                 layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                                 None if q_norm is None else q_norm.weight.detach(),
                                 None if k_norm is None else k_norm.weight.detach())
@@ -241,7 +270,7 @@ class FastForward:
             ``attention``.
     """
 
-    def __init__(self, base: nn.Module, attention: str = "sdpa", native: bool = True):
+    def __init__(self, base: nn.Module, attention: str = "sdpa", native: bool = True, precision: str = "exact"):
         reason = self.unsupported(base)
         if reason:
             raise ValueError(f"FastForward does not support this model: {reason}")
@@ -255,6 +284,11 @@ class FastForward:
         self._layers: dict[tuple, tuple] = {}
         self._native: dict[str, NativeStack] = {}
         self.native = attention == "kernel" and native
+        if precision not in PRECISIONS:
+            raise ValueError(f"model.precision must be one of {list(PRECISIONS)}, got {precision!r}")
+        if precision != "exact" and not self.native:
+            raise ValueError(f"model.precision={precision} runs on the native stack only (the smallm backend in float32)")
+        self.precision = precision
         # the hidden_states indices a caller reads (the drafter's taps: ``set_taps``); None: all of them
         self.taps: list[int] | None = None
 
@@ -269,7 +303,7 @@ class FastForward:
         if not self.native or kind not in SMALLM:
             return None
         if kind not in self._native:
-            self._native[kind] = NativeStack(self.base, kind)
+            self._native[kind] = NativeStack(self.base, kind, self.precision)
         return self._native[kind]
 
     def run_native(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches, rows, kind: str | None,
@@ -394,20 +428,26 @@ class FastForward:
         return h, tuple(states) if states is not None else None
 
 
-def fast_forward_for(base: nn.Module, setting: bool | str | None, backend: str) -> FastForward | None:
-    """A decoder's ``FastForward`` for ``model.fast_forward`` = ``setting`` on ``backend``, or None.
+def fast_forward_for(base: nn.Module, setting: bool | str | None, backend: str,
+                     precision: str = "exact") -> FastForward | None:
+    """A decoder's ``FastForward`` for ``model.fast_forward`` = ``setting`` on ``backend``, or None; ``precision``
+    (``model.precision``): ``exact`` or ``int8`` (the native stack's q4 products on int8 activations).
 
     ``auto`` (or None): one for a packed backend when ``base`` is supported; True: one (raises when unsupported);
     False: None.
 
     Raises:
-        ValueError: for True on an unsupported target (naming why), or another setting.
+        ValueError: for True on an unsupported target (naming why), or another setting; for ``int8`` without the native
+            stack (not smallm in float32, or fast_forward off).
     """
     attention = "kernel" if backend in SMALLM and base.dtype == torch.float32 else "sdpa"
+    if precision != "exact" and (attention != "kernel" or setting in (False, "false") or not FastForward.supports(base)):
+        raise ValueError(f"model.precision={precision} runs on the native stack (model.backend=smallm or auto on an AVX2 "
+                         "CPU, float32, fast_forward on, a supported target); use model.precision=exact")
     if setting in ("auto", None):
-        return FastForward(base, attention) if backend in PACKED and FastForward.supports(base) else None
+        return FastForward(base, attention, precision=precision) if backend in PACKED and FastForward.supports(base) else None
     if setting is True or setting == "true":
-        return FastForward(base, attention)
+        return FastForward(base, attention, precision=precision)
     if setting is False or setting == "false":
         return None
     raise ValueError(f"model.fast_forward must be auto, true or false, got {setting!r}")

@@ -341,6 +341,25 @@ void tile16(const uint8_t* qp, const float* dp, const float* mp, int64_t p0, int
       if (FMT == kQ4 || FMT == kQ8) _mm_prefetch(reinterpret_cast<const char*>(dp + (p * G + g + 2) * kPanel), _MM_HINT_T0);
       if (FMT == kQ4) _mm_prefetch(reinterpret_cast<const char*>(mp + (p * G + g + 2) * kPanel), _MM_HINT_T0);
     }
+    if (FMT == kQ4) {  // two k per 16-byte load: one shift and two masks unpack both (a group has 32 k)
+      const __m128i low = _mm_set1_epi8(0x0F);
+      for (int64_t k = k0; k < kend; k += 2) {
+#pragma GCC unroll 16
+        for (int j = 0; j < NP; ++j) {
+          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[j] + k * (kPanel / 2)));
+          const __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+          const __m512 w0 = _mm512_add_ps(_mm512_mul_ps(d[j], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+              _mm_unpacklo_epi64(lo, hi)))), mn[j]);
+          const __m512 w1 = _mm512_add_ps(_mm512_mul_ps(d[j], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+              _mm_unpackhi_epi64(lo, hi)))), mn[j]);
+#pragma GCC unroll 16
+          for (int i = 0; i < MT; ++i) a[j][i] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[k * MT + i]), a[j][i]);
+#pragma GCC unroll 16
+          for (int i = 0; i < MT; ++i) a[j][i] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[(k + 1) * MT + i]), a[j][i]);
+        }
+      }
+      continue;
+    }
     for (int64_t k = k0; k < kend; ++k) {
 #pragma GCC unroll 16
       for (int j = 0; j < NP; ++j) {
@@ -740,6 +759,86 @@ torch::Tensor attend(torch::Tensor q, c10::optional<torch::Tensor> k_new, c10::o
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// The reduced-precision product of model.precision=int8 (AVX-512 VNNI builds on CPUs with VNNI): q4 weights times
+// activations quantized to int8 per row and per group of 32 (d_x = max|x| / 127), with AVX-512 VNNI integer dot
+// products, as llama.cpp computes Q4_1 x Q8_1: y[r, c] = sum_g d_w[c,g] d_x[r,g] sum_k q_w q_x + m_w[c,g] d_x[r,g] sum_k q_x.
+// Weights: vnni [P, G, 4, 64] bytes, chunk u's byte 4c + b = q[4u + b][c] | q[4(u + 4) + b][c] << 4.
+#ifdef __AVX512F__
+__attribute__((target("avx512vnni,avx512bw,avx512f")))
+void q4_int8_panels(int64_t begin, int64_t end, const uint8_t* wp, const float* dp, const float* mp, const int8_t* xqp,
+                    const float* dxp, const float* sxp, int64_t M, int64_t K, int64_t G, float* yp, int64_t n) {
+  constexpr int64_t kRows = 8;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t p = begin; p < end; ++p) {
+    for (int64_t r0 = 0; r0 < M; r0 += kRows) {
+      const int64_t mt = std::min(kRows, M - r0);
+      __m512 acc[kRows];
+      for (int i = 0; i < kRows; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* src = wp + (p * G + g) * 256;
+        __m512i w[8];
+        for (int u = 0; u < 4; ++u) {
+          const __m512i v = _mm512_loadu_si512(src + u * 64);
+          w[u] = _mm512_and_si512(v, low);
+          w[u + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        const __m512 dw = _mm512_loadu_ps(dp + (p * G + g) * kPanel), mw = _mm512_loadu_ps(mp + (p * G + g) * kPanel);
+        for (int64_t i = 0; i < mt; ++i) {
+          const int32_t* xq4 = reinterpret_cast<const int32_t*>(xqp + (r0 + i) * K + g * kGroup);
+          __m512i s = _mm512_setzero_si512();
+          for (int t = 0; t < 8; ++t) s = _mm512_dpbusd_epi32(s, w[t], _mm512_set1_epi32(xq4[t]));
+          const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dxp[(r0 + i) * G + g]));
+          acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale,
+                                   _mm512_fmadd_ps(mw, _mm512_set1_ps(sxp[(r0 + i) * G + g]), acc[i]));
+        }
+      }
+      const int64_t n0 = p * kPanel, ncols = std::min(kPanel, n - n0);
+      const __mmask16 keep = ncols >= kPanel ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
+      for (int64_t i = 0; i < mt; ++i) _mm512_mask_storeu_ps(yp + (r0 + i) * n + n0, keep, acc[i]);
+    }
+  }
+}
+
+// y [M, n] = x [M, K] @ W^T for q4 weights in the VNNI layout above (P panels, scales d and offsets m [P, G, 16]),
+// the activations quantized to int8 per row and group of 32 here. Each row's result depends on its own values only.
+void matmul_q4_int8(const uint8_t* wp, const float* dp, const float* mp, int64_t P, int64_t K, const float* xp,
+                    int64_t M, float* yp, int64_t n) {
+  const int64_t G = K / kGroup;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * G), sx(M * G);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* v = xp + r * K + g * kGroup;
+      float amax = 0.f;
+      for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(v[k]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int64_t k = 0; k < kGroup; ++k) {
+        const int32_t q = static_cast<int32_t>(std::nearbyint(v[k] * inv));
+        xq[r * K + g * kGroup + k] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      dx[r * G + g] = amax / 127.f;
+      sx[r * G + g] = dx[r * G + g] * static_cast<float>(sum);
+    }
+  at::parallel_for(0, P, 4, [&](int64_t begin, int64_t end) {
+    q4_int8_panels(begin, end, wp, dp, mp, xq.data(), dx.data(), sx.data(), M, K, G, yp, n);
+  });
+}
+
+torch::Tensor linear_q4_int8(torch::Tensor x, torch::Tensor vnni, torch::Tensor d, torch::Tensor m, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && vnni.is_contiguous(), "linear_q4_int8: bad input");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup, P = vnni.size(0);
+  TORCH_CHECK(K % kGroup == 0 && vnni.numel() == P * G * 256, "linear_q4_int8: bad weights");
+  auto y = torch::empty({M, n}, x.options());
+  matmul_q4_int8(static_cast<const uint8_t*>(vnni.data_ptr()), d.data_ptr<float>(), m.data_ptr<float>(), P, K,
+                 x.data_ptr<float>(), M, y.data_ptr<float>(), n);
+  return y;
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------------------------
 // The native decoder stack: a Llama-family target's decoder layers (RMSNorm, the fused q/k/v product with optional
 // biases, q/k norms where the family has them, rotary, the append to each request's preallocated KV cache and the
 // batch-invariant attention above, the o product, the residual, RMSNorm, the fused gate/up product, SiLU x up, the
@@ -757,7 +856,17 @@ struct Lin {
 
 // y [M, n] = x [M, K] @ W^T (+ bias); calls of more rows than exact_rows use the float32 panels kept beside an exact
 // form (the same bits).
+constexpr int64_t kQ4Int8 = 4;  // q4 weights in the VNNI layout, int8 activations (model.precision=int8)
+
 void apply(const Lin& w, const float* x, int64_t M, float* y) {
+  if (w.fmt == kQ4Int8) {
+#ifdef __AVX512F__
+    matmul_q4_int8(static_cast<const uint8_t*>(w.q.data_ptr()), w.d.data_ptr<float>(), w.m.data_ptr<float>(), w.P, w.K,
+                   x, M, y, w.n);
+#else
+    TORCH_CHECK(false, "int8 products need the AVX-512 build of the kernel");
+#endif
+  } else {
   const bool wide = w.fmt != 0 && w.f32.defined() && w.f32.numel() > 0 && M > w.exact_rows;
   if (w.fmt == 0 || wide) {
     const torch::Tensor& panels = wide ? w.f32 : w.q;
@@ -765,6 +874,7 @@ void apply(const Lin& w, const float* x, int64_t M, float* y) {
   } else {
     matmul(w.fmt, static_cast<const uint8_t*>(w.q.data_ptr()), w.fmt == kBF16 ? nullptr : w.d.data_ptr<float>(),
            w.fmt == kQ4 ? w.m.data_ptr<float>() : nullptr, w.P, w.K, x, M, y, w.n);
+  }
   }
   if (w.bias.defined() && w.bias.numel() > 0) {
     const float* b = w.bias.data_ptr<float>();
@@ -829,8 +939,10 @@ Lin to_lin(const std::tuple<int64_t, torch::Tensor, torch::Tensor, torch::Tensor
   if (std::get<7>(t).has_value() && std::get<7>(t)->defined()) w.bias = std::get<7>(t)->contiguous().to(torch::kFloat32);
   w.P = w.q.size(0);
   w.K = K;
-  TORCH_CHECK(w.fmt == 0 || w.fmt == kBF16 || w.fmt == kQ8 || w.fmt == kQ4, "Stack: unknown weight format ", w.fmt);
-  TORCH_CHECK(w.q.size(1) == K, "Stack: a weight's K does not match its input");
+  TORCH_CHECK(w.fmt == 0 || w.fmt == kBF16 || w.fmt == kQ8 || w.fmt == kQ4 || w.fmt == kQ4Int8,
+              "Stack: unknown weight format ", w.fmt);
+  TORCH_CHECK(w.fmt == kQ4Int8 ? w.q.numel() == w.P * (K / kGroup) * 256 : w.q.size(1) == K,
+              "Stack: a weight's K does not match its input");
   TORCH_CHECK(w.P * kPanel >= w.n, "Stack: a weight has fewer panels than columns");
   return w;
 }
@@ -969,12 +1081,16 @@ std::string isa() {
 #endif
 }
 
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack W [N, K] into [ceil(N/16), K, 16] panels");
   m.def("linear", &linear, "y = x @ W^T (+ bias) from packed panels");
   m.def("linear_exact", &linear_exact, "y = x @ W^T (+ bias) from bf16 / q8 / q4 panels expanded exactly");
   m.def("attend", &attend, "causal attention of many requests' rows over their own caches, each row bit-identical alone or batched");
   m.def("unpack_exact", &unpack_exact, "the float32 weight that linear_exact computes with");
+#ifdef __AVX512F__
+  m.def("linear_q4_int8", &linear_q4_int8, "q4 weights (VNNI layout) x int8 activations (AVX-512 VNNI)");
+#endif
   m.def("isa", &isa, "the instruction set this build's products use (avx512 | avx2)");
   pybind11::class_<Stack>(m, "Stack", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, torch::Tensor>())
