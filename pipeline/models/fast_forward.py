@@ -140,6 +140,7 @@ class NativeStack:
         self.head_dim = attn.head_dim
         self.scale = attn.scaling
         self._weights = [w for layer in self.layers for w in self._layer_weights(layer)] + [base.norm.weight]
+        self._counted = [w for w in self._weights if not w.is_inference()]
         self._versions = None
         self._stack = None
 
@@ -210,8 +211,9 @@ class NativeStack:
             (final normed states [R, H], the hidden states at ``taps`` (transformers' ``hidden_states`` indices) side
             by side [R, len(taps) * H]), or None when a cache cannot take the native path (nothing was changed).
         """
-        versions = [weight_version(w) for w in self._weights]
-        if versions != self._versions:
+        # repacked when a weight changed (training): inference tensors have no counter (read once, -2)
+        versions = [w._version for w in self._counted]
+        if self._stack is None or versions != self._versions:
             self._stack = self._build()
             self._versions = versions
         reserved = self._reserve(caches, rows)

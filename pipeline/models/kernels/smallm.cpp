@@ -412,7 +412,10 @@ void matmul(int64_t fmt, const uint8_t* qp, const float* dp, const float* mp, in
   const int64_t pbytes = fmt == 0 ? K * kPanel * 4 : panel_bytes(fmt, K);
 #ifdef __AVX512F__
   const int64_t tiles = (M + kTile16 - 1) / kTile16, base = M / tiles, extra = M % tiles;
-  const int64_t units = (P + kUnit16 - 1) / kUnit16;
+  // a unit of work: the panels one tile pass takes side by side (rows16's NP), so the threads' shares stay even
+  const int64_t first = base + (extra > 0 ? 1 : 0);
+  const int64_t unit = first <= 4 ? 4 : first <= 8 ? 2 : 1;
+  const int64_t units = (P + unit - 1) / unit;
   // each tile's rows interleaved by k (xt + r * K: x[k * mt + i]), so a tile reads its rows' k-th values side by side
   std::vector<float> interleaved;
   const float* xt = xp;
@@ -430,7 +433,7 @@ void matmul(int64_t fmt, const uint8_t* qp, const float* dp, const float* mp, in
   }
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t p0 = u * kUnit16, np = std::min<int64_t>(kUnit16, P - p0);
+      const int64_t p0 = u * unit, np = std::min<int64_t>(unit, P - p0);
       int64_t r = 0;
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t mt = base + (t < extra ? 1 : 0);
@@ -767,7 +770,7 @@ torch::Tensor attend(torch::Tensor q, c10::optional<torch::Tensor> k_new, c10::o
 __attribute__((target("avx512vnni,avx512bw,avx512f")))
 void q4_int8_panels(int64_t begin, int64_t end, const uint8_t* wp, const float* dp, const float* mp, const int8_t* xqp,
                     const float* dxp, const float* sxp, int64_t M, int64_t K, int64_t G, float* yp, int64_t n) {
-  constexpr int64_t kRows = 8;
+  constexpr int64_t kRows = 16;
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t p = begin; p < end; ++p) {
     for (int64_t r0 = 0; r0 < M; r0 += kRows) {
@@ -799,6 +802,26 @@ void q4_int8_panels(int64_t begin, int64_t end, const uint8_t* wp, const float* 
   }
 }
 
+// Activations [M, K] -> int8 per row and group of 32: q = round-to-nearest-even(x * 127 / max|x|), d_x = max|x| / 127,
+// s_x = d_x * sum q (each row's values from its own inputs only).
+__attribute__((target("avx512bw,avx512f")))
+void quantize_rows(const float* xp, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx) {
+  const int64_t G = K / kGroup;
+  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* v = xp + r * K + g * kGroup;
+      const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(a, sign), _mm512_and_ps(b, sign)));
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * K + g * kGroup), _mm512_cvtepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * K + g * kGroup + 16), _mm512_cvtepi32_epi8(qb));
+      dx[r * G + g] = amax / 127.f;
+      sx[r * G + g] = dx[r * G + g] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+    }
+}
+
 // y [M, n] = x [M, K] @ W^T for q4 weights in the VNNI layout above (P panels, scales d and offsets m [P, G, 16]),
 // the activations quantized to int8 per row and group of 32 here. Each row's result depends on its own values only.
 void matmul_q4_int8(const uint8_t* wp, const float* dp, const float* mp, int64_t P, int64_t K, const float* xp,
@@ -806,21 +829,7 @@ void matmul_q4_int8(const uint8_t* wp, const float* dp, const float* mp, int64_t
   const int64_t G = K / kGroup;
   std::vector<int8_t> xq(M * K);
   std::vector<float> dx(M * G), sx(M * G);
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t g = 0; g < G; ++g) {
-      const float* v = xp + r * K + g * kGroup;
-      float amax = 0.f;
-      for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(v[k]));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t sum = 0;
-      for (int64_t k = 0; k < kGroup; ++k) {
-        const int32_t q = static_cast<int32_t>(std::nearbyint(v[k] * inv));
-        xq[r * K + g * kGroup + k] = static_cast<int8_t>(q);
-        sum += q;
-      }
-      dx[r * G + g] = amax / 127.f;
-      sx[r * G + g] = dx[r * G + g] * static_cast<float>(sum);
-    }
+  quantize_rows(xp, M, K, xq.data(), dx.data(), sx.data());
   at::parallel_for(0, P, 4, [&](int64_t begin, int64_t end) {
     q4_int8_panels(begin, end, wp, dp, mp, xq.data(), dx.data(), sx.data(), M, K, G, yp, n);
   });
@@ -1054,7 +1063,9 @@ class Stack {
       const float* w_post = l.post_norm.data_ptr<float>();
       for (int64_t r = 0; r < R; ++r) rms_norm(hp + r * H, w_post, H, eps_, xp + r * H);
       apply(l.gate_up, xp, R, gup);
-      for (int64_t r = 0; r < R; ++r) silu_mul(gup + r * 2 * I, gup + r * 2 * I + I, I, ap + r * I);
+      at::parallel_for(0, R, 4, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) silu_mul(gup + r * 2 * I, gup + r * 2 * I + I, I, ap + r * I);
+      });
       apply(l.down, ap, R, yp);
       for (int64_t e = 0; e < R * H; ++e) hp[e] = hp[e] + yp[e];
       if (li + 1 < L) tap(li + 1, hp);
