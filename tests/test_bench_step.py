@@ -47,4 +47,12 @@ def test_bench_step_cli_writes_the_documented_keys(tiny, tmp_path):
     assert data["by_backend"][auto]["ar_ms"] == data["ar_ms"]  # the top level is the first context of the first backend
     table = out.with_suffix(".md").read_text()
     assert table.startswith("| backend | context | ar_ms") and table.count("\n") == 2 + 8  # 2 caches x 2 backends x 2 L
-    assert table.splitlines()[0].endswith("| kv_cache |") and table.count("| preallocated |") == 4
+    assert table.splitlines()[0].endswith("| kv_cache | floor ar (ar/floor) | floor q=8 (q=8/floor) |")
+    assert table.count("| preallocated |") == 4
+    # the physical floor beside each figure: weights read once at the measured bandwidth, products at the FMA rate
+    limits = data["info"]["limits"]
+    assert limits["read_gb_s"] > 0 and limits["gflop_s"] > 0 and data["info"]["cpu"]
+    for fig in data["by_backend"].values():
+        floors = fig["floor_ms"]
+        assert fig["weight_mb"] > 0 and 0 < floors["ar_ms"] <= floors["forward_ms"]["8"]
+        assert floors["forward_ms"]["1"] == floors["ar_ms"]
