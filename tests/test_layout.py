@@ -107,9 +107,10 @@ LAYERS = (  # bottom to top: a module may import its own layer and the layers be
     ("pipeline.costs",),  # the cost model (step time by rows, context and requests)
     # prompt sets and chat templates sit with the models: the model loader sets the tokenizer's template kwargs
     ("pipeline.models", "pipeline.prompts"),
-    # vLLM's server as a process and its settings (standard library; the launcher asks the model layer for the target's
-    # folder): the eval stage's vLLM peers and the benchmarks start it; the plugin that runs inside it sits higher
-    ("pipeline.integrations.vllm.server", "pipeline.integrations.vllm.settings"),
+    # the field's engines as peers: vLLM's server as a process and its settings (standard library; the launcher asks the
+    # model layer for the target's folder): the eval stage's vLLM peers and the benchmarks start it; the plugin that runs
+    # inside it sits higher (pipeline.integrations), in a package of its own
+    ("pipeline.peers",),
     ("pipeline.decoding",),  # the speculative loop, sampling, schedules, the shared config checks
     ("pipeline.timing",),  # the measuring harness: times the loaded models' steps into the cost models
     ("pipeline.labeling", "pipeline.drafting"),  # labels; drafter training
@@ -165,6 +166,7 @@ def test_the_layer_check_finds_a_planted_upward_import():
     assert layer_of("pipeline.prompts") < layer_of("pipeline.decoding.speculative") < layer_of("pipeline.policy.registry")
     assert layer_of("pipeline.evaluate")[0] == layer_of("pipeline.cli")[0] == ENTRY_LAYER
     assert layer_of("pipeline.integrations.vllm.plugin")[0] > layer_of("pipeline.policy.budget")[0]
+    assert layer_of("pipeline.peers.vllm_server")[0] < layer_of("pipeline.decoding.speculative")[0]  # the launcher below
     planted = {"pipeline.labeling.runner": {"pipeline.config_checks", "pipeline.decoding.speculative"},
                "pipeline.models.loading": {"pipeline.prompts", "pipeline.tracking"},
                "pipeline.costs": {"pipeline.models.target"}}

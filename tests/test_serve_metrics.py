@@ -17,7 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.integrations.vllm.server import VENV
+from pipeline.peers.vllm_server import VENV
 from pipeline.serving.app import create_app
 from pipeline.serving.metrics import speculative_decoding
 from test_serve import MODEL, PROMPTS, engine_for, sse_events

@@ -1,5 +1,5 @@
 """vLLM 0.32 (``.venv-vllm``, ``make vllm``) serving the embedded default with the shipped drafter and BlockPilot's
-plugin, through the launcher (``pipeline.integrations.vllm.server.VllmServer``, eager mode): every text equals our own
+plugin, through the launcher (``pipeline.peers.vllm_server.VllmServer``, eager mode): every text equals our own
 ``ar`` decode token for token, the plugin verifies fewer than K drafts where they do not pay, a request can opt out,
 vLLM's own DFlash drafts what our drafter drafts (the folder loads unchanged), and the label log feeds a refit.
 
@@ -22,7 +22,7 @@ from pipeline.decoding import DecodeConfig
 from pipeline.decoding.build import build_decoder
 from pipeline.integrations.vllm.costs import StepCosts
 from pipeline.integrations.vllm.labels import read_rows, refit
-from pipeline.integrations.vllm.server import VENV, VllmServer
+from pipeline.peers.vllm_server import VENV, VllmServer
 from pipeline.policy.calibration import load_calibration
 from pipeline.prompts import chat_input_ids, load_prompt_set
 

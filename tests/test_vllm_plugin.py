@@ -17,8 +17,8 @@ from pipeline.integrations.vllm.costs import StepCosts, cache_key, cache_path
 from pipeline.integrations.vllm.labels import LabelLog, read_rows, refit, step_row
 from pipeline.integrations.vllm.policy import YIELD_DECAY, StepPolicy
 from pipeline.integrations.vllm.runtime import accepted_drafts
-from pipeline.integrations.vllm.server import VllmServer, parse_counters
-from pipeline.integrations.vllm.settings import Settings, check_vllm_version, speculates
+from pipeline.peers.vllm_server import VllmServer, parse_counters
+from pipeline.peers.vllm_settings import Settings, check_vllm_version, speculates
 from pipeline.policy.calibration import AcceptanceCalibration, load_calibration
 from pipeline.policy.widths import best_width, brute_force_allocate
 

@@ -2,7 +2,7 @@
 not, closed loop or Poisson arrivals), and the figures of a load level (``pipeline.bench_serve``'s library).
 
 ``served(spec, cfg)`` starts one server of ``bench.servers`` (``kind: blockpilot``: ``python -m pipeline.serve``
-with its ``args``; ``kind: vllm``: vLLM's OpenAI server through ``pipeline.integrations.vllm.server.VllmServer`` with
+with its ``args``; ``kind: vllm``: vLLM's OpenAI server through ``pipeline.peers.vllm_server.VllmServer`` with
 its ``options``) and stops it afterwards; every server gets the same prompts, client and token counts.
 """
 
@@ -42,7 +42,7 @@ def served(spec, cfg: DictConfig):
         finally:
             stop_server(proc)
     elif kind == "vllm":
-        from pipeline.integrations.vllm.server import VllmServer
+        from pipeline.peers.vllm_server import VllmServer
 
         options = dict(spec.get("options") or {})
         with VllmServer(port=int(cfg.bench.port), startup_timeout_s=float(cfg.bench.startup_s), **options) as server:

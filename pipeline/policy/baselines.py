@@ -84,7 +84,7 @@ class VllmGenerate(ExternalDecode):
     are vLLM's per-step accepted drafts + 1 (``--per-request-spec-decode-metrics detailed``, which lists the steps that
     verified drafts) and 1 for every other step (no speculation, or a step the plugin kept plain).
 
-    The server (``pipeline.integrations.vllm.server.VllmServer``, from ``.venv-vllm``: ``make vllm``) starts on the
+    The server (``pipeline.peers.vllm_server.VllmServer``, from ``.venv-vllm``: ``make vllm``) starts on the
     first request, on a free loopback port, and stops on ``close`` (or when this process exits). After each request it
     waits ``IDLE_S``: vLLM's workers keep polling their queue for a second after a step (``shm_broadcast``'s
     ``busy_loop_s``), which would slow whatever the eval stage decodes next on the same cores.
@@ -104,7 +104,7 @@ class VllmGenerate(ExternalDecode):
             import atexit
             import socket
 
-            from pipeline.integrations.vllm.server import VllmServer
+            from pipeline.peers.vllm_server import VllmServer
 
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))

@@ -371,7 +371,7 @@ BATCHED = tuple(name for name, m in METHODS.items() if m.batched)  # the server'
 
 
 def _vllm_installed() -> bool:
-    from pipeline.integrations.vllm.server import VENV
+    from pipeline.peers.vllm_server import VENV
 
     return (VENV / "bin" / "python").exists()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from importlib.metadata import entry_points
 
-from pipeline.integrations.vllm.settings import check_vllm_version
+from pipeline.peers.vllm_settings import check_vllm_version
 
 ENTRY_POINT = "pipeline.integrations.vllm.plugin:register"
 

@@ -1,6 +1,6 @@
 """BlockPilot's vLLM plugin: the entry point vLLM calls in every process (``vllm.general_plugins``, pyproject.toml).
 
-``register`` reads the settings (``pipeline.integrations.vllm.settings``; environment variables). With the policy
+``register`` reads the settings (``pipeline.peers.vllm_settings``; environment variables). With the policy
 ``off`` (the default, so merely installing BlockPilot beside vLLM changes nothing) it returns at once. Otherwise it
 refuses a vLLM outside the 0.32 series (the internals it wraps are version-specific) and maps the DFlash drafter's
 architecture (``DFlashDraftModel``, the one z-lab's and our folders name) to ``pipeline.integrations.vllm.model``'s
@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 
-from pipeline.integrations.vllm.settings import Settings, check_vllm_version
+from pipeline.peers.vllm_settings import Settings, check_vllm_version
 
 log = logging.getLogger(__name__)
 

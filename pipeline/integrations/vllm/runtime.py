@@ -53,7 +53,7 @@ import torch
 from pipeline.integrations.vllm.costs import StepCosts, cache_key, cache_path
 from pipeline.integrations.vllm.labels import LabelLog, step_row
 from pipeline.integrations.vllm.policy import StepPolicy
-from pipeline.integrations.vllm.settings import Settings, check_vllm_version, default_cache_dir, speculates
+from pipeline.peers.vllm_settings import Settings, check_vllm_version, default_cache_dir, speculates
 
 log = logging.getLogger("vllm.blockpilot")
 

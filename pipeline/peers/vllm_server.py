@@ -2,7 +2,7 @@
 
 ``VllmServer`` is the one way BlockPilot runs vLLM (``make serve-vllm``, the benchmarks, the eval methods, the tests):
 
-    from pipeline.integrations.vllm.server import VllmServer
+    from pipeline.peers.vllm_server import VllmServer
 
     with VllmServer(method="dflash", num_speculative_tokens=7, policy="budget", port=8011) as server:
         client = openai.OpenAI(base_url=server.openai_url, api_key="none")
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import PROJECT_ROOT
-from pipeline.integrations.vllm.settings import POLICIES, Settings
+from pipeline.peers.vllm_settings import POLICIES, Settings
 
 VENV = PROJECT_ROOT / ".venv-vllm"
 EMBEDDED_TARGET = "smollm2-135m-instruct"
@@ -89,7 +89,7 @@ class VllmServer:
             the shipped one); served_model_name: the ``model`` of requests (default ``smollm2-135m-instruct`` for the
             embedded target, else the folder's name).
         calibration, labels, cache_dir, margin, max_skip, explore, save_every_s: the plugin's settings
-            (``pipeline.integrations.vllm.settings``; None: their defaults).
+            (``pipeline.peers.vllm_settings``; None: their defaults).
         kv_cache_gib: the KV cache vLLM allocates (GiB); preload_iomp: preload Intel OpenMP (CPU).
         prefix_caching: vLLM's prefix caching. In vLLM 0.32 a dflash server never hits its prefix cache (observed:
             0% hits on repeated prompts, where ar hits about half), so method comparisons on repeated prompts turn

@@ -1,7 +1,7 @@
 """The plugin's settings (environment variables read in every vLLM process), the vLLM version it was written for, and
 the per-request opt-out. Standard library only: vLLM's API server imports this at startup through the plugin.
 
-Environment (``BLOCKPILOT_VLLM_*``; the launcher ``pipeline.integrations.vllm.server`` sets them from its options):
+Environment (``BLOCKPILOT_VLLM_*``; the launcher ``pipeline.peers.vllm_server`` sets them from its options):
 
 ==================================  ==========================================================================
 ``BLOCKPILOT_VLLM_POLICY``          ``off`` (default: the plugin does nothing), ``fixed`` (verify every draft;
