@@ -246,8 +246,16 @@ def hub_set_prompts(dataset_id: str) -> list[Prompt]:
     return [dataclasses.replace(p, turns=list(p.turns), meta=dict(p.meta)) for p in _HUB_CACHE[dataset_id]]
 
 
+def category_of(prompt_id: str) -> str:
+    """The category of a prompt whose id ends in it (``spec_bench-<question_id>-<category>``: ``qa``,
+    ``math_reasoning``, ``writing``, ...; MT-Bench's ids likewise)."""
+    parts = str(prompt_id).split("-", 2)
+    return parts[2] if len(parts) == 3 else "all"
+
+
 def load_prompt_set(source: str, name: str | None = None, limit: int | None = None, seed: int | None = None,
-                    offset: int = 0, hub: str | None = None) -> list[Prompt]:
+                    offset: int = 0, hub: str | None = None, by_category: bool = False,
+                    categories: Iterable[str] | None = None) -> list[Prompt]:
     """Load one prompt set.
 
     Args:
@@ -258,8 +266,11 @@ def load_prompt_set(source: str, name: str | None = None, limit: int | None = No
         offset: skip this many prompts first (``data.offset``): with the same seed, ``offset=60 limit=9`` gives
             9 prompts that a ``limit=60`` run never saw, e.g. a fresh held-out set.
         hub: the set's copy on the hub (a ``HUB_SETS`` id), read when the ``.jsonl`` file ``source`` is missing.
+        by_category: each category (``category_of`` the id: Spec-Bench's 13) is its own set in reports, named
+            ``<name>-<category>``, and ``offset``/``limit`` count per category.
+        categories: keep only these categories (None: all).
     Raises:
-        ValueError: for a negative offset or a broken JSONL line.
+        ValueError: for a negative offset or a broken JSONL line, or ``categories`` the set does not have.
         PromptSetUnavailable: when the set can be read neither from ``source`` nor from ``hub`` (names the fix).
     """
     if offset < 0:
@@ -284,6 +295,22 @@ def load_prompt_set(source: str, name: str | None = None, limit: int | None = No
             p.source_set = name
     if seed is not None:
         random.Random(seed).shuffle(prompts)
+    if by_category or categories is not None:
+        groups: dict[str, list[Prompt]] = {}
+        for p in prompts:
+            groups.setdefault(category_of(p.id), []).append(p)
+        wanted = list(categories) if categories is not None else sorted(groups)
+        unknown = [c for c in wanted if c not in groups]
+        if unknown:
+            raise ValueError(f"prompt set {name or source} has no categories {unknown}; it has {sorted(groups)}")
+        out = []
+        for c in wanted:
+            kept = groups[c][offset:]
+            for p in kept[:limit] if limit else kept:
+                if by_category:
+                    p.source_set = f"{p.source_set}-{c}"
+                out.append(p)
+        return out
     prompts = prompts[offset:]
     return prompts[:limit] if limit else prompts
 
@@ -295,8 +322,8 @@ _WARNED: set[str] = set()
 
 def load_prompt_sets(sets: Iterable[dict], limit_per_set: int | None = None, seed: int | None = None,
                      offset: int = 0, missing: str = "error", skipped_to: str | None = None) -> list[Prompt]:
-    """Concatenate several sets, each given as ``{"name", "source"[, "hub", "limit"]}`` (``offset``, ``hub``: see
-    ``load_prompt_set``).
+    """Concatenate several sets, each given as ``{"name", "source"[, "hub", "limit", "by_category", "categories"]}``
+    (``offset``, ``hub``, ``by_category``, ``categories``: see ``load_prompt_set``).
 
     Args:
         missing: ``data.missing``: what a set that can be read neither from its file nor from the hub does: ``error``
@@ -322,7 +349,8 @@ def load_prompt_sets(sets: Iterable[dict], limit_per_set: int | None = None, see
     for s in sets:
         try:
             loaded.append((s, load_prompt_set(s["source"], s.get("name"), s.get("limit") or limit_per_set, seed,
-                                              int(offset or 0), s.get("hub"))))
+                                              int(offset or 0), s.get("hub"), bool(s.get("by_category", False)),
+                                              s.get("categories"))))
         except PromptSetUnavailable as err:
             if missing == "error":
                 raise PromptSetUnavailable(f"{err} (or run with data.missing=skip to go on without this set)") from None
@@ -348,7 +376,8 @@ def _with_share(s: dict, prompts: list[Prompt], skipped: list[dict], limit_per_s
         return prompts
     shares = [t.get("limit") or limit_per_set for t in skipped]
     limit = own + sum(shares) if all(shares) else None
-    more = load_prompt_set(s["source"], s.get("name"), limit, seed, int(offset or 0), s.get("hub"))
+    more = load_prompt_set(s["source"], s.get("name"), limit, seed, int(offset or 0), s.get("hub"),
+                           bool(s.get("by_category", False)), s.get("categories"))
     note = (f"prompt set {s.get('name')} takes the share of the {len(skipped)} skipped set(s) (data.skipped_to): "
             f"{len(more)} prompts instead of {len(prompts)}")
     if note not in _WARNED:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import json
+from pathlib import Path
 
 import pytest
 
@@ -370,3 +372,31 @@ def test_a_fresh_clone_without_shared_data_or_hub_runs_the_demo_sets_it_has(tmp_
         assert len(mine) == 1, (name, result.stderr)  # once, though the prompts were read twice
         assert "BLOCKPILOT_SHARED_DATA=" in mine[0] and "Hugging Face hub" in mine[0]
     assert len(warnings) == 4
+
+
+def test_spec_bench_categories_are_sets_of_their_own(tmp_path, compose_config):
+    """``data=spec_bench``: each category of Spec-Bench's ids (``spec_bench-<qid>-<category>``) is its own set in the
+    reports, limit and offset count per category, ``categories`` keeps some."""
+    from pipeline.prompts import category_of, load_prompt_sets
+
+    rows = [{"id": f"spec_bench-{i}-{cat}", "turns": [f"question {i} of {cat}"], "source": "test"}
+            for i, cat in enumerate(["qa"] * 5 + ["summarization"] * 4 + ["math_reasoning"] * 3)]
+    path = tmp_path / "spec_bench.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert category_of("spec_bench-81-writing") == "writing" and category_of("spec_bench-401-math_reasoning") == "math_reasoning"
+    spec = {"name": "spec_bench", "source": str(path), "by_category": True}
+    every = load_prompt_sets([spec], 2, seed=0)
+    assert [p.source_set for p in every] == ["spec_bench-math_reasoning"] * 2 + ["spec_bench-qa"] * 2 + ["spec_bench-summarization"] * 2
+    assert all(p.source_set == f"spec_bench-{category_of(p.id)}" for p in every)
+    some = load_prompt_sets([{**spec, "categories": ["summarization", "qa"]}], None, seed=0)
+    assert [p.source_set for p in some] == ["spec_bench-summarization"] * 4 + ["spec_bench-qa"] * 5
+    later = load_prompt_sets([{**spec, "categories": ["qa"]}], 2, seed=0, offset=2)
+    assert not {p.id for p in later} & {p.id for p in every}  # offset per category: prompts the first run never saw
+    with pytest.raises(ValueError, match=r"no categories \['rag'\]"):
+        load_prompt_sets([{**spec, "categories": ["rag"]}])
+    cfg = compose_config("evaluate", ["data=spec_bench"])
+    assert cfg.data.sets[0].by_category and cfg.data.sets[0].source.endswith("spec_bench.jsonl")
+    shared = Path(cfg.data.sets[0].source)
+    if shared.exists():  # the real file (../shared/data): 480 prompts, 13 categories of 80 or 10
+        counts = collections.Counter(p.source_set for p in load_prompt_sets(cfg.data.sets))
+        assert len(counts) == 13 and sum(counts.values()) == 480 and counts["spec_bench-qa"] == 80
