@@ -79,7 +79,8 @@ def bench_step(cfg: DictConfig) -> dict:
         by_backend = by_kv_cache[kind] = {}
         for name in names:
             decoder = SpeculativeDecoder(target, drafter, backend=name, kv_cache=kind,
-                                         fast_forward=cfg.model.get("fast_forward", "auto"))
+                                         fast_forward=cfg.model.get("fast_forward", "auto"),
+                                         precision=cfg.model.get("precision", "exact") if name == "smallm" else "exact")
             by_context = {}
             for length in cfg.contexts:
                 log.info("bench_step: backend %s, kv cache %s, context %d", name, decoder.kv_cache, int(length))
