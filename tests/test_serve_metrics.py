@@ -250,3 +250,45 @@ def test_vllm_bench_serves_own_reader_reads_our_speculative_counters(trained_dec
     assert {int(k): v for k, v in got["accepted_per_pos"].items()} == {
         i: sum(s["num_accepted_tokens_per_pos"][i] for s in specs if i < len(s["num_accepted_tokens_per_pos"]))
         for i in range(width)}
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(not (VENV / "bin" / "python").exists(), reason="no .venv-vllm (make vllm)")
+def test_vllm_bench_serve_on_spec_bench_reports_our_acceptance(trained_decoder, tiny, tmp_path):
+    """The field's tool end to end: ``vllm bench serve`` (``scripts/vllm_bench_serve.py``, vLLM's environment) runs
+    Spec-Bench-layout prompts (``write_spec_bench_for_vllm``) against our server, and the acceptance length and
+    accepted tokens it reports equal our server's own counters over the same requests."""
+    from pipeline import PROJECT_ROOT
+    from pipeline.prompts import write_spec_bench_for_vllm
+
+    ours = tmp_path / "spec_bench.jsonl"
+    ours.write_text("".join(json.dumps({"id": f"spec_bench-{i}-{cat}", "turns": [text], "source": "test"}) + "\n"
+                            for i, (cat, text) in enumerate(zip(["qa", "qa", "summarization"], PROMPTS))))
+    layout = write_spec_bench_for_vllm(ours, tmp_path / "vllm" / "spec_bench.jsonl")
+    assert [json.loads(line)["category"] for line in layout.read_text().splitlines()] == ["qa", "qa", "summarization"]
+    engine = engine_for(trained_decoder, max_queue=8, default_max_tokens=16)
+    app = create_app(engine)
+    try:
+        with live_server(app) as port:
+            client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+            before = scrape(client)
+            run = subprocess.run(
+                [str(VENV / "bin" / "python"), str(PROJECT_ROOT / "scripts" / "vllm_bench_serve.py"),
+                 "--backend", "openai-chat", "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/chat/completions",
+                 "--model", MODEL, "--tokenizer", str(tiny.target_dir("llama")), "--dataset-name", "spec_bench",
+                 "--dataset-path", str(layout), "--spec-bench-category", "qa", "--num-prompts", "2",
+                 "--spec-bench-output-len", "16", "--max-concurrency", "1", "--save-result", "--result-dir",
+                 str(tmp_path), "--result-filename", "result.json", "--disable-tqdm", "--seed", "0"],
+                cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
+            after = scrape(client)
+    finally:
+        engine.close()
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["completed"] == 2
+    drafts = value(after, COUNTER["num_spec_steps"]) - value(before, COUNTER["num_spec_steps"])
+    accepted = value(after, COUNTER["num_accepted_draft_tokens"]) - value(before, COUNTER["num_accepted_draft_tokens"])
+    assert drafts > 0 and result["spec_decode_num_drafts"] == drafts
+    assert result["spec_decode_accepted_tokens"] == accepted
+    assert result["spec_decode_acceptance_length"] == pytest.approx(1 + accepted / drafts)
