@@ -219,3 +219,31 @@ def test_int8_precision_is_refused_off_the_native_stack(tiny):
         SpeculativeDecoder(tiny.target("llama"), None, backend="eager", precision="int8")
     with pytest.raises(ValueError, match="must be one of"):
         SpeculativeDecoder(tiny.target("llama"), None, backend="eager", precision="fp8")
+
+
+@needs_smallm
+def test_native_draft_matches_the_drafters_own_forward(smallm_decoder):
+    """The drafter's forward as one ``DraftStack`` call: its block states and the context keys/values it leaves in the
+    (preallocated) draft cache match ``DFlashDraftModel.forward`` on the same kernel to rounding."""
+    from transformers import DynamicCache
+
+    from pipeline.models.cache import PreallocatedCache
+
+    dec = smallm_decoder
+    fast = dec.fast_draft
+    assert fast is not None and fast.native_stack() is not None
+    assert isinstance(dec.new_draft_cache(), PreallocatedCache)
+    g = torch.Generator().manual_seed(4)
+    n_features = dec.drafter.fc.weight.shape[1]
+    for context, width in ((9, 4), (2, 8), (40, 3)):  # a first draft over a long prompt's features, then steps
+        block = torch.randint(3, dec.lm_head.shape[0], (1, width), generator=g)
+        features = torch.randn(1, context, n_features, generator=g)
+        positions = torch.arange(0, context + width)[None]
+        with torch.inference_mode():
+            native_cache, own_cache = PreallocatedCache(), DynamicCache()
+            got = fast(dec.embed(block), features, positions, cache=native_cache)
+            want = dec.drafter(dec.embed(block), features, positions, cache=own_cache, fused=fast.products())
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for mine, theirs in zip(native_cache.layers, own_cache.layers):
+            torch.testing.assert_close(mine.keys, theirs.keys, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(mine.values, theirs.values, rtol=1e-4, atol=1e-4)

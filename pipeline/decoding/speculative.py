@@ -316,9 +316,13 @@ class SpeculativeDecoder:
         block[0, 1:] = columns if self.draft_vocab is None else self.draft_vocab[columns]
         return draft_confidence(draft_logits, columns, sampler.temperature) if want_confidence else None
 
+    def new_draft_cache(self):
+        """An empty drafter cache for this decoder's draft forward (preallocated on the native draft path)."""
+        return self.fast_draft.new_cache() if self.fast_draft is not None else DynamicCache()
+
     def new_state(self, prefill: PrefillResult, use_drafter: bool) -> DecodeState:
         """The state right after ``prefill``: its cache, features and first token (shared, not copied)."""
-        return DecodeState(prefill.cache, DynamicCache() if use_drafter else None,
+        return DecodeState(prefill.cache, self.new_draft_cache() if use_drafter else None,
                            prefill.features if use_drafter else None, prefill.first_token,
                            prefill.input_ids.shape[1])
 

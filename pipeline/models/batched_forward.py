@@ -212,6 +212,10 @@ class BatchedForward:
         embeds = [dec.embed(b) for b in blocks]
         positions = [torch.arange(s - f.shape[1], s + b.shape[1], device=b.device)[None]
                      for b, f, s in zip(blocks, features, starts)]
+        if dec.fast_draft is not None:  # the whole draft forward of every request in one native call
+            got = dec.fast_draft.run_native(embeds, features, positions, caches)
+            if got is not None:
+                return got
         products = dec.fast_draft.products() if self.exact_draft else None
         if products is None:  # off the smallm kernels: each request's draft forward alone (exact, nothing shared)
             forward = dec.fast_draft if dec.fast_draft is not None else drafter

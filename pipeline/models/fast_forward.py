@@ -465,12 +465,108 @@ class FastDraft:
         ValueError: from the constructor when the drafter is not a ``DFlashDraftModel`` (``unsupported`` says why).
     """
 
-    def __init__(self, drafter: nn.Module):
+    def __init__(self, drafter: nn.Module, native: bool = True):
         reason = self.unsupported(drafter)
         if reason:
             raise ValueError(f"FastDraft does not support this drafter: {reason}")
         self.drafter = drafter
         self._fused: dict[tuple, tuple] = {}
+        # the whole draft forward as one kernel call (DraftStack) where every layer attends to all its keys
+        self.native = native and drafter.fc.weight.dtype == torch.float32 and all(
+            not layer.self_attn.is_causal and layer.self_attn.sliding_window is None for layer in drafter.layers)
+        self._stack = None
+        self._versions = None
+        self._counted = [w for w in drafter.parameters() if not w.is_inference()]
+
+    def _kind(self) -> str | None:
+        first = self.drafter.layers[0].self_attn.q_proj
+        return first._bp_packed.kind if type(first) is PackedLinear else None
+
+    def native_stack(self):
+        """The drafter's ``DraftStack`` on the smallm kernel (built once, again when a weight changes), or None where the
+        native path is off or the drafter's linears are not on the smallm kernels."""
+        kind = self._kind()
+        if not self.native or kind not in SMALLM:
+            return None
+        versions = [w._version for w in self._counted]
+        if self._stack is None or versions != self._versions:
+            self._stack = self._build(kind)
+            self._versions = versions
+        return self._stack
+
+    def _build(self, kind: str):
+        d = self.drafter
+        formats = () if kind == "smallm_f32" else EXACT_FORMATS
+        attn0, mlp0 = d.layers[0].self_attn, d.layers[0].mlp
+        with torch.no_grad():
+            stack = smallm_kernel().DraftStack(
+                d.config.hidden_size, attn0.num_heads, attn0.num_kv_heads, attn0.head_dim, mlp0.gate_proj.weight.shape[0],
+                float(d.norm.variance_epsilon), float(attn0.head_dim ** -0.5), _spec(pack_smallm(d.fc.weight.detach(), formats)),
+                d.fc.weight.shape[1], d.hidden_norm.weight.detach(), d.norm.weight.detach())
+            for layer in d.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+                biases = [lin.bias for lin in qkv]
+                bias = None if all(b is None for b in biases) else torch.cat(
+                    [b.detach() if b is not None else torch.zeros(lin.weight.shape[0]) for b, lin in zip(biases, qkv)])
+                stack.add_layer(_spec(pack_smallm(torch.cat([lin.weight.detach() for lin in qkv]), formats), bias),
+                                _spec(pack_smallm(attn.o_proj.weight.detach(), formats), attn.o_proj.bias),
+                                _spec(pack_smallm(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]),
+                                                  formats)),
+                                _spec(pack_smallm(mlp.down_proj.weight.detach(), formats), mlp.down_proj.bias),
+                                layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                                attn.q_norm.weight.detach(), attn.k_norm.weight.detach())
+        return stack
+
+    def run_native(self, embeds, features, positions, caches) -> list[torch.Tensor] | None:
+        """The draft forwards of N requests in one ``DraftStack`` call: request i's block ``embeds[i]`` [1, b_i, H] with
+        its pending context features ``features[i]`` [1, c_i, F] at ``positions[i]`` [1, c_i + b_i], appended to its
+        draft cache ``caches[i]`` (a ``PreallocatedCache``; the caller crops the block back out).
+
+        Returns:
+            per request the final normed states [1, b_i, H], or None where the native path cannot run (nothing changed).
+        """
+        stack = self.native_stack()
+        if stack is None or any(c is None or not hasattr(c, "layer_class_to_replicate") for c in caches):
+            return None
+        d = self.drafter
+        attn0 = d.layers[0].self_attn
+        like = (attn0.num_kv_heads, attn0.head_dim, torch.float32)
+        count = len(d.layers)
+        keys, values, lengths, done = [], [], [], []
+        for cache, e, f in zip(caches, embeds, features):
+            while len(cache.layers) < count:  # a fresh cache makes its layers lazily (DynamicCache.update does)
+                cache.layers.append(cache.layer_class_to_replicate())
+            rows = e.shape[1] + f.shape[1]
+            got = [cache.layers[i].reserve(rows, like) if hasattr(cache.layers[i], "reserve") else None
+                   for i in range(count)]
+            done.append((cache, got, rows))
+            if any(g is None for g in got):
+                for c, g_list, r in done:
+                    for layer, g in zip(c.layers, g_list):
+                        if g is not None:
+                            layer.crop(-r)
+                return None
+            keys.extend(g[0] for g in got)
+            values.extend(g[1] for g in got)
+            lengths.append(got[0][2])
+        dtype = d.fc.weight.dtype
+        tables = [d.rotary_emb(e.to(dtype), p) for e, p in zip(embeds, positions)]
+        cos = torch.cat([t[0][0] for t in tables])
+        sin = torch.cat([t[1][0] for t in tables])
+        out = stack.forward(torch.cat([f[0].to(dtype) for f in features]), torch.cat([e[0].to(dtype) for e in embeds]),
+                            cos, sin, keys, values, [f.shape[1] for f in features], [e.shape[1] for e in embeds], lengths)
+        sizes = [e.shape[1] for e in embeds]
+        return [part[None].to(e.dtype) for part, e in zip(out.split(sizes), embeds)]
+
+    def new_cache(self):
+        """A draft cache this forward writes in place (``PreallocatedCache``) where the native path runs, else
+        transformers' ``DynamicCache``."""
+        from transformers import DynamicCache
+
+        from pipeline.models.cache import PreallocatedCache
+
+        return PreallocatedCache() if self.native_stack() is not None else DynamicCache()
 
     @staticmethod
     def unsupported(drafter: nn.Module) -> str | None:
@@ -494,6 +590,10 @@ class FastDraft:
     def __call__(self, noise_embedding: torch.Tensor, target_features: torch.Tensor, position_ids: torch.Tensor,
                  cache=None) -> torch.Tensor:
         """``drafter(noise_embedding, target_features, position_ids, cache=cache)`` on the fast path: [b, q, H]."""
+        if noise_embedding.shape[0] == 1 and cache is not None:
+            got = self.run_native([noise_embedding], [target_features], [position_ids], [cache])
+            if got is not None:
+                return got[0]
         return self.drafter(noise_embedding, target_features, position_ids, cache=cache, fused=self.products())
 
 

@@ -85,12 +85,11 @@ class BatchPoints:
 
     def draft(self, sizes: list[int]):
         """A drafter forward over blocks of ``sizes`` rows (one per request)."""
-        from transformers import DynamicCache
 
         dec, ctx, pending, block = self.decoder, self.context, self.PENDING, self.block_ids
         dcaches = []
         for i, _ in enumerate(sizes):
-            dc = DynamicCache()
+            dc = dec.new_draft_cache()
             dec.drafter(dec.embed(block[:, :2]), self.feats[i][:, : ctx - pending],
                         torch.arange(0, ctx - pending + 2, device=dec.device)[None], cache=dc)
             crop_to(dc, ctx - pending)

@@ -120,11 +120,10 @@ class StepPoints:
                 crop_to(cache, length)
 
             return verify
-        from transformers import DynamicCache
 
         new = min(b, length)  # context features not yet in the drafter's cache: about one step's tokens
         if (b, length) not in self._draft_caches:
-            draft_cache = DynamicCache()
+            draft_cache = dec.new_draft_cache()
             dec.drafter(dec.embed(block), features[:, : length - new],
                         torch.arange(0, length - new + b, device=device)[None], cache=draft_cache)
             crop_to(draft_cache, length - new)
@@ -348,7 +347,6 @@ def step_figures(decoder, length: int, widths, block_sizes, pending: int, repeat
     Raises:
         ValueError: when L + the widest block does not fit the target's context, or without a drafter.
     """
-    from transformers import DynamicCache
 
     from pipeline.decoding.sampling import PositionKeyedSampler
     from pipeline.decoding.speculative import DecodeState
@@ -368,7 +366,7 @@ def step_figures(decoder, length: int, widths, block_sizes, pending: int, repeat
     sampler = PositionKeyedSampler(0.0, seed, vocab)
     cache = new_cache(decoder.model, decoder.kv_cache)
     _, features = decoder.target_forward(ids[:, :length], cache, 0, want_features=True, last_only=True)
-    draft_cache = DynamicCache()
+    draft_cache = decoder.new_draft_cache()
     decoder.drafter(decoder.embed(ids[:, :1]), features[:, : length - pending],
                     torch.arange(0, length - pending + 1, device=device)[None], cache=draft_cache)
     crop_to(draft_cache, length - pending)

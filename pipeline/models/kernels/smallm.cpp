@@ -691,9 +691,11 @@ void attend_row_fixed(const float* __restrict q, const float* __restrict k, int6
 
 }  // namespace
 
-torch::Tensor attend(torch::Tensor q, c10::optional<torch::Tensor> k_new, c10::optional<torch::Tensor> v_new,
-                     std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, std::vector<int64_t> rows,
-                     std::vector<int64_t> lengths, double scale) {
+// causal = false: every row of request i sees all lengths[i] keys (the drafter's full attention over its context and
+// block); the rest is the same computation.
+torch::Tensor attend_rows(torch::Tensor q, c10::optional<torch::Tensor> k_new, c10::optional<torch::Tensor> v_new,
+                          std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, std::vector<int64_t> rows,
+                          std::vector<int64_t> lengths, double scale, bool causal) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "attend: q must be float32 [R, Hq, D]");
   const int64_t N = static_cast<int64_t>(rows.size());
   TORCH_CHECK(static_cast<int64_t>(keys.size()) == N && static_cast<int64_t>(values.size()) == N &&
@@ -747,7 +749,7 @@ torch::Tensor attend(torch::Tensor q, c10::optional<torch::Tensor> k_new, c10::o
       const auto& k = keys[i];
       const auto& v = values[i];
       const int64_t group = Hq / k.size(0), kh = h / group;
-      const int64_t n = lengths[i] - rows[i] + (r - first[i]) + 1;
+      const int64_t n = causal ? lengths[i] - rows[i] + (r - first[i]) + 1 : lengths[i];
       if (static_cast<int64_t>(scores.size()) < n) scores.resize(n);
       const float* qr = qp + (r * Hq + h) * D;
       const float* kp = k.data_ptr<float>() + kh * k.stride(0);
@@ -759,6 +761,12 @@ torch::Tensor attend(torch::Tensor q, c10::optional<torch::Tensor> k_new, c10::o
     }
   });
   return out;
+}
+
+torch::Tensor attend(torch::Tensor q, c10::optional<torch::Tensor> k_new, c10::optional<torch::Tensor> v_new,
+                     std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, std::vector<int64_t> rows,
+                     std::vector<int64_t> lengths, double scale) {
+  return attend_rows(q, k_new, v_new, keys, values, rows, lengths, scale, true);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -1084,6 +1092,144 @@ class Stack {
   std::vector<Layer> layers_;
 };
 
+// The DFlash drafter's forward as one call (DraftStack): the context features' projection (fc, hidden_norm), then per
+// layer the input norm of the block rows, the fused q/k/v product over [context rows ; block rows] of every request,
+// q/k norms and rotary, the append of the new context and block keys/values to each request's draft cache, the full
+// (non-causal) attention of the block rows over their request's whole cache, o, the residual, the MLP, and the final
+// norm. Each row a fixed computation of its own request's inputs (the same bits alone or beside other requests).
+class DraftStack {
+ public:
+  DraftStack(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
+             double scale, const LinSpec& fc, int64_t features, torch::Tensor hidden_norm, torch::Tensor norm)
+      : H(hidden), Hq(heads), Hkv(kv_heads), D(head_dim), I(intermediate), F(features), eps_(static_cast<float>(eps)),
+        scale_(scale), fc_(to_lin(fc, features)), hidden_norm_(hidden_norm.contiguous().to(torch::kFloat32)),
+        norm_(norm.contiguous().to(torch::kFloat32)) {
+    TORCH_CHECK(Hq % Hkv == 0 && D <= 512 && D % 2 == 0 && fc_.n == H, "DraftStack: unsupported shapes");
+  }
+
+  void add_layer(const LinSpec& qkv, const LinSpec& o, const LinSpec& gate_up, const LinSpec& down,
+                 torch::Tensor in_norm, torch::Tensor post_norm, torch::Tensor q_norm, torch::Tensor k_norm) {
+    Layer l;
+    l.qkv = to_lin(qkv, H);
+    l.o = to_lin(o, Hq * D);
+    l.gate_up = to_lin(gate_up, H);
+    l.down = to_lin(down, I);
+    TORCH_CHECK(l.qkv.n == (Hq + 2 * Hkv) * D && l.o.n == H && l.gate_up.n == 2 * I && l.down.n == H,
+                "DraftStack: a layer's weights do not match the drafter's shapes");
+    l.in_norm = in_norm.contiguous().to(torch::kFloat32);
+    l.post_norm = post_norm.contiguous().to(torch::kFloat32);
+    l.q_norm = q_norm.contiguous().to(torch::kFloat32);
+    l.k_norm = k_norm.contiguous().to(torch::kFloat32);
+    layers_.push_back(std::move(l));
+  }
+
+  // features [C, F] (request i's ctx[i] rows consecutive), h [B, H] (the embedded block rows, block[i] per request),
+  // cos/sin [C + B, D] in the order [ctx rows of request 0 ; its block rows ; ctx rows of request 1 ; ...];
+  // keys[i * L + l] / values: request i's layer-l draft cache [Hkv, cap, D]; the ctx[i] + block[i] new rows go to
+  // positions lengths[i] - ctx[i] - block[i] .. lengths[i] - 1. Returns the final normed block rows [B, H].
+  torch::Tensor forward(torch::Tensor features, torch::Tensor h_in, torch::Tensor cos, torch::Tensor sin,
+                        std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, std::vector<int64_t> ctx,
+                        std::vector<int64_t> block, std::vector<int64_t> lengths) {
+    const int64_t L = static_cast<int64_t>(layers_.size()), N = static_cast<int64_t>(block.size());
+    TORCH_CHECK(static_cast<int64_t>(ctx.size()) == N && static_cast<int64_t>(lengths.size()) == N &&
+                static_cast<int64_t>(keys.size()) == N * L && static_cast<int64_t>(values.size()) == N * L,
+                "DraftStack: one ctx, block, length and per-layer cache per request");
+    int64_t C = 0, B = 0;
+    for (int64_t i = 0; i < N; ++i) { C += ctx[i]; B += block[i]; }
+    TORCH_CHECK(features.dim() == 2 && features.size(0) == C && features.size(1) == F, "DraftStack: features must be [C, F]");
+    TORCH_CHECK(h_in.dim() == 2 && h_in.size(0) == B && h_in.size(1) == H, "DraftStack: h must be [B, H]");
+    TORCH_CHECK(cos.dim() == 2 && cos.size(0) == C + B && cos.size(1) == D && sin.sizes() == cos.sizes(),
+                "DraftStack: cos/sin must be [C + B, D]");
+    features = features.contiguous().to(torch::kFloat32);
+    cos = cos.contiguous().to(torch::kFloat32);
+    sin = sin.contiguous().to(torch::kFloat32);
+    auto opts = h_in.options().dtype(torch::kFloat32);
+    torch::Tensor h = h_in.contiguous().to(torch::kFloat32).clone();
+    const int64_t R = C + B, QKV = (Hq + 2 * Hkv) * D;
+    auto ctxh = torch::empty({std::max<int64_t>(C, 1), H}, opts), proj = torch::empty({std::max<int64_t>(C, 1), H}, opts);
+    auto kv_in = torch::empty({R, H}, opts), qkv = torch::empty({R, QKV}, opts), q = torch::empty({B, Hq, D}, opts);
+    auto x = torch::empty({B, H}, opts), y = torch::empty({B, H}, opts), gu = torch::empty({B, 2 * I}, opts);
+    auto act = torch::empty({B, I}, opts);
+    float* hp = h.data_ptr<float>();
+    float* cp = ctxh.data_ptr<float>();
+    if (C > 0) {  // the context rows: hidden_norm(fc(features)), the same in every layer
+      apply(fc_, features.data_ptr<float>(), C, proj.data_ptr<float>());
+      for (int64_t r = 0; r < C; ++r) rms_norm(proj.data_ptr<float>() + r * H, hidden_norm_.data_ptr<float>(), H, eps_, cp + r * H);
+    }
+    // where each row of [ctx ; block] per request sits: source (ctx row or block row) and destination in kv_in
+    std::vector<int64_t> ctx0(N + 1, 0), blk0(N + 1, 0), row0(N + 1, 0);
+    for (int64_t i = 0; i < N; ++i) {
+      ctx0[i + 1] = ctx0[i] + ctx[i];
+      blk0[i + 1] = blk0[i] + block[i];
+      row0[i + 1] = row0[i] + ctx[i] + block[i];
+    }
+    const float* cosp = cos.data_ptr<float>();
+    const float* sinp = sin.data_ptr<float>();
+    float* kvp = kv_in.data_ptr<float>();
+    float* qkvp = qkv.data_ptr<float>();
+    float* qp = q.data_ptr<float>();
+    float* xp = x.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    std::vector<torch::Tensor> lk(N), lv(N);
+    for (int64_t li = 0; li < L; ++li) {
+      const Layer& l = layers_[li];
+      for (int64_t r = 0; r < B; ++r) rms_norm(hp + r * H, l.in_norm.data_ptr<float>(), H, eps_, xp + r * H);
+      for (int64_t i = 0; i < N; ++i) {
+        if (ctx[i] > 0) std::copy_n(cp + ctx0[i] * H, ctx[i] * H, kvp + row0[i] * H);
+        std::copy_n(xp + blk0[i] * H, block[i] * H, kvp + (row0[i] + ctx[i]) * H);
+      }
+      apply(l.qkv, kvp, R, qkvp);
+      for (int64_t i = 0; i < N; ++i) {
+        auto& kb = keys[i * L + li];
+        auto& vb = values[i * L + li];
+        TORCH_CHECK(kb.dim() == 3 && kb.size(0) == Hkv && kb.size(2) == D && kb.stride(2) == 1 && vb.stride(2) == 1 &&
+                    kb.scalar_type() == torch::kFloat32 && vb.scalar_type() == torch::kFloat32 &&
+                    lengths[i] <= kb.size(1) && lengths[i] >= ctx[i] + block[i], "DraftStack: a draft cache does not fit");
+        const int64_t base = lengths[i] - ctx[i] - block[i];
+        for (int64_t t = 0; t < ctx[i] + block[i]; ++t) {
+          const int64_t r = row0[i] + t;
+          float* row = qkvp + r * QKV;
+          const bool is_block = t >= ctx[i];
+          for (int64_t hd = is_block ? 0 : Hq; hd < Hq + Hkv; ++hd) {  // the block rows' q heads, every row's k heads
+            float* v = row + hd * D;
+            alignas(64) float tmp[512];
+            rms_norm(v, (hd < Hq ? l.q_norm : l.k_norm).data_ptr<float>(), D, eps_, tmp);
+            std::copy_n(tmp, D, v);
+            rotate(v, cosp + r * D, sinp + r * D, D);
+          }
+          if (is_block) std::copy_n(row, Hq * D, qp + (blk0[i] + t - ctx[i]) * Hq * D);
+          for (int64_t hd = 0; hd < Hkv; ++hd) {
+            std::copy_n(row + (Hq + hd) * D, D, kb.data_ptr<float>() + hd * kb.stride(0) + (base + t) * kb.stride(1));
+            std::copy_n(row + (Hq + Hkv + hd) * D, D, vb.data_ptr<float>() + hd * vb.stride(0) + (base + t) * vb.stride(1));
+          }
+        }
+        lk[i] = kb;
+        lv[i] = vb;
+      }
+      auto att = attend_rows(q, c10::nullopt, c10::nullopt, lk, lv, block, lengths, scale_, false);
+      apply(l.o, att.data_ptr<float>(), B, yp);
+      for (int64_t e = 0; e < B * H; ++e) hp[e] = hp[e] + yp[e];
+      for (int64_t r = 0; r < B; ++r) rms_norm(hp + r * H, l.post_norm.data_ptr<float>(), H, eps_, xp + r * H);
+      apply(l.gate_up, xp, B, gu.data_ptr<float>());
+      for (int64_t r = 0; r < B; ++r)
+        silu_mul(gu.data_ptr<float>() + r * 2 * I, gu.data_ptr<float>() + r * 2 * I + I, I, act.data_ptr<float>() + r * I);
+      apply(l.down, act.data_ptr<float>(), B, yp);
+      for (int64_t e = 0; e < B * H; ++e) hp[e] = hp[e] + yp[e];
+    }
+    auto out = torch::empty({B, H}, opts);
+    for (int64_t r = 0; r < B; ++r) rms_norm(hp + r * H, norm_.data_ptr<float>(), H, eps_, out.data_ptr<float>() + r * H);
+    return out;
+  }
+
+ private:
+  int64_t H, Hq, Hkv, D, I, F;
+  float eps_;
+  double scale_;
+  Lin fc_;
+  torch::Tensor hidden_norm_, norm_;
+  std::vector<Layer> layers_;
+};
+
 std::string isa() {
 #ifdef __AVX512F__
   return "avx512";
@@ -1108,4 +1254,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &Stack::add_layer)
       .def("num_layers", &Stack::num_layers)
       .def("forward", &Stack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+  pybind11::class_<DraftStack>(m, "DraftStack", pybind11::module_local())
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, const LinSpec&, int64_t,
+                          torch::Tensor, torch::Tensor>())
+      .def("add_layer", &DraftStack::add_layer)
+      .def("forward", &DraftStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
