@@ -110,6 +110,25 @@ def _spec(weight: SmallmWeight, bias: torch.Tensor | None = None, precision: str
             weight.exact_rows, bias)
 
 
+def _layer_specs(layer: nn.Module, formats, precision: str = "exact") -> tuple:
+    """A pre-norm layer (a target's decoder layer or a DFlash draft layer) as ``Stack.add_layer`` / ``DraftStack.add_layer``
+    take it: the fused q/k/v (with its biases) and gate/up products packed once, o and down as their ``PackedLinear``
+    already holds them, the norms' weights (q/k norms where the family has them, else None)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+    biases = [lin.bias for lin in qkv]
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [b.detach() if b is not None else torch.zeros(lin.weight.shape[0]) for b, lin in zip(biases, qkv)])
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    return (_spec(pack_smallm(torch.cat([lin.weight.detach() for lin in qkv]), formats), bias, precision),
+            _spec(attn.o_proj._bp_packed.get(), attn.o_proj.bias, precision),
+            _spec(pack_smallm(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]), formats), None,
+                  precision),
+            _spec(mlp.down_proj._bp_packed.get(), mlp.down_proj.bias, precision),
+            layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+            None if q_norm is None else q_norm.weight.detach(), None if k_norm is None else k_norm.weight.detach())
+
+
 def check_precision(precision: str) -> None:
     """Raise ``ValueError`` unless ``precision`` (``model.precision``) can run here: ``exact`` anywhere; ``int8`` needs
     the kernel's AVX-512 build on a CPU with AVX-512 VNNI."""
@@ -160,22 +179,7 @@ class NativeStack:
                                       base.norm.weight.detach().float())
         with torch.no_grad():
             for layer in self.layers:
-                attn, mlp = layer.self_attn, layer.mlp
-                qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-                biases = [lin.bias for lin in qkv]
-                bias = None if all(b is None for b in biases) else torch.cat(
-                    [b.detach() if b is not None else torch.zeros(lin.weight.shape[0]) for b, lin in zip(biases, qkv)])
-                q_norm = getattr(attn, "q_norm", None)
-                k_norm = getattr(attn, "k_norm", None)
-                mode = self.precision
-                stack.add_layer(_spec(pack_smallm(torch.cat([lin.weight.detach() for lin in qkv]), formats), bias, mode),
-                                _spec(attn.o_proj._bp_packed.get(), attn.o_proj.bias, mode),
-                                _spec(pack_smallm(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]),
-                                                  formats), None, mode),
-                                _spec(mlp.down_proj._bp_packed.get(), mlp.down_proj.bias, mode),
-                                layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                                None if q_norm is None else q_norm.weight.detach(),
-                                None if k_norm is None else k_norm.weight.detach())
+                stack.add_layer(*_layer_specs(layer, formats, self.precision))
         return stack
 
     def _reserve(self, caches, rows) -> tuple[list, list, list] | None:
@@ -504,18 +508,7 @@ class FastDraft:
                 float(d.norm.variance_epsilon), float(attn0.head_dim ** -0.5), _spec(pack_smallm(d.fc.weight.detach(), formats)),
                 d.fc.weight.shape[1], d.hidden_norm.weight.detach(), d.norm.weight.detach())
             for layer in d.layers:
-                attn, mlp = layer.self_attn, layer.mlp
-                qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-                biases = [lin.bias for lin in qkv]
-                bias = None if all(b is None for b in biases) else torch.cat(
-                    [b.detach() if b is not None else torch.zeros(lin.weight.shape[0]) for b, lin in zip(biases, qkv)])
-                stack.add_layer(_spec(pack_smallm(torch.cat([lin.weight.detach() for lin in qkv]), formats), bias),
-                                _spec(pack_smallm(attn.o_proj.weight.detach(), formats), attn.o_proj.bias),
-                                _spec(pack_smallm(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]),
-                                                  formats)),
-                                _spec(pack_smallm(mlp.down_proj.weight.detach(), formats), mlp.down_proj.bias),
-                                layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                                attn.q_norm.weight.detach(), attn.k_norm.weight.detach())
+                stack.add_layer(*_layer_specs(layer, formats))
         return stack
 
     def run_native(self, embeds, features, positions, caches) -> list[torch.Tensor] | None:

@@ -974,6 +974,24 @@ struct Layer {
 using LinSpec = std::tuple<int64_t, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t,
                            c10::optional<torch::Tensor>>;
 
+// One pre-norm layer's packed products and norms (q/k norms where the family has them), checked against the shapes.
+Layer make_layer(int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t I, const LinSpec& qkv, const LinSpec& o,
+                 const LinSpec& gate_up, const LinSpec& down, torch::Tensor in_norm, torch::Tensor post_norm,
+                 c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm) {
+  Layer l;
+  l.qkv = to_lin(qkv, H);
+  l.o = to_lin(o, Hq * D);
+  l.gate_up = to_lin(gate_up, H);
+  l.down = to_lin(down, I);
+  TORCH_CHECK(l.qkv.n == (Hq + 2 * Hkv) * D && l.o.n == H && l.gate_up.n == 2 * I && l.down.n == H,
+              "a layer's weights do not match the model's shapes");
+  l.in_norm = in_norm.contiguous().to(torch::kFloat32);
+  l.post_norm = post_norm.contiguous().to(torch::kFloat32);
+  if (q_norm.has_value() && q_norm->defined()) l.q_norm = q_norm->contiguous().to(torch::kFloat32);
+  if (k_norm.has_value() && k_norm->defined()) l.k_norm = k_norm->contiguous().to(torch::kFloat32);
+  return l;
+}
+
 class Stack {
  public:
   Stack(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
@@ -986,18 +1004,7 @@ class Stack {
   void add_layer(const LinSpec& qkv, const LinSpec& o, const LinSpec& gate_up, const LinSpec& down,
                  torch::Tensor in_norm, torch::Tensor post_norm, c10::optional<torch::Tensor> q_norm,
                  c10::optional<torch::Tensor> k_norm) {
-    Layer l;
-    l.qkv = to_lin(qkv, H);
-    l.o = to_lin(o, Hq * D);
-    l.gate_up = to_lin(gate_up, H);
-    l.down = to_lin(down, I);
-    TORCH_CHECK(l.qkv.n == (Hq + 2 * Hkv) * D && l.o.n == H && l.gate_up.n == 2 * I && l.down.n == H,
-                "Stack: a layer's weights do not match the model's shapes");
-    l.in_norm = in_norm.contiguous().to(torch::kFloat32);
-    l.post_norm = post_norm.contiguous().to(torch::kFloat32);
-    if (q_norm.has_value() && q_norm->defined()) l.q_norm = q_norm->contiguous().to(torch::kFloat32);
-    if (k_norm.has_value() && k_norm->defined()) l.k_norm = k_norm->contiguous().to(torch::kFloat32);
-    layers_.push_back(std::move(l));
+    layers_.push_back(make_layer(H, Hq, Hkv, D, I, qkv, o, gate_up, down, in_norm, post_norm, q_norm, k_norm));
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -1109,18 +1116,7 @@ class DraftStack {
 
   void add_layer(const LinSpec& qkv, const LinSpec& o, const LinSpec& gate_up, const LinSpec& down,
                  torch::Tensor in_norm, torch::Tensor post_norm, torch::Tensor q_norm, torch::Tensor k_norm) {
-    Layer l;
-    l.qkv = to_lin(qkv, H);
-    l.o = to_lin(o, Hq * D);
-    l.gate_up = to_lin(gate_up, H);
-    l.down = to_lin(down, I);
-    TORCH_CHECK(l.qkv.n == (Hq + 2 * Hkv) * D && l.o.n == H && l.gate_up.n == 2 * I && l.down.n == H,
-                "DraftStack: a layer's weights do not match the drafter's shapes");
-    l.in_norm = in_norm.contiguous().to(torch::kFloat32);
-    l.post_norm = post_norm.contiguous().to(torch::kFloat32);
-    l.q_norm = q_norm.contiguous().to(torch::kFloat32);
-    l.k_norm = k_norm.contiguous().to(torch::kFloat32);
-    layers_.push_back(std::move(l));
+    layers_.push_back(make_layer(H, Hq, Hkv, D, I, qkv, o, gate_up, down, in_norm, post_norm, q_norm, k_norm));
   }
 
   // features [C, F] (request i's ctx[i] rows consecutive), h [B, H] (the embedded block rows, block[i] per request),
