@@ -1,4 +1,4 @@
-"""The native decoder stack (``pipeline.models.fast_forward.NativeStack``, ``Stack`` in ``kernels/smallm.cpp``) and the
+"""The native decoder stack (``pipeline.models.native.NativeStack``, ``Stack`` in ``kernels/smallm.cpp``) and the
 kernel's run-time ISA dispatch (``pipeline.models.kernel``).
 
 - one native call per forward gives the logits and tapped states of the per-layer Python forward on the same kernel

@@ -105,7 +105,7 @@ def check_model(model, loads_model: bool) -> None:
     if loads_model and model.get("device") is not None:
         check_device(model.device)
     if model.get("precision", "exact") != "exact":
-        from pipeline.models.fast_forward import check_precision
+        from pipeline.models.native import check_precision
 
         check_precision(str(model.precision))
     template_kwargs_of(model)  # a mapping or null

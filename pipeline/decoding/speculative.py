@@ -21,7 +21,8 @@ from pipeline.models.backend import SMALLM_MAX_ROWS, LMHead, resolve_backend, se
 from pipeline.models.cache import crop_to, resolve_kv_cache
 from pipeline.models.clock import now
 from pipeline.models.drafter import DFlashDrafter, check_compatible
-from pipeline.models.fast_forward import check_precision, fast_draft_for, fast_forward_for
+from pipeline.models.fast_forward import fast_draft_for, fast_forward_for
+from pipeline.models.native import check_precision
 from pipeline.models.target import Target, logit_head, new_cache
 
 

@@ -35,9 +35,9 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask
 
-from pipeline.models.backend import (_FORMAT_CODE, EXACT_FORMATS, PACKED, SMALLM, PackedLinear, SmallmWeight, pack_smallm,
-                                     weight_version)
+from pipeline.models.backend import EXACT_FORMATS, PACKED, SMALLM, PackedLinear, pack_smallm, weight_version
 from pipeline.models.kernel import smallm_kernel
+from pipeline.models.native import PRECISIONS, NativeStack, build_draft_stack
 
 ATTENTIONS = ("sdpa", "kernel")  # transformers' SDPA (bit-identical to its forward) | the smallm kernel's ``attend``
 LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
@@ -83,149 +83,6 @@ def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches, 
         values.append(vj[0])
         at += r
     return attend(q, None, None, keys, values, list(rows), [x.shape[1] for x in keys], scale)
-
-
-PRECISIONS = ("exact", "int8")
-_Q4_INT8 = 4  # kernels/smallm.cpp's kQ4Int8: q4 weights in the VNNI layout times int8 activations
-
-
-def vnni_layout(q: torch.Tensor) -> torch.Tensor:
-    """q4 panels [P, K, 8] (byte j: column j's nibble low, column j + 8's high) -> the VNNI layout [P, K / 32, 4, 64]
-    of ``linear_q4_int8``: chunk u's byte 4c + b holds k = 4u + b of column c (low nibble) and k = 4(u + 4) + b (high)."""
-    P, K, _ = q.shape
-    nibbles = torch.cat([q & 15, q >> 4], dim=-1)  # [P, K, 16]: column c's value at k
-    quads = nibbles.view(P, K // 32, 8, 4, 16).permute(0, 1, 2, 4, 3)  # [P, G, quad, c, b]
-    return (quads[:, :, :4] | (quads[:, :, 4:] << 4)).contiguous().view(P, K // 32, 4, 64)
-
-
-def _spec(weight: SmallmWeight, bias: torch.Tensor | None = None, precision: str = "exact") -> tuple:
-    """A packed weight as the native stack takes it: (format code, panels, scales, offsets, float32 panels, N,
-    exact_rows, bias). With ``precision="int8"`` a q4 weight goes in the VNNI layout (int8 activations)."""
-    empty = torch.empty(0)
-    bias = None if bias is None else bias.detach().float()
-    if precision == "int8" and weight.fmt == "q4":
-        return (_Q4_INT8, vnni_layout(weight.q), weight.d, weight.m, empty, weight.n, weight.exact_rows, bias)
-    code = 0 if weight.fmt == "f32" else _FORMAT_CODE[weight.fmt]
-    return (code, weight.q, weight.d, weight.m, weight.f32 if weight.f32 is not None else empty, weight.n,
-            weight.exact_rows, bias)
-
-
-def _layer_specs(layer: nn.Module, formats, precision: str = "exact") -> tuple:
-    """A pre-norm layer (a target's decoder layer or a DFlash draft layer) as ``Stack.add_layer`` / ``DraftStack.add_layer``
-    take it: the fused q/k/v (with its biases) and gate/up products packed once, o and down as their ``PackedLinear``
-    already holds them, the norms' weights (q/k norms where the family has them, else None)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-    biases = [lin.bias for lin in qkv]
-    bias = None if all(b is None for b in biases) else torch.cat(
-        [b.detach() if b is not None else torch.zeros(lin.weight.shape[0]) for b, lin in zip(biases, qkv)])
-    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    return (_spec(pack_smallm(torch.cat([lin.weight.detach() for lin in qkv]), formats), bias, precision),
-            _spec(attn.o_proj._bp_packed.get(), attn.o_proj.bias, precision),
-            _spec(pack_smallm(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]), formats), None,
-                  precision),
-            _spec(mlp.down_proj._bp_packed.get(), mlp.down_proj.bias, precision),
-            layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-            None if q_norm is None else q_norm.weight.detach(), None if k_norm is None else k_norm.weight.detach())
-
-
-def check_precision(precision: str) -> None:
-    """Raise ``ValueError`` unless ``precision`` (``model.precision``) can run here: ``exact`` anywhere; ``int8`` needs
-    the kernel's AVX-512 build on a CPU with AVX-512 VNNI."""
-    from pipeline.models.kernel import cpu_flags, cpu_isa
-
-    if precision not in PRECISIONS:
-        raise ValueError(f"model.precision must be one of {list(PRECISIONS)}, got {precision!r}")
-    if precision == "int8" and (cpu_isa() != "avx512" or "avx512_vnni" not in cpu_flags()):
-        raise ValueError("model.precision=int8 needs a CPU with AVX-512 VNNI (and the kernel's avx512 build); this one "
-                         f"runs {cpu_isa()} without it: use model.precision=exact")
-
-
-class NativeStack:
-    """The target's decoder layers and final norm as ONE call of the smallm kernel per forward (``Stack`` in
-    ``kernels/smallm.cpp``): the norms, the fused q/k/v and gate/up products, q/k norms, rotary, the cache append, the
-    batch-invariant attention, SiLU x up and the residuals run in C++; Python hands over the embedded rows, the rotary
-    tables and the caches' buffers once. Any number of rows of any number of requests; a row's result is the same
-    bits alone or beside others (and the same on AVX2 and AVX-512 builds).
-
-    Built from ``base`` on the smallm backend ``kind``; rebuilt when any weight changes (``weight_version``).
-    """
-
-    def __init__(self, base: nn.Module, kind: str, precision: str = "exact"):
-        self.base, self.kind, self.precision = base, kind, precision
-        self.layers = base.layers[: base.config.num_hidden_layers]
-        attn = self.layers[0].self_attn
-        self.kv_heads = base.config.num_key_value_heads
-        self.head_dim = attn.head_dim
-        self.scale = attn.scaling
-        self._weights = [w for layer in self.layers for w in self._layer_weights(layer)] + [base.norm.weight]
-        self._counted = [w for w in self._weights if not w.is_inference()]
-        self._versions = None
-        self._stack = None
-
-    @staticmethod
-    def _layer_weights(layer: nn.Module) -> list[torch.Tensor]:
-        attn, mlp = layer.self_attn, layer.mlp
-        return [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight, mlp.gate_proj.weight,
-                mlp.up_proj.weight, mlp.down_proj.weight]
-
-    def _build(self):
-        base, formats = self.base, () if self.kind == "smallm_f32" else EXACT_FORMATS
-        config = base.config
-        first = self.layers[0]
-        stack = smallm_kernel().Stack(config.hidden_size, first.self_attn.config.num_attention_heads, self.kv_heads,
-                                      self.head_dim, first.mlp.gate_proj.weight.shape[0],
-                                      float(base.norm.variance_epsilon), float(self.scale),
-                                      base.norm.weight.detach().float())
-        with torch.no_grad():
-            for layer in self.layers:
-                stack.add_layer(*_layer_specs(layer, formats, self.precision))
-        return stack
-
-    def _reserve(self, caches, rows) -> tuple[list, list, list] | None:
-        """Room for each request's new rows in every layer of its cache: (keys, values) request-major and the new
-        lengths; None (nothing reserved) where a cache is not a ``PreallocatedCache`` that can take them."""
-        like = (self.kv_heads, self.head_dim, torch.float32)
-        keys, values, lengths, done = [], [], [], []
-        for cache, r in zip(caches, rows):
-            layers = getattr(cache, "layers", None)
-            if layers is None or len(layers) < len(self.layers) or not all(hasattr(x, "reserve") for x in layers):
-                break
-            got = [layers[i].reserve(r, like) for i in range(len(self.layers))]
-            done.append((layers, got, r))
-            if any(g is None for g in got):
-                break
-            keys.extend(g[0] for g in got)
-            values.extend(g[1] for g in got)
-            lengths.append(got[0][2])
-        else:
-            return keys, values, lengths
-        for layers, got, r in done:  # undo what was reserved (nothing is written yet)
-            for layer, g in zip(layers, got):
-                if g is not None:
-                    layer.crop(-r)
-        return None
-
-    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches, rows, taps
-                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The decoder layers over ``h`` [R, H] (the embedded rows; request i's ``rows[i]`` consecutive, appended to
-        ``caches[i]``) with rotary tables ``cos``/``sin`` [R, D].
-
-        Returns:
-            (final normed states [R, H], the hidden states at ``taps`` (transformers' ``hidden_states`` indices) side
-            by side [R, len(taps) * H]), or None when a cache cannot take the native path (nothing was changed).
-        """
-        # repacked when a weight changed (training): inference tensors have no counter (read once, -2)
-        versions = [w._version for w in self._counted]
-        if self._stack is None or versions != self._versions:
-            self._stack = self._build()
-            self._versions = versions
-        reserved = self._reserve(caches, rows)
-        if reserved is None:
-            return None
-        keys, values, lengths = reserved
-        out, tapped = self._stack.forward(h, cos, sin, keys, values, list(rows), lengths, list(taps))
-        return out, tapped
 
 
 class _Fused:
@@ -494,22 +351,9 @@ class FastDraft:
             return None
         versions = [w._version for w in self._counted]
         if self._stack is None or versions != self._versions:
-            self._stack = self._build(kind)
+            self._stack = build_draft_stack(self.drafter, kind)
             self._versions = versions
         return self._stack
-
-    def _build(self, kind: str):
-        d = self.drafter
-        formats = () if kind == "smallm_f32" else EXACT_FORMATS
-        attn0, mlp0 = d.layers[0].self_attn, d.layers[0].mlp
-        with torch.no_grad():
-            stack = smallm_kernel().DraftStack(
-                d.config.hidden_size, attn0.num_heads, attn0.num_kv_heads, attn0.head_dim, mlp0.gate_proj.weight.shape[0],
-                float(d.norm.variance_epsilon), float(attn0.head_dim ** -0.5), _spec(pack_smallm(d.fc.weight.detach(), formats)),
-                d.fc.weight.shape[1], d.hidden_norm.weight.detach(), d.norm.weight.detach())
-            for layer in d.layers:
-                stack.add_layer(*_layer_specs(layer, formats))
-        return stack
 
     def run_native(self, embeds, features, positions, caches) -> list[torch.Tensor] | None:
         """The draft forwards of N requests in one ``DraftStack`` call: request i's block ``embeds[i]`` [1, b_i, H] with
