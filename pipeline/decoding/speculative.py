@@ -238,6 +238,7 @@ class SpeculativeDecoder:
                 "batch_invariant": batch_invariant(self.backend) and self.device.type == "cpu",
                 "dtype": str(self.model.dtype).removeprefix("torch."), "device": str(self.device),
                 "native_stack": bool(self.fast is not None and self.fast.native and self.backend in SMALLM),
+                "native_draft": bool(self.fast_draft is not None and self.fast_draft.native_stack() is not None),
                 "precision": self.precision}
         if self.backend in SMALLM:
             path["isa"] = kernel_isa()

@@ -289,3 +289,33 @@ class PreallocatedCache(DynamicCache):
         if self.layer_class_to_replicate is DynamicLayer:  # no config: layers made lazily, at their first update
             self.layer_class_to_replicate = functools.partial(PreallocatedLayer, self.headroom)
         self.layers = [PreallocatedLayer(self.headroom) if type(layer) is DynamicLayer else layer for layer in self.layers]
+
+
+def reserve_rows(caches, rows, layers: int, like: tuple[int, int, torch.dtype]) -> tuple[list, list, list] | None:
+    """Room for ``rows[i]`` new tokens in each of the first ``layers`` layers of ``caches[i]`` (``PreallocatedLayer.
+    reserve``; a fresh ``PreallocatedCache`` makes its layers first, as its ``update`` would): the key and value buffers
+    request-major (``[i * layers + l]``) and each request's new length, for a native call to write into. None, with
+    nothing reserved, where some cache cannot take them (not preallocated, batch > 1, not writable here)."""
+    keys, values, lengths, done = [], [], [], []
+    for cache, r in zip(caches, rows):
+        cache_layers = getattr(cache, "layers", None)
+        if cache_layers is None:
+            break
+        while isinstance(cache, PreallocatedCache) and len(cache_layers) < layers:
+            cache_layers.append(cache.layer_class_to_replicate())
+        if len(cache_layers) < layers or not all(hasattr(x, "reserve") for x in cache_layers[:layers]):
+            break
+        got = [cache_layers[i].reserve(r, like) for i in range(layers)]
+        done.append((cache_layers, got, r))
+        if any(g is None for g in got):
+            break
+        keys.extend(g[0] for g in got)
+        values.extend(g[1] for g in got)
+        lengths.append(got[0][2])
+    else:
+        return keys, values, lengths
+    for cache_layers, got, r in done:  # undo what was reserved (nothing is written yet)
+        for layer, g in zip(cache_layers, got):
+            if g is not None:
+                layer.crop(-r)
+    return None

@@ -36,6 +36,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask
 
 from pipeline.models.backend import EXACT_FORMATS, PACKED, SMALLM, PackedLinear, pack_smallm, weight_version
+from pipeline.models.cache import reserve_rows
 from pipeline.models.kernel import smallm_kernel
 from pipeline.models.native import PRECISIONS, NativeStack, build_draft_stack
 
@@ -364,29 +365,15 @@ class FastDraft:
             per request the final normed states [1, b_i, H], or None where the native path cannot run (nothing changed).
         """
         stack = self.native_stack()
-        if stack is None or any(c is None or not hasattr(c, "layer_class_to_replicate") for c in caches):
+        if stack is None or any(c is None for c in caches):
             return None
         d = self.drafter
         attn0 = d.layers[0].self_attn
-        like = (attn0.num_kv_heads, attn0.head_dim, torch.float32)
-        count = len(d.layers)
-        keys, values, lengths, done = [], [], [], []
-        for cache, e, f in zip(caches, embeds, features):
-            while len(cache.layers) < count:  # a fresh cache makes its layers lazily (DynamicCache.update does)
-                cache.layers.append(cache.layer_class_to_replicate())
-            rows = e.shape[1] + f.shape[1]
-            got = [cache.layers[i].reserve(rows, like) if hasattr(cache.layers[i], "reserve") else None
-                   for i in range(count)]
-            done.append((cache, got, rows))
-            if any(g is None for g in got):
-                for c, g_list, r in done:
-                    for layer, g in zip(c.layers, g_list):
-                        if g is not None:
-                            layer.crop(-r)
-                return None
-            keys.extend(g[0] for g in got)
-            values.extend(g[1] for g in got)
-            lengths.append(got[0][2])
+        reserved = reserve_rows(caches, [e.shape[1] + f.shape[1] for e, f in zip(embeds, features)], len(d.layers),
+                                (attn0.num_kv_heads, attn0.head_dim, torch.float32))
+        if reserved is None:
+            return None
+        keys, values, lengths = reserved
         dtype = d.fc.weight.dtype
         tables = [d.rotary_emb(e.to(dtype), p) for e, p in zip(embeds, positions)]
         cos = torch.cat([t[0][0] for t in tables])

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pipeline.models.backend import _FORMAT_CODE, EXACT_FORMATS, SmallmWeight, pack_smallm
+from pipeline.models.cache import reserve_rows
 from pipeline.models.kernel import smallm_kernel
 
 PRECISIONS = ("exact", "int8")
@@ -110,30 +111,6 @@ class NativeStack:
                 stack.add_layer(*_layer_specs(layer, formats, self.precision))
         return stack
 
-    def _reserve(self, caches, rows) -> tuple[list, list, list] | None:
-        """Room for each request's new rows in every layer of its cache: (keys, values) request-major and the new
-        lengths; None (nothing reserved) where a cache is not a ``PreallocatedCache`` that can take them."""
-        like = (self.kv_heads, self.head_dim, torch.float32)
-        keys, values, lengths, done = [], [], [], []
-        for cache, r in zip(caches, rows):
-            layers = getattr(cache, "layers", None)
-            if layers is None or len(layers) < len(self.layers) or not all(hasattr(x, "reserve") for x in layers):
-                break
-            got = [layers[i].reserve(r, like) for i in range(len(self.layers))]
-            done.append((layers, got, r))
-            if any(g is None for g in got):
-                break
-            keys.extend(g[0] for g in got)
-            values.extend(g[1] for g in got)
-            lengths.append(got[0][2])
-        else:
-            return keys, values, lengths
-        for layers, got, r in done:  # undo what was reserved (nothing is written yet)
-            for layer, g in zip(layers, got):
-                if g is not None:
-                    layer.crop(-r)
-        return None
-
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches, rows, taps
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The decoder layers over ``h`` [R, H] (the embedded rows; request i's ``rows[i]`` consecutive, appended to
@@ -148,7 +125,7 @@ class NativeStack:
         if self._stack is None or versions != self._versions:
             self._stack = self._build()
             self._versions = versions
-        reserved = self._reserve(caches, rows)
+        reserved = reserve_rows(caches, rows, len(self.layers), (self.kv_heads, self.head_dim, torch.float32))
         if reserved is None:
             return None
         keys, values, lengths = reserved
