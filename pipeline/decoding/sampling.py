@@ -76,12 +76,27 @@ class PositionKeyedSampler:
 
     def pick_columns(self, logits: torch.Tensor, first_position: int, vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Like ``pick``, but the [n] columns of ``logits`` picked (indices into ``vocab_ids`` when given)."""
+        return self.scores(logits, range(first_position, first_position + logits.shape[0]), vocab_ids).argmax(dim=-1)
+
+    def pick_at(self, logits: torch.Tensor, positions) -> torch.Tensor:
+        """Tokens [n] for rows that score the absolute ``positions`` (n ints, any order: a draft tree's rows)."""
+        return self.scores(logits, positions).argmax(dim=-1)
+
+    def top_columns(self, logits: torch.Tensor, first_position: int, k: int,
+                    vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The [n, k] best columns of consecutive positions' ``logits``, best first: the first is ``pick_columns``'s
+        (the chain's draft), the others the next by the same score (the logits at T=0, with the position's noise above)."""
+        k = max(1, min(int(k), logits.shape[-1]))
+        return self.scores(logits, range(first_position, first_position + logits.shape[0]), vocab_ids).topk(k, dim=-1).indices
+
+    def scores(self, logits: torch.Tensor, positions, vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """What the pick maximises for rows at ``positions``: the logits at T=0, else logits / T + the positions' noise."""
         if self.temperature == 0:
-            return logits.argmax(dim=-1)
-        noise = self.noise(range(first_position, first_position + logits.shape[0]), logits.device)
+            return logits
+        noise = self.noise(positions, logits.device)
         if vocab_ids is not None:
             noise = noise[:, vocab_ids]
-        return (logits.float() / self.temperature + noise).argmax(dim=-1)
+        return logits.float() / self.temperature + noise
 
 
 def _normalize(device: torch.device | str | None) -> torch.device:

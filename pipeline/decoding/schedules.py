@@ -30,11 +30,14 @@ class Schedule:
         static: True when B never changes after ``first`` (the eval stage may then share the decode of one B).
         chooses_widths: True when ``choose_width`` picks each step's verify width k (the decoder then computes the
             drafter's confidences for it); False: every step verifies all its B-1 drafts.
+        chooses_trees: True when ``choose_tree`` picks each drafted step's draft tree (``pipeline.decoding.trees``)
+            from the drafter's top candidates at every position (the decoder then verifies the tree, not a chain).
     """
 
     max_block_size: int = 1
     static: bool = False
     chooses_widths: bool = False
+    chooses_trees: bool = False
 
     def first(self, last_logits: torch.Tensor) -> int:
         """B for the first step, from the target's prefill logits at the last prompt token ([V])."""
@@ -48,6 +51,12 @@ class Schedule:
         """The verify width k (0..len(confidence)) of a step whose drafts have the drafter's probabilities
         ``confidence`` [B-1], at cache position ``start`` (only called when ``chooses_widths``)."""
         return len(confidence)
+
+    def choose_tree(self, tokens: torch.Tensor, probs: torch.Tensor, start: int):
+        """The ``DraftTree`` to verify from the drafter's candidates ``tokens`` [B-1, k] (best first at each position)
+        and its probabilities of them ``probs`` [B-1, k], at cache position ``start`` (only called when
+        ``chooses_trees``; its ``top_k`` attribute, when set, is the k the decoder drafts)."""
+        raise NotImplementedError
 
 
 class ExternalDecode:

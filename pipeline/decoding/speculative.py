@@ -17,8 +17,9 @@ from transformers import DynamicCache
 
 from pipeline.decoding.sampling import PositionKeyedSampler, draft_confidence
 from pipeline.decoding.schedules import Schedule, FixedSchedule
+from pipeline.decoding.trees import DraftTree, tree_mask
 from pipeline.models.backend import SMALLM_MAX_ROWS, LMHead, resolve_backend, set_backend
-from pipeline.models.cache import crop_to, resolve_kv_cache
+from pipeline.models.cache import compact, crop_to, resolve_kv_cache
 from pipeline.models.clock import now
 from pipeline.models.drafter import DFlashDrafter, check_compatible
 from pipeline.models.fast_forward import fast_draft_for, fast_forward_for
@@ -82,6 +83,7 @@ class RequestStats:
         prefill_ms: prefill time (ms); decode_ms: time of all steps after prefill (ms);
         schedule_ms: time spent choosing B after prefill (the policy's overhead, ms).
         first_block_size: the B the schedule's ``first`` picked (None before it ran).
+        trees: each tree step's (tree verified, its accepted nodes) (a tree policy's decode; ``pipeline.decoding.trees``).
     """
 
     prompt_tokens: int
@@ -95,6 +97,7 @@ class RequestStats:
     schedule_ms: float = 0.0
     stopped: bool = False
     first_block_size: int | None = None
+    trees: list[tuple[DraftTree, list[int]]] = field(default_factory=list)
 
     @property
     def new_tokens(self) -> int:
@@ -139,6 +142,7 @@ class DecodeState:
         start: position of ``pending`` (tokens before it are in ``cache``).
         last_width: drafts verified by the last step (k).
         last_confidence: [b-1] the drafter's probability of each draft of the last step (None when it drafted nothing).
+        last_tree / last_path: the last tree step's tree and its accepted nodes (None after a chain step).
     """
 
     cache: DynamicCache
@@ -148,6 +152,8 @@ class DecodeState:
     start: int
     last_width: int = 0
     last_confidence: torch.Tensor | None = None
+    last_tree: DraftTree | None = None
+    last_path: list[int] | None = None
 
 
 class SpeculativeDecoder:
@@ -274,21 +280,29 @@ class SpeculativeDecoder:
 
     # ---------------------------------------------------------------------------------------------
     def target_forward(self, ids: torch.Tensor, cache: DynamicCache, start: int, want_features: bool,
-                       last_only: bool = False):
+                       last_only: bool = False, tree: DraftTree | None = None):
         """Target forward over ``ids`` [1, q] at positions start..start+q-1, appending to ``cache``.
 
         Args:
             want_features: also return the drafter's context features of the q positions.
             last_only: logits of the last position only (a prefill).
+            tree: the draft tree whose verify rows ``ids`` are (the pending token, then its nodes): row j sits at
+                position start + its depth and attends to the cache, its ancestors and itself.
         Returns:
             (logits [q or 1, V] float32, features [1, q, n_taps*H] or None).
         """
-        positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]
-        if self.fast is not None and ids.shape[1] <= SMALLM_MAX_ROWS:
-            last, hidden_states = self.fast(ids, positions, cache, output_hidden_states=want_features)
+        if tree is None:
+            positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]
+            parents = None
         else:
+            positions = (start + torch.tensor(tree.row_depths(), device=self.device))[None]
+            parents = tree.row_parents()
+        if self.fast is not None and ids.shape[1] <= SMALLM_MAX_ROWS:
+            last, hidden_states = self.fast(ids, positions, cache, output_hidden_states=want_features, parents=parents)
+        else:
+            mask = None if parents is None else tree_mask(parents, cache.get_seq_length(), self.model.dtype, self.device)
             out = self.base(input_ids=ids, position_ids=positions, cache=cache, use_cache=True,
-                            output_hidden_states=want_features)
+                            output_hidden_states=want_features, attention_mask=mask)
             last, hidden_states = out.last_hidden_state, out.hidden_states
         hidden = last[0, -1:] if last_only else last[0]
         logits = self.head(hidden).float()
@@ -306,6 +320,14 @@ class SpeculativeDecoder:
             [b-1] float32: the drafter's probability of each draft (``draft_confidence``) with ``want_confidence``,
             else None (fixed-B decodes skip the softmax).
         """
+        draft_logits = self.draft_logits(state, block)
+        columns = sampler.pick_columns(draft_logits, state.start + 1, self.draft_vocab)
+        block[0, 1:] = columns if self.draft_vocab is None else self.draft_vocab[columns]
+        return draft_confidence(draft_logits, columns, sampler.temperature) if want_confidence else None
+
+    def draft_logits(self, state: DecodeState, block: torch.Tensor) -> torch.Tensor:
+        """The drafter's forward over ``block`` [1, b] with the pending context features: its logits [b-1, V'] (float32)
+        at positions start+1..start+b-1. The drafter's cache keeps the context keys/values and drops the block's."""
         b = block.shape[1]
         c = state.features.shape[1]
         positions = torch.arange(state.start - c, state.start + b, device=self.device)[None]
@@ -313,10 +335,59 @@ class SpeculativeDecoder:
         hidden = forward(self.embed(block), state.features, positions, cache=state.draft_cache)
         crop_to(state.draft_cache, state.start)
         state.features = state.features[:, :0]
-        draft_logits = self.drafter_head(hidden[0, 1:]).float()
-        columns = sampler.pick_columns(draft_logits, state.start + 1, self.draft_vocab)
-        block[0, 1:] = columns if self.draft_vocab is None else self.draft_vocab[columns]
-        return draft_confidence(draft_logits, columns, sampler.temperature) if want_confidence else None
+        return self.drafter_head(hidden[0, 1:]).float()
+
+    def draft_candidates(self, state: DecodeState, block_size: int, sampler: PositionKeyedSampler, top_k: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafter forward at block size ``block_size``: the top ``top_k`` candidates at each of its b-1 positions.
+
+        Returns:
+            (tokens [b-1, k] long, best first (column 0 is the chain's draft), the drafter's probability of each
+            [b-1, k] float32 (``draft_confidence``)).
+        """
+        mask_id = self.drafter.mask_token_id
+        block = torch.full((1, block_size), mask_id, dtype=torch.long, device=self.device)
+        block[0, 0] = state.pending
+        logits = self.draft_logits(state, block)
+        columns = sampler.top_columns(logits, state.start + 1, top_k, self.draft_vocab)
+        k = columns.shape[1]
+        probs = draft_confidence(logits.repeat_interleave(k, 0), columns.reshape(-1), sampler.temperature)
+        tokens = columns if self.draft_vocab is None else self.draft_vocab[columns]
+        return tokens, probs.reshape(-1, k)
+
+    def tree_step(self, state: DecodeState, block_size: int, sampler: PositionKeyedSampler,
+                  choose_tree: Callable[[torch.Tensor, torch.Tensor, int], DraftTree], top_k: int = 4
+                  ) -> tuple[list[int], int]:
+        """One draft-verify step with a draft tree (``pipeline.decoding.trees``); advances ``state``.
+
+        The drafter drafts the block's b-1 positions in one forward; ``choose_tree(tokens [b-1, k], probabilities
+        [b-1, k], start)`` (k = ``top_k``) picks the tree to verify (an empty one: a plain target step); the target verifies the
+        pending token and every node in one forward, ``walk`` keeps the path that matches the target's own tokens
+        plus the bonus token, and the accepted path's keys/values and features move behind the context.
+        ``state.last_width`` is the tree's node count, ``state.last_tree`` the tree.
+
+        Returns:
+            (new tokens in order, accepted drafts among them).
+        """
+        tokens, probs = self.draft_candidates(state, block_size, sampler, top_k)
+        tree = choose_tree(tokens, probs, state.start)
+        state.last_width, state.last_confidence, state.last_tree = len(tree), probs[:, 0], tree
+        ids = torch.tensor([[state.pending, *tree.tokens]], dtype=torch.long, device=self.device)
+        use_drafter = state.draft_cache is not None
+        logits, new_features = self.target_forward(ids, state.cache, state.start, want_features=use_drafter,
+                                                   tree=tree if len(tree) else None)
+        depths = tree.row_depths()
+        targets = sampler.pick_at(logits, [state.start + 1 + d for d in depths]).tolist()
+        path, bonus = tree.walk(targets)
+        rows = [0] + [j + 1 for j in path]
+        compact(state.cache, state.start, rows)
+        if use_drafter:
+            state.features = torch.cat([state.features, new_features[:, rows]], dim=1)
+        new = [tree.tokens[j] for j in path] + [bonus]
+        state.start += len(path) + 1
+        state.pending = bonus
+        state.last_path = path
+        return new, len(path)
 
     def new_draft_cache(self):
         """An empty drafter cache for this decoder's draft forward (preallocated on the native draft path)."""
@@ -465,10 +536,16 @@ class SpeculativeDecoder:
         stats.stopped = state.pending in self.stop_ids
         halted = on_tokens is not None and bool(on_tokens([state.pending]))
         choose_width = schedule.choose_width if schedule.chooses_widths else None  # a verify-width policy: k per step
+        choose_tree = schedule.choose_tree if schedule.chooses_trees else None  # a tree policy: the tree per step
         while not halted and not stats.stopped and stats.new_tokens < config.max_new_tokens:
             self.check_block_size(block_size)
             b = min(block_size, config.max_new_tokens - stats.new_tokens)
-            new, _ = self.step(state, b, sampler, choose_width)
+            if choose_tree is not None and b > 1:
+                state.last_tree = None
+                new, _ = self.tree_step(state, b, sampler, choose_tree, schedule.top_k)
+                stats.trees.append((state.last_tree, state.last_path))
+            else:
+                new, _ = self.step(state, b, sampler, choose_width)
             new, stats.stopped = self.cut_at_stop(new)
             stats.output_ids.extend(new)
             stats.taus.append(len(new))

@@ -23,6 +23,7 @@ from pipeline.decoding import DecodeConfig, FixedSchedule
 from pipeline.decoding.conversation import decode_prompt
 from pipeline.decoding.schedules import ExternalDecode, Schedule
 from pipeline.decoding.speculative import PromptTooLongError, RequestStats
+from pipeline.decoding.trees import step_record
 from pipeline.evaluation.checks import check_eval_config
 from pipeline.models.clock import now
 from pipeline.evaluation.inputs import (EvalInputs, check_prompts, load_eval_inputs, method_schedules, resolve_split,
@@ -106,6 +107,7 @@ def merge_turns(prompt_id: str, source_set: str, stats: list) -> dict:
         "schedule_ms": sum(s.schedule_ms for s in stats),
         "block_sizes": sorted({b for s in stats for b in s.block_sizes}),
         "verify_widths": [k for s in stats for k in s.verify_widths],
+        **({"trees": [step_record(t, p) for s in stats for t, p in s.trees]} if any(s.trees for s in stats) else {}),
         "confidences": [c for s in stats for c in s.confidences],
         "output_ids": [t for s in stats for t in s.output_ids],
         "chosen_b": stats[0].first_block_size if stats else None,  # the first turn's B

@@ -11,6 +11,8 @@ from typing import Callable
 
 import numpy as np
 
+from pipeline.decoding.trees import tree_summary
+
 GAIN_METHODS = ("verify_width", "hybrid")
 """Per-step methods whose tokens/s gain over ``GAIN_BASES`` is reported, paired by prompt."""
 GAIN_BASES = ("fixed", "best_fixed", "ar")
@@ -69,6 +71,9 @@ def summarize(rows: list[dict], reference: dict[str, list[int]] | None) -> dict:
     widths = [k for r in rows for k in r.get("verify_widths", [])]
     if widths:  # mean drafts verified per step
         out["verify_width"] = float(np.mean(widths))
+    trees = [t for r in rows for t in r.get("trees", [])]
+    if trees:  # a tree policy: its shapes and the rank-acceptance table
+        out["tree"] = tree_summary(trees)
     confidences = [c for r in rows for c in r.get("confidences", [])]
     if any(c is not None for c in confidences):  # a verify-width policy: the share of steps that drafted at all
         out["drafted"] = float(np.mean([c is not None for c in confidences]))

@@ -69,6 +69,23 @@ def crop_to(cache: DynamicCache, length: int) -> None:
         cache.crop(-remove)
 
 
+def compact(cache: DynamicCache, start: int, rows: list[int]) -> None:
+    """Keep, after the first ``start`` tokens, the tokens at offsets ``rows`` (increasing, after ``start``) in that order
+    and drop the rest: a draft tree's accepted path moved behind the context (``pipeline.decoding.trees``)."""
+    rows = [int(r) for r in rows]
+    moved = [(i, r) for i, r in enumerate(rows) if r != i]
+    if moved:
+        dst = torch.tensor([start + i for i, _ in moved])
+        src = torch.tensor([start + r for _, r in moved])
+        with torch.inference_mode():
+            for layer in cache.layers:
+                if getattr(layer, "keys", None) is None:
+                    continue
+                layer.keys[:, :, dst] = layer.keys[:, :, src]  # gathered first, then written: overlaps are safe
+                layer.values[:, :, dst] = layer.values[:, :, src]
+    crop_to(cache, start + len(rows))
+
+
 class PreallocatedLayer(DynamicLayer):
     """A full-attention cache layer over a buffer with spare capacity (see the module docstring).
 

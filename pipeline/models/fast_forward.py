@@ -55,7 +55,7 @@ def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches, rows, layer_idx: int,
-                     scale: float) -> torch.Tensor:
+                     scale: float, parents=None) -> torch.Tensor:
     """One layer's attention of N requests on the smallm kernel: request i's ``rows[i]`` new rows (consecutive in q, k,
     v) are appended to ``caches[i]``'s layer ``layer_idx`` and attend causally over that request's cache, each row as
     one fixed computation (bit-identical alone or with other rows). On ``PreallocatedCache`` layers the append happens
@@ -64,10 +64,17 @@ def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches, 
     Args:
         q: [R, Hq, D] float32 queries (rotated); k, v: [R, Hkv, D] float32 new keys (rotated) and values.
         caches: one KV cache per request; rows: rows per request (summing to R).
+        parents: None, or a draft tree's parent of each row among its request's rows (-1: the first row): a row then
+            attends to the cached context, its ancestors and itself (``pipeline.decoding.trees``).
     Returns:
         [R, Hq * D]: each row's heads side by side.
     """
-    attend = smallm_kernel().attend
+    kernel_attend = smallm_kernel().attend
+    tree = [] if parents is None else [int(p) for p in parents]
+
+    def attend(*args):
+        return kernel_attend(*args, tree)
+
     slots = [getattr(c.layers[layer_idx], "reserve", None) if layer_idx < len(c.layers) else None for c in caches]
     if all(s is not None for s in slots):
         reserved = [s(r) for s, r in zip(slots, rows)]
@@ -171,7 +178,7 @@ class FastForward:
         return self._native[kind]
 
     def run_native(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches, rows, kind: str | None,
-                   output_hidden_states: bool):
+                   output_hidden_states: bool, parents=None):
         """The layers of ``h`` [1, R, H] on the ``NativeStack`` (see there), or None where it cannot run.
 
         Returns:
@@ -183,7 +190,7 @@ class FastForward:
             return None
         count = len(stack.layers)
         taps = (self.taps if self.taps is not None else list(range(count + 1))) if output_hidden_states else []
-        got = stack(h[0], cos[0], sin[0], caches, rows, taps)
+        got = stack(h[0], cos[0], sin[0], caches, rows, taps, parents)
         if got is None:
             return None
         out, tapped = got
@@ -242,8 +249,11 @@ class FastForward:
         return self._layers[(i, kind)]
 
     @torch.inference_mode()
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache, output_hidden_states: bool = False):
-        """The base model's forward over ``ids`` [1, q] at ``positions`` [1, q], appending to ``cache``.
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache, output_hidden_states: bool = False,
+                 parents=None):
+        """The base model's forward over ``ids`` [1, q] at ``positions`` [1, q], appending to ``cache``; ``parents``:
+        None (causal) or a draft tree's parent of each row (``pipeline.decoding.trees``: a row sees the cache, its
+        ancestors and itself; on the kernel, the same bits as the causal row of its path).
 
         Returns:
             (last_hidden_state [1, q, H] after the final norm, hidden_states or None): ``hidden_states`` is
@@ -257,11 +267,16 @@ class FastForward:
         kernel = self.attention == "kernel"
         cos, sin = base.rotary_emb(h, position_ids=positions)
         if kernel and self.native:
-            done = self.run_native(h, cos, sin, [cache], [ids.shape[1]], kind, output_hidden_states)
+            done = self.run_native(h, cos, sin, [cache], [ids.shape[1]], kind, output_hidden_states, parents)
             if done is not None:
                 return done
-        mask = None if kernel else create_causal_mask(config=base.config, inputs_embeds=h, attention_mask=None,
-                                                      cache=cache, position_ids=positions)
+        if kernel:
+            mask = None
+        elif parents is not None:
+            mask = tree_mask(parents, cache.get_seq_length(), h.dtype)
+        else:
+            mask = create_causal_mask(config=base.config, inputs_embeds=h, attention_mask=None, cache=cache,
+                                      position_ids=positions)
         states = [h] if output_hidden_states else None
         q_len = ids.shape[1]
         for i, layer in enumerate(base.layers[: base.config.num_hidden_layers]):
@@ -276,7 +291,7 @@ class FastForward:
             q, k = self.rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             if kernel:
                 out = kernel_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0], [cache], [q_len],
-                                       attn.layer_idx, attn.scaling)
+                                       attn.layer_idx, attn.scaling, parents)
             else:
                 k, v = cache.update(k, v.transpose(1, 2), attn.layer_idx)
                 out, _ = sdpa_attention_forward(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)

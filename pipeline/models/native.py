@@ -111,10 +111,12 @@ class NativeStack:
                 stack.add_layer(*_layer_specs(layer, formats, self.precision))
         return stack
 
-    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches, rows, taps
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches, rows, taps, parents=None
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The decoder layers over ``h`` [R, H] (the embedded rows; request i's ``rows[i]`` consecutive, appended to
-        ``caches[i]``) with rotary tables ``cos``/``sin`` [R, D].
+        ``caches[i]``) with rotary tables ``cos``/``sin`` [R, D]. ``parents``: None (causal rows) or, for a draft tree,
+        each row's parent among its request's rows (-1: the first row), ``pipeline.decoding.trees``: a row attends to the
+        cached context, its ancestors and itself.
 
         Returns:
             (final normed states [R, H], the hidden states at ``taps`` (transformers' ``hidden_states`` indices) side
@@ -129,7 +131,8 @@ class NativeStack:
         if reserved is None:
             return None
         keys, values, lengths = reserved
-        out, tapped = self._stack.forward(h, cos, sin, keys, values, list(rows), lengths, list(taps))
+        out, tapped = self._stack.forward(h, cos, sin, keys, values, list(rows), lengths, list(taps),
+                                          [] if parents is None else [int(p) for p in parents])
         return out, tapped
 
 

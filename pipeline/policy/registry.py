@@ -12,6 +12,8 @@ Methods (``METHODS``):
     the sub-folder of the run's predictors);
   * ``verify_width``: drafts at B, verifies the k drafts that pay each step (a calibration + this machine's cost model;
     ``policy.verify_width``); ``hybrid``: the same with blockpilot's B;
+  * ``tree``: drafts at verify_width's B and verifies a draft tree of the drafter's top candidates, sized each step by
+    the same calibration and cost model (``pipeline.policy.trees``; ``policy.tree``); the eval stage runs it;
   * ``budget``: every batched step's verify widths chosen jointly over the requests sharing it
     (``pipeline.policy.budget.BudgetPolicy``: verify_width's calibration, B and skip rule + the batched step cost model,
     ``policy.budget.costs``); only a batched decoder runs it: the server (any ``serve.max_batch``; the eval stage decodes
@@ -271,6 +273,31 @@ def _verify_width(hybrid: bool):
     return build
 
 
+def _tree(ctx: Context):
+    from pipeline.policy.trees import TreeSchedule
+
+    ctx.fixed_block_size  # a configured fixed B the drafter cannot draft fails here, named
+    b = verify_width_block_size(ctx.options, ctx.decoder, ctx.block_size)
+    ctx.decoder.check_block_size(b)
+    options = {"skip_drafts": bool(ctx.option("verify_width", "skip_drafts", True)),
+               "max_skip": int(ctx.option("verify_width", "max_skip", 8)),
+               "objective": str(ctx.option("verify_width", "objective", "rate")),
+               "top_k": int(ctx.option("tree", "top_k", 4)), "max_nodes": tree_max_nodes(ctx.options, ctx.decoder)}
+    calibration, latency = ctx.inputs.calibration, ctx.inputs.latency
+    TreeSchedule(calibration, latency, b, **options)  # raises for B < 2 or a bad option
+    return lambda: TreeSchedule(calibration, latency, b, **options)
+
+
+def tree_max_nodes(options: Mapping, decoder) -> int:
+    """The most nodes of a ``tree`` step: ``policy.tree.max_nodes``, else as many as the drafter's widest block verifies
+    (its ``max_block_size`` - 1), within the rows one native call takes (``SMALLM_MAX_ROWS`` - 1)."""
+    from pipeline.models.backend import SMALLM_MAX_ROWS
+
+    widest = int(decoder.drafter.max_block_size) if getattr(decoder, "drafter", None) is not None else 2
+    value = (options.get("tree") or {}).get("max_nodes")
+    return int(value) if value is not None else max(1, min(widest, SMALLM_MAX_ROWS) - 1)
+
+
 def _budget(ctx: Context):
     from pipeline.decoding import FixedSchedule
     from pipeline.policy.budget import BudgetPolicy
@@ -357,6 +384,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("verify_width", frozenset({CALIBRATION, COSTS}), _verify_width(False), gain_share=False),
     Method("hybrid", frozenset({PREDICTOR, CALIBRATION, COSTS}), _verify_width(True), predictor="blockpilot",
            gain_share=False, label_split=True),
+    Method("tree", frozenset({CALIBRATION, COSTS}), _tree, gain_share=False,
+           servable="the server's batched decoder runs chains; trees run one request at a time (eval, bench_step)"),
     Method("budget", frozenset({CALIBRATION, BATCH_COSTS}), _budget, gain_share=False, batched=True),
     Method("hf_generate", frozenset(), _hf(False), gain_share=False, servable=_EVAL_ONLY_HF),
     Method("hf_prompt_lookup", frozenset(), _hf(True), gain_share=False, servable=_EVAL_ONLY_HF),

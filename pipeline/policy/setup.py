@@ -69,8 +69,10 @@ def drafted_block_size(cfg, decoder, src: Sources) -> int:
 
 
 def widths(cfg, decoder, src: Sources) -> list[int]:
-    """The widths a stage's batch-1 cost model covers: the candidates and the B ``verify_width`` drafts."""
-    return [*[int(c) for c in cfg.model.candidates], drafted_block_size(cfg, decoder, src)]
+    """The widths a stage's batch-1 cost model covers: the candidates, the B ``verify_width`` drafts and a ``tree``
+    step's widest verify (``registry.tree_max_nodes`` + 1 rows)."""
+    tree_rows = registry.tree_max_nodes(policy_options(cfg), decoder) + 1 if decoder is not None else 0
+    return [*[int(c) for c in cfg.model.candidates], drafted_block_size(cfg, decoder, src), tree_rows]
 
 
 def load_inputs(cfg, decoder, methods, src: Sources, inputs: registry.PolicyInputs | None = None) -> registry.PolicyInputs:

@@ -40,7 +40,23 @@ def best_width(a: torch.Tensor, draft_ms: float, verify_ms: Sequence[float], rat
     Raises:
         ValueError: when ``verify_ms`` does not have len(a)+1 values.
     """
-    expected = expected_tokens(a)
+    a = torch.as_tensor(a, dtype=torch.float64).reshape(-1)
+    return best_count(torch.cumprod(a, 0), draft_ms, verify_ms, rate)
+
+
+def best_count(gains: torch.Tensor, draft_ms: float, verify_ms: Sequence[float], rate: float | None = None
+               ) -> tuple[int, float]:
+    """``best_width`` over any ordered drafts: verifying the first n of them yields ``1 + sum(gains[:n])`` tokens on
+    average (a chain's gains are the running products of its acceptances; a draft tree's, its nodes' path acceptances in
+    best-first order, ``pipeline.policy.trees``) and costs ``draft_ms + verify_ms[n]``.
+
+    Returns:
+        (n in 0..len(gains), the step's expected tokens per ms at n).
+    Raises:
+        ValueError: when ``verify_ms`` does not have len(gains)+1 values.
+    """
+    gains = torch.as_tensor(gains, dtype=torch.float64).reshape(-1)
+    expected = torch.cat([torch.ones(1, dtype=torch.float64), 1 + torch.cumsum(gains, 0)])
     if len(verify_ms) != len(expected):
         raise ValueError(f"need {len(expected)} verify costs (k = 0..{len(expected) - 1}), got {len(verify_ms)}")
     cost = float(draft_ms) + torch.as_tensor(verify_ms, dtype=torch.float64)

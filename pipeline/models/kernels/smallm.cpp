@@ -616,12 +616,22 @@ inline float softmax_numerators(float* __restrict scores, int64_t n) {
   return sum;
 }
 
+// Which cache slot a row's t-th visible key sits in: slots 0..ctx-1 in order, then tail[t - ctx] (a draft tree's
+// ancestors, root first, then the row itself). A chain or causal row reads tail = nullptr and ctx = n: every key in
+// order. A tree row reads the same keys, in the same order, as the causal row of the same path: the same bits.
+struct KeySlots {
+  int64_t ctx;
+  const int64_t* tail;
+  inline int64_t operator()(int64_t t) const { return t < ctx ? t : tail[t - ctx]; }
+};
+
 // One query row of one head: out[D] = softmax(scale * q . K[0..n)) @ V[0..n).
 void attend_row(const float* __restrict q, const float* __restrict k, int64_t ks, const float* __restrict v,
-                int64_t vs, int64_t n, int64_t D, float scale, float* __restrict scores, float* __restrict out) {
+                int64_t vs, int64_t n, int64_t D, float scale, float* __restrict scores, float* __restrict out,
+                KeySlots slot) {
   const int64_t lanes = D / 8 * 8;
   for (int64_t t = 0; t < n; ++t) {
-    const float* kt = k + t * ks;
+    const float* kt = k + slot(t) * ks;
     __m256 acc = _mm256_setzero_ps();
     for (int64_t d = 0; d < lanes; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kt + d), acc);
     float s = hsum8(acc);
@@ -631,7 +641,7 @@ void attend_row(const float* __restrict q, const float* __restrict k, int64_t ks
   const float sum = softmax_numerators(scores, n);
   for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
   for (int64_t t = 0; t < n; ++t) {
-    const float* vt = v + t * vs;
+    const float* vt = v + slot(t) * vs;
     const __m256 p = _mm256_set1_ps(scores[t]);
     for (int64_t d = 0; d < lanes; d += 8)
       _mm256_storeu_ps(out + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + d), _mm256_loadu_ps(out + d)));
@@ -646,20 +656,24 @@ void attend_row(const float* __restrict q, const float* __restrict k, int64_t ks
 // the output kept in registers across the keys (each lane one FMA chain over t): the same bits.
 template <int NV>
 void attend_row_fixed(const float* __restrict q, const float* __restrict k, int64_t ks, const float* __restrict v,
-                      int64_t vs, int64_t n, float scale, float* __restrict scores, float* __restrict out) {
+                      int64_t vs, int64_t n, float scale, float* __restrict scores, float* __restrict out,
+                      KeySlots slot) {
   __m256 qv[NV];
 #pragma GCC unroll 16
   for (int j = 0; j < NV; ++j) qv[j] = _mm256_loadu_ps(q + 8 * j);
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) {
-    const float* k0 = k + t * ks;
+    const float* k0 = k + slot(t) * ks;
+    const float* k1 = k + slot(t + 1) * ks;
+    const float* k2 = k + slot(t + 2) * ks;
+    const float* k3 = k + slot(t + 3) * ks;
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
 #pragma GCC unroll 16
     for (int j = 0; j < NV; ++j) {
       a0 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + 8 * j), a0);
-      a1 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + ks + 8 * j), a1);
-      a2 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + 2 * ks + 8 * j), a2);
-      a3 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + 3 * ks + 8 * j), a3);
+      a1 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k1 + 8 * j), a1);
+      a2 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k2 + 8 * j), a2);
+      a3 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k3 + 8 * j), a3);
     }
     // the four sums at once, each in hsum8's order ((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7))
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -667,7 +681,7 @@ void attend_row_fixed(const float* __restrict q, const float* __restrict k, int6
     _mm_storeu_ps(scores + t, _mm_mul_ps(s4, _mm_set1_ps(scale)));
   }
   for (; t < n; ++t) {
-    const float* kt = k + t * ks;
+    const float* kt = k + slot(t) * ks;
     __m256 acc = _mm256_setzero_ps();
 #pragma GCC unroll 16
     for (int j = 0; j < NV; ++j) acc = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(kt + 8 * j), acc);
@@ -678,7 +692,7 @@ void attend_row_fixed(const float* __restrict q, const float* __restrict k, int6
 #pragma GCC unroll 16
   for (int j = 0; j < NV; ++j) o[j] = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
-    const float* vt = v + i * vs;
+    const float* vt = v + slot(i) * vs;
     const __m256 p = _mm256_set1_ps(scores[i]);
 #pragma GCC unroll 16
     for (int j = 0; j < NV; ++j) o[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * j), o[j]);
@@ -692,10 +706,13 @@ void attend_row_fixed(const float* __restrict q, const float* __restrict k, int6
 }  // namespace
 
 // causal = false: every row of request i sees all lengths[i] keys (the drafter's full attention over its context and
-// block); the rest is the same computation.
+// block); the rest is the same computation. parents (empty, or one per row; causal only): a draft tree's rows, each
+// row's parent as an index among its request's rows (-1: none, the row after the cached context); such a row sees the
+// cached context, its ancestors root first and itself, in that order (the keys the causal row of its path sees).
 torch::Tensor attend_rows(torch::Tensor q, c10::optional<torch::Tensor> k_new, c10::optional<torch::Tensor> v_new,
                           std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, std::vector<int64_t> rows,
-                          std::vector<int64_t> lengths, double scale, bool causal) {
+                          std::vector<int64_t> lengths, double scale, bool causal,
+                          const std::vector<int64_t>& parents = {}) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "attend: q must be float32 [R, Hq, D]");
   const int64_t N = static_cast<int64_t>(rows.size());
   TORCH_CHECK(static_cast<int64_t>(keys.size()) == N && static_cast<int64_t>(values.size()) == N &&
@@ -718,6 +735,21 @@ torch::Tensor attend_rows(torch::Tensor q, c10::optional<torch::Tensor> k_new, c
   TORCH_CHECK(first[N] == R, "attend: rows do not add up to q's rows");
   for (int64_t i = 0; i < N; ++i)
     for (int64_t r = first[i]; r < first[i + 1]; ++r) req_of[r] = i;
+  // a tree row's visible new rows (slots), root first: path[path0[r] .. path0[r + 1])
+  const bool tree = !parents.empty();
+  std::vector<int64_t> path, path0(R + 1, 0);
+  if (tree) {
+    TORCH_CHECK(causal && static_cast<int64_t>(parents.size()) == R, "attend: one parent per row (causal rows only)");
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t i = req_of[r], base = lengths[i] - rows[i], at = static_cast<int64_t>(path.size());
+      for (int64_t a = r - first[i]; a >= 0; a = parents[first[i] + a]) {
+        TORCH_CHECK(parents[first[i] + a] < a, "attend: a row's parent must come before it in its request");
+        path.push_back(base + a);
+      }
+      std::reverse(path.begin() + at, path.end());
+      path0[r + 1] = static_cast<int64_t>(path.size());
+    }
+  }
   if (append) {  // request i's new rows' keys/values go to positions lengths[i] - rows[i] .. lengths[i] - 1
     TORCH_CHECK(v_new.has_value() && v_new->defined(), "attend: k_new without v_new");
     const auto& kn = *k_new;
@@ -749,15 +781,17 @@ torch::Tensor attend_rows(torch::Tensor q, c10::optional<torch::Tensor> k_new, c
       const auto& k = keys[i];
       const auto& v = values[i];
       const int64_t group = Hq / k.size(0), kh = h / group;
-      const int64_t n = causal ? lengths[i] - rows[i] + (r - first[i]) + 1 : lengths[i];
+      const int64_t base = lengths[i] - rows[i];
+      const int64_t n = tree ? base + path0[r + 1] - path0[r] : causal ? base + (r - first[i]) + 1 : lengths[i];
+      const KeySlots slot{tree ? base : n, tree ? path.data() + path0[r] : nullptr};
       if (static_cast<int64_t>(scores.size()) < n) scores.resize(n);
       const float* qr = qp + (r * Hq + h) * D;
       const float* kp = k.data_ptr<float>() + kh * k.stride(0);
       const float* vp = v.data_ptr<float>() + kh * v.stride(0);
       float* orow = op + r * Hq * D + h * D;
-      if (D == 64) attend_row_fixed<8>(qr, kp, k.stride(1), vp, v.stride(1), n, sc, scores.data(), orow);
-      else if (D == 128) attend_row_fixed<16>(qr, kp, k.stride(1), vp, v.stride(1), n, sc, scores.data(), orow);
-      else attend_row(qr, kp, k.stride(1), vp, v.stride(1), n, D, sc, scores.data(), orow);
+      if (D == 64) attend_row_fixed<8>(qr, kp, k.stride(1), vp, v.stride(1), n, sc, scores.data(), orow, slot);
+      else if (D == 128) attend_row_fixed<16>(qr, kp, k.stride(1), vp, v.stride(1), n, sc, scores.data(), orow, slot);
+      else attend_row(qr, kp, k.stride(1), vp, v.stride(1), n, D, sc, scores.data(), orow, slot);
     }
   });
   return out;
@@ -765,8 +799,8 @@ torch::Tensor attend_rows(torch::Tensor q, c10::optional<torch::Tensor> k_new, c
 
 torch::Tensor attend(torch::Tensor q, c10::optional<torch::Tensor> k_new, c10::optional<torch::Tensor> v_new,
                      std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values, std::vector<int64_t> rows,
-                     std::vector<int64_t> lengths, double scale) {
-  return attend_rows(q, k_new, v_new, keys, values, rows, lengths, scale, true);
+                     std::vector<int64_t> lengths, double scale, std::vector<int64_t> parents) {
+  return attend_rows(q, k_new, v_new, keys, values, rows, lengths, scale, true, parents);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -1012,11 +1046,12 @@ class Stack {
   // h [R, H] float32 (the embedded rows of N requests, request i's rows[i] consecutive); cos, sin [R, D]; keys,
   // values: request-major, keys[i * L + l] request i's layer-l key buffer [Hkv, C, D] (the append goes to positions
   // lengths[i] - rows[i] .. lengths[i] - 1); taps: indices into transformers' hidden_states (0: the embedding, l: layer
-  // l's output, L: the final norm's). Returns (the final normed states [R, H], the taps side by side [R, T * H]).
+  // l's output, L: the final norm's); parents: empty (causal rows) or a draft tree's parent of each row among its
+  // request's rows (attend_rows). Returns (the final normed states [R, H], the taps side by side [R, T * H]).
   std::vector<torch::Tensor> forward(torch::Tensor h_in, torch::Tensor cos, torch::Tensor sin,
                                      std::vector<torch::Tensor> keys, std::vector<torch::Tensor> values,
                                      std::vector<int64_t> rows, std::vector<int64_t> lengths,
-                                     std::vector<int64_t> taps) {
+                                     std::vector<int64_t> taps, std::vector<int64_t> parents) {
     const int64_t L = num_layers(), N = static_cast<int64_t>(rows.size());
     TORCH_CHECK(h_in.dim() == 2 && h_in.size(1) == H && h_in.scalar_type() == torch::kFloat32, "Stack: h must be float32 [R, H]");
     TORCH_CHECK(static_cast<int64_t>(keys.size()) == N * L && static_cast<int64_t>(values.size()) == N * L,
@@ -1072,7 +1107,7 @@ class Stack {
         lk[i] = keys[i * L + li];
         lv[i] = values[i * L + li];
       }
-      auto att = attend(q, k_new, v_new, lk, lv, rows, lengths, scale_);
+      auto att = attend_rows(q, k_new, v_new, lk, lv, rows, lengths, scale_, true, parents);
       apply(l.o, att.data_ptr<float>(), R, yp);
       for (int64_t e = 0; e < R * H; ++e) hp[e] = hp[e] + yp[e];
       const float* w_post = l.post_norm.data_ptr<float>();
@@ -1239,7 +1274,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack W [N, K] into [ceil(N/16), K, 16] panels");
   m.def("linear", &linear, "y = x @ W^T (+ bias) from packed panels");
   m.def("linear_exact", &linear_exact, "y = x @ W^T (+ bias) from bf16 / q8 / q4 panels expanded exactly");
-  m.def("attend", &attend, "causal attention of many requests' rows over their own caches, each row bit-identical alone or batched");
+  m.def("attend", &attend, "causal attention of many requests' rows over their own caches, each row bit-identical alone or batched",
+        pybind11::arg("q"), pybind11::arg("k_new"), pybind11::arg("v_new"), pybind11::arg("keys"), pybind11::arg("values"),
+        pybind11::arg("rows"), pybind11::arg("lengths"), pybind11::arg("scale"),
+        pybind11::arg("parents") = std::vector<int64_t>{});
   m.def("unpack_exact", &unpack_exact, "the float32 weight that linear_exact computes with");
 #ifdef __AVX512F__
   m.def("linear_q4_int8", &linear_q4_int8, "q4 weights (VNNI layout) x int8 activations (AVX-512 VNNI)");

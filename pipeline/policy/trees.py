@@ -1,0 +1,83 @@
+"""Draft trees sized by this machine's cost curve (method ``tree``): verify the drafter's best branches that pay.
+
+Each drafted step the decoder hands over the drafter's top ``top_k`` candidates at each of the block's B-1 positions and
+its probability of each (``SpeculativeDecoder.draft_candidates``). ``TreeSchedule.choose_tree``:
+
+1. estimates each candidate's conditional acceptance (the probability that the target's token at that position is
+   this candidate, given that its parent was accepted) with the drafts' calibration (``pipeline.policy.calibration``:
+   the drafter's probability and the position's column; the same model the chain's verify width reads), capped so that
+   one position's candidates share at most probability 1 (``pipeline.decoding.trees.depth_exclusive``);
+2. grows the best-first tree of up to ``max_nodes`` nodes (``pipeline.decoding.trees.grow``): its first n nodes are
+   the n-node subtree with the most expected accepted tokens, ``1 + sum of their path acceptances``;
+3. keeps the n that maximises expected tokens per ms, ``(1 + sum_{i<=n} v_i) / (draft_ms(B) + verify_ms(n + 1))`` on the
+   measured step costs (``pipeline.costs.CostModel``): the CaDDTree objective (arXiv 2606.01813) on our calibration
+   and cost model, chosen by the same rule as the chain's verify width (``pipeline.policy.widths.best_count``).
+
+The chain is the special case of rank-0 nodes only and no drafting is n = 0, so a tree is never priced worse than the
+chain it contains: for every n the best-first subtree holds at least the chain's expected tokens. The skip rule (skip
+the drafter for 1, 2, 4, ... steps after a draft that did not pay) is ``verify_width``'s (``VerifyWidthSchedule``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.costs import CostModel
+from pipeline.decoding.trees import DraftTree, depth_exclusive, grow
+from pipeline.policy.calibration import AcceptanceCalibration
+from pipeline.policy.verify_width import VerifyWidthSchedule
+from pipeline.policy.widths import best_count
+
+
+class TreeSchedule(VerifyWidthSchedule):
+    """Drafts at block size B, verifies the draft tree that maximises expected tokens per ms (module docstring).
+
+    Args:
+        calibration, costs, block_size, predictor, skip_drafts, max_skip, objective: as ``VerifyWidthSchedule``.
+        top_k: candidates drafted at each position (the tree's widest branching).
+        max_nodes: the most nodes a tree may have (its verify is max_nodes + 1 rows).
+    Attributes:
+        shapes: the chosen trees' nodes per depth, one list per drafted step.
+    Raises:
+        ValueError: as ``VerifyWidthSchedule``, or for top_k < 1 or max_nodes < 1.
+    """
+
+    chooses_widths = False
+    chooses_trees = True
+
+    def __init__(self, calibration: AcceptanceCalibration, costs: CostModel, block_size: int, predictor=None,
+                 skip_drafts: bool = True, max_skip: int = 8, objective: str = "rate", top_k: int = 4,
+                 max_nodes: int = 15):
+        super().__init__(calibration, costs, block_size, predictor, skip_drafts, max_skip, objective)
+        if int(top_k) < 1 or int(max_nodes) < 1:
+            raise ValueError(f"a draft tree needs top_k >= 1 and max_nodes >= 1, got top_k={top_k}, max_nodes={max_nodes}")
+        self.top_k, self.max_nodes = int(top_k), int(max_nodes)
+        self._verify: dict[int, list[float]] = {}
+
+    def verify_costs(self, context: int) -> list[float]:
+        """[verify_ms of n + 1 rows for n = 0..max_nodes] at a context length (ms; cached per 16 tokens)."""
+        key = int(context) // 16
+        if key not in self._verify:
+            length = key * 16 + 8
+            self._verify[key] = [self.cost_model.verify_ms(q, length) for q in range(1, self.max_nodes + 2)]
+        return self._verify[key]
+
+    def acceptance(self, probs: torch.Tensor) -> torch.Tensor:
+        """[D, K] conditional acceptance estimates of the candidates whose drafter probabilities are ``probs`` [D, K]."""
+        depth, k = probs.shape
+        columns = torch.arange(1, depth + 1).repeat_interleave(k)
+        a = self.calibration.predict(probs.reshape(-1), columns).reshape(depth, k)
+        return depth_exclusive(a)
+
+    def choose_tree(self, tokens: torch.Tensor, probs: torch.Tensor, start: int) -> DraftTree:
+        b = tokens.shape[0] + 1
+        full = grow(tokens, self.acceptance(probs), self.max_nodes)
+        draft_ms = self.costs(b, start)[0]
+        verify_ms = self.verify_costs(start)[: len(full) + 1]
+        running = None
+        if self.objective == "marginal":
+            running = (self._tokens + 2.0) / (self._ms + 2.0 * verify_ms[0])
+        n, per_ms = best_count(torch.tensor(full.values, dtype=torch.float64), draft_ms, verify_ms, running)
+        self._paid = per_ms > 1.0 / max(verify_ms[0], 1e-9)
+        self._step_ms, self._plain_ms = draft_ms + verify_ms[n], verify_ms[0]
+        return full.prefix(n)
