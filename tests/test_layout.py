@@ -211,3 +211,17 @@ def test_the_cost_model_sits_at_the_bottom_layer():
                              "sys.modules if m.split('.')[0] in ('pipeline', 'torch', 'transformers', 'numpy'))))"],
                             cwd=PROJECT_ROOT, capture_output=True, text=True, check=True).stdout.split()
     assert loaded and all(m == "pipeline" or m.startswith("pipeline.costs") for m in loaded), loaded
+
+
+def test_config_checks_import_no_torch_or_lightning():
+    """Every stage's configuration check runs before any model loads, so a bad value fails in a second: the checks
+    (``pipeline.config_checks`` and every ``checks`` module) import neither torch, Lightning nor transformers."""
+    modules = ["pipeline.config_checks"] + sorted(
+        "pipeline." + ".".join(p.relative_to(PROJECT_ROOT / "pipeline").with_suffix("").parts)
+        for p in (PROJECT_ROOT / "pipeline").rglob("checks.py"))
+    code = ("import importlib, sys\n"
+            f"for m in {modules!r}: importlib.import_module(m)\n"
+            "print(sorted(m for m in ('torch', 'lightning', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PROJECT_ROOT, check=True)
+    assert len(modules) >= 6
+    assert out.stdout.strip() == "[]", f"a config check imports {out.stdout.strip()}"

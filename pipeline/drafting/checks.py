@@ -4,6 +4,23 @@ from __future__ import annotations
 
 from pipeline.decoding.checks import check_common, check_temperature, is_int
 
+LOSS_TERMS = ("ce", "tv", "kl")
+
+
+def check_loss(loss: dict | None) -> dict[str, float]:
+    """The loss weights ``{"ce", "tv", "kl"}`` (missing terms 0; None is hard CE alone).
+
+    Raises:
+        ValueError: an unknown term, a negative weight, or all weights 0.
+    """
+    weights = {"ce": 1.0, "tv": 0.0, "kl": 0.0} if loss is None else {k: 0.0 for k in LOSS_TERMS} | dict(loss)
+    unknown = set(weights) - set(LOSS_TERMS)
+    if unknown:
+        raise ValueError(f"draft.loss has unknown terms {sorted(unknown)}: use ce, tv and kl, e.g. {{ce: 0.1, tv: 0.9}}")
+    if any(float(v) < 0 for v in weights.values()) or not any(float(v) > 0 for v in weights.values()):
+        raise ValueError(f"draft.loss={dict(weights)}: weights must be >= 0 with at least one > 0, e.g. {{ce: 1.0}}")
+    return {k: float(v) for k, v in weights.items()}
+
 
 def check_draft_config(cfg) -> None:
     """Check the composed ``conf/draft.yaml``: the shared groups (``pipeline.decoding.checks.check_common``,
@@ -17,8 +34,6 @@ def check_draft_config(cfg) -> None:
     if cfg.get("draft") is None:
         return
     from omegaconf import OmegaConf
-
-    from pipeline.drafting.module import check_loss
 
     draft = cfg.draft
     loss = draft.get("loss")

@@ -20,26 +20,9 @@ import lightning as L
 import torch
 from torch.nn import functional as F
 
+from pipeline.drafting.checks import check_loss
 from pipeline.drafting.data import block_inputs
 from pipeline.models.drafter import DFlashDrafter, lm_head_logits, loss_weights
-
-
-LOSS_TERMS = ("ce", "tv", "kl")
-
-
-def check_loss(loss: dict | None) -> dict[str, float]:
-    """The loss weights ``{"ce", "tv", "kl"}`` (missing terms 0; None is hard CE alone).
-
-    Raises:
-        ValueError: an unknown term, a negative weight, or all weights 0.
-    """
-    weights = {"ce": 1.0, "tv": 0.0, "kl": 0.0} if loss is None else {k: 0.0 for k in LOSS_TERMS} | dict(loss)
-    unknown = set(weights) - set(LOSS_TERMS)
-    if unknown:
-        raise ValueError(f"draft.loss has unknown terms {sorted(unknown)}: use ce, tv and kl, e.g. {{ce: 0.1, tv: 0.9}}")
-    if any(float(v) < 0 for v in weights.values()) or not any(float(v) > 0 for v in weights.values()):
-        raise ValueError(f"draft.loss={dict(weights)}: weights must be >= 0 with at least one > 0, e.g. {{ce: 1.0}}")
-    return {k: float(v) for k, v in weights.items()}
 
 
 def distillation_terms(logits: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

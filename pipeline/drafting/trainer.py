@@ -29,7 +29,8 @@ from pipeline import PROJECT_ROOT
 from pipeline.drafting.corpus import build_corpus_cache
 from pipeline.drafting.data import AnchorDataset, collate, load_sequences
 from pipeline.drafting.model_card import hardware, write_model_card
-from pipeline.drafting.module import DrafterModule, check_loss, init_from_target_layers
+from pipeline.drafting.checks import check_loss
+from pipeline.drafting.module import DrafterModule, init_from_target_layers
 from pipeline.drafting.responses import build_response_cache, generation_seconds
 from pipeline.drafting.sources import training_prompts
 from pipeline.models.drafter import DFlashDrafter, make_drafter_config, num_parameters

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pipeline.decoding.checks import check_block_sizes, check_common
 
+MODES = ("replay", "brute")  # label.mode: ``pipeline.labeling.oracle`` (replay) or ``pipeline.labeling.brute``
+LM_HEAD_MODES = ("auto", "lazy", "full")  # label.lm_head: how a replay scores drafts (``pipeline.labeling.replay``)
+
 
 def check_label_config(cfg) -> None:
     """Check the composed ``conf/label.yaml`` (also the label settings of ``bench_label``): the shared groups
@@ -13,9 +16,6 @@ def check_label_config(cfg) -> None:
     Raises:
         ValueError: for the first bad value, naming the key and the fix.
     """
-    from pipeline.labeling.oracle import MODES
-    from pipeline.labeling.replay import LM_HEAD_MODES
-
     check_common(cfg, loads_model=True)
     label = cfg.label
     check_block_sizes(label.get("block_sizes"), "label.block_sizes")

@@ -21,9 +21,9 @@ import torch
 from pipeline.costs import CostModel, steps_of
 from pipeline.decoding.speculative import DecodeConfig, SpeculativeDecoder
 from pipeline.labeling.brute import brute_force, reseed
-from pipeline.labeling.replay import LM_HEAD_MODES, replay, target_trace
+from pipeline.labeling.checks import LM_HEAD_MODES, MODES  # noqa: F401  (the label settings' names, re-exported)
+from pipeline.labeling.replay import replay, target_trace
 
-MODES = ("replay", "brute")
 
 
 def pick_label(candidates: Sequence[int], values: Sequence[float]) -> int:

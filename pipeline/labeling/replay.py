@@ -34,10 +34,10 @@ import torch
 
 from pipeline.decoding.sampling import PositionKeyedSampler, draft_confidence
 from pipeline.decoding.speculative import DecodeConfig, PrefillResult, SpeculativeDecoder
+from pipeline.labeling.checks import LM_HEAD_MODES
 from pipeline.models.clock import now
 from pipeline.models.drafter import DFlashDrafter, lm_head_logits
 
-LM_HEAD_MODES = ("auto", "lazy", "full")
 
 
 def pick_scores(sampler: PositionKeyedSampler, logits: torch.Tensor, positions: list[int],

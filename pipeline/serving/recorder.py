@@ -26,7 +26,8 @@ import torch
 from pipeline.costs import CostModel
 from pipeline.decoding.speculative import DecodeConfig, PrefillResult, SpeculativeDecoder
 from pipeline.labeling.oracle import check_candidates, distribution_features, pick_label
-from pipeline.labeling.replay import LM_HEAD_MODES, replay, trace_from_output
+from pipeline.labeling.checks import LM_HEAD_MODES
+from pipeline.labeling.replay import replay, trace_from_output
 from pipeline.labeling.store import LabelStore
 
 log = logging.getLogger(__name__)
