@@ -118,7 +118,7 @@ def test_oracle_gain_share_and_per_set_blocks(results):
     assert gain > 0.05  # the fixture's prompts gain from B != 8, so the share is defined
     for m in methods:
         share, ci = methods[m]["oracle_gain_share"], methods[m]["oracle_gain_share_ci"]
-        if m in ("ar", "verify_width", "hybrid", "hf_generate", "hf_prompt_lookup"):  # no per-request B: no tau-based share
+        if m in ("ar", "verify_width", "hybrid", "tree", "hf_generate", "hf_prompt_lookup"):  # no per-request B: no share
             assert share is None and ci == [None, None]
             continue
         assert share == pytest.approx((tau[m] - tau["fixed"]) / gain)

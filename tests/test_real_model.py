@@ -12,10 +12,13 @@ import torch
 
 from conftest import require
 from pipeline import PROJECT_ROOT
+from pipeline.costs import CostModel
 from pipeline.decoding import DecodeConfig
 from pipeline.models.backend import module_backend, set_backend
 from pipeline.decoding.build import build_decoder
 from pipeline.models.target import load_target
+from pipeline.policy.calibration import load_calibration
+from pipeline.policy.trees import TreeSchedule
 from pipeline.prompts import chat_input_ids, load_prompt_set
 
 pytestmark = pytest.mark.slow
@@ -47,15 +50,24 @@ def test_shipped_drafter_is_lossless_on_humaneval(smollm2, compose_config):
     assert decoder.backend == "smallm" and module_backend(decoder.target.model) == "smallm"
     config = DecodeConfig(max_new_tokens=32)
     taus, outputs = [], {}
+    # draft trees on the real target: the shipped calibration, every row priced the same (trees of up to 8 nodes grow)
+    costs = CostModel([64, 512], list(range(1, 17)), {q: [10.0, 10.0] for q in range(1, 17)},
+                      {q: [1.0, 1.0] for q in range(2, 17)}, [100.0, 400.0])
+    calibration = load_calibration(SHIPPED_DRAFTER / "calibration.json")
+    nodes = 0
     for prompt in load_prompt_set("humaneval", limit=3):
         ids = chat_input_ids(decoder.target.tokenizer, prompt.turns)
         ar = decoder.generate(ids, 1, config)
         speculative = decoder.generate(ids, decoder.drafter.block_size, config)
         assert speculative.output_ids == ar.output_ids, f"B=8 diverges from ar on {prompt.id}"
+        tree = decoder.generate(ids, TreeSchedule(calibration, costs, 8, skip_drafts=False, max_nodes=8), config)
+        assert tree.output_ids == ar.output_ids, f"a draft tree diverges from ar on {prompt.id}"
+        nodes += sum(len(t) for t, _ in tree.trees)
         assert ar.new_tokens == 32 and not ar.stopped  # HumanEval answers run past 32 tokens
         taus.append(speculative.tau)
         outputs[prompt.id] = (ids, ar.output_ids)
     assert sum(taus) / len(taus) > 1.0, taus  # the trained drafter gets drafts accepted
+    assert nodes > 20  # trees really ran
     # the independent reference: transformers' own greedy generate on its own (eager) path
     model = set_backend(decoder.target.model, "eager")
     for prompt_id, (ids, ours) in outputs.items():

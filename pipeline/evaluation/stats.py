@@ -13,9 +13,9 @@ import numpy as np
 
 from pipeline.decoding.trees import tree_summary
 
-GAIN_METHODS = ("verify_width", "hybrid")
+GAIN_METHODS = ("verify_width", "hybrid", "tree")
 """Per-step methods whose tokens/s gain over ``GAIN_BASES`` is reported, paired by prompt."""
-GAIN_BASES = ("fixed", "best_fixed", "ar")
+GAIN_BASES = ("fixed", "best_fixed", "ar", "verify_width")
 
 
 def bootstrap_interval(statistic: Callable[[np.ndarray], np.ndarray], n: int, samples: int = 1000, seed: int = 0,
@@ -158,7 +158,7 @@ def speed_gains(results: dict, source_set: str | None = None) -> dict[str, dict[
         if method not in block:
             continue
         for base in GAIN_BASES:
-            if base not in block or not block[base].get("tokens_per_s"):
+            if base == method or base not in block or not block[base].get("tokens_per_s"):
                 continue
             lo, hi = speed_intervals(results, method, source_set, base=base)["speedup"]
             out.setdefault(method, {})[base] = {

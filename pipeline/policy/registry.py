@@ -385,7 +385,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("hybrid", frozenset({PREDICTOR, CALIBRATION, COSTS}), _verify_width(True), predictor="blockpilot",
            gain_share=False, label_split=True),
     Method("tree", frozenset({CALIBRATION, COSTS}), _tree, gain_share=False,
-           servable="the server's batched decoder runs chains; trees run one request at a time (eval, bench_step)"),
+           servable="the batched decoder (server, bench_batch) verifies chains; trees run one request at a time: compare them in the eval stage"),
     Method("budget", frozenset({CALIBRATION, BATCH_COSTS}), _budget, gain_share=False, batched=True),
     Method("hf_generate", frozenset(), _hf(False), gain_share=False, servable=_EVAL_ONLY_HF),
     Method("hf_prompt_lookup", frozenset(), _hf(True), gain_share=False, servable=_EVAL_ONLY_HF),
