@@ -26,21 +26,13 @@ import time
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 PY = ROOT / ".venv" / "bin" / "python"
 
-
-def scrape(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
+from pipeline.serving.metrics import scrape  # noqa: E402
 
 
 def write_sample(source: Path, per_category: int, out: Path) -> tuple[Path, list[str]]:

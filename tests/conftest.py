@@ -152,6 +152,17 @@ def arch(request) -> str:
     return request.param
 
 
+@pytest.fixture
+def smallm_decoder(tiny, arch):
+    """A decoder on the smallm kernel over the tiny target of ``arch`` and a random drafter (both back on eager after)."""
+    from pipeline.models.backend import set_backend
+
+    decoder = SpeculativeDecoder(tiny.target(arch), tiny.drafter(arch, "random"), backend="smallm")
+    yield decoder
+    set_backend(tiny.target(arch).model, "eager")
+    set_backend(tiny.drafter(arch, "random"), "eager")
+
+
 @contextmanager
 def composed(config_name: str, overrides: list[str] | tuple[str, ...] = ()):
     """``hydra.compose`` of ``conf/<config_name>.yaml`` with ``overrides``, as a context manager."""

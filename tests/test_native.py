@@ -30,14 +30,6 @@ from pipeline.timing.limits import floor_ms
 needs_smallm = pytest.mark.skipif(not smallm_available(), reason="the smallm kernel does not build on this CPU")
 
 
-@pytest.fixture
-def smallm_decoder(tiny, arch):
-    decoder = SpeculativeDecoder(tiny.target(arch), tiny.drafter(arch, "random"), backend="smallm")
-    yield decoder
-    set_backend(tiny.target(arch).model, "eager")
-    set_backend(tiny.drafter(arch, "random"), "eager")
-
-
 def _context(decoder, length: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, decoder.lm_head.shape[0], (1, length), generator=g)

@@ -137,14 +137,6 @@ def _prefilled(dec, ids):
     return cache
 
 
-@pytest.fixture
-def smallm_decoder(tiny, arch):
-    decoder = SpeculativeDecoder(tiny.target(arch), tiny.drafter(arch, "random"), backend="smallm")
-    yield decoder
-    set_backend(tiny.target(arch).model, "eager")
-    set_backend(tiny.drafter(arch, "random"), "eager")
-
-
 def _tree_against_paths(dec, exact: bool, seed: int = 3):
     vocab = dec.lm_head.shape[0]
     g = torch.Generator().manual_seed(seed)

@@ -255,16 +255,26 @@ def _predictor(method: str):
     return build
 
 
+def _drafted_block_size(ctx: Context) -> int:
+    """The checked B that ``verify_width``, ``hybrid``, ``tree`` and ``budget`` draft."""
+    ctx.fixed_block_size  # a configured fixed B the drafter cannot draft fails here, named
+    b = verify_width_block_size(ctx.options, ctx.decoder, ctx.block_size)
+    ctx.decoder.check_block_size(b)
+    return b
+
+
+def _step_options(ctx: Context) -> dict:
+    """``policy.verify_width``'s per-step options, shared by every method that chooses what each step verifies."""
+    return {"skip_drafts": bool(ctx.option("verify_width", "skip_drafts", True)),
+            "max_skip": int(ctx.option("verify_width", "max_skip", 8)),
+            "objective": str(ctx.option("verify_width", "objective", "rate"))}
+
+
 def _verify_width(hybrid: bool):
     def build(ctx: Context):
         from pipeline.policy.verify_width import VerifyWidthSchedule
 
-        ctx.fixed_block_size  # a configured fixed B the drafter cannot draft fails here, named
-        b = verify_width_block_size(ctx.options, ctx.decoder, ctx.block_size)
-        ctx.decoder.check_block_size(b)
-        options = {"skip_drafts": bool(ctx.option("verify_width", "skip_drafts", True)),
-                   "max_skip": int(ctx.option("verify_width", "max_skip", 8)),
-                   "objective": str(ctx.option("verify_width", "objective", "rate"))}
+        b, options = _drafted_block_size(ctx), _step_options(ctx)
         calibration, latency = ctx.inputs.calibration, ctx.inputs.latency
         predictor = ctx.inputs.predictors["blockpilot"] if hybrid else None
         VerifyWidthSchedule(calibration, latency, b, predictor, **options)  # raises for B < 2 or a bad option
@@ -276,13 +286,9 @@ def _verify_width(hybrid: bool):
 def _tree(ctx: Context):
     from pipeline.policy.trees import TreeSchedule
 
-    ctx.fixed_block_size  # a configured fixed B the drafter cannot draft fails here, named
-    b = verify_width_block_size(ctx.options, ctx.decoder, ctx.block_size)
-    ctx.decoder.check_block_size(b)
-    options = {"skip_drafts": bool(ctx.option("verify_width", "skip_drafts", True)),
-               "max_skip": int(ctx.option("verify_width", "max_skip", 8)),
-               "objective": str(ctx.option("verify_width", "objective", "rate")),
-               "top_k": int(ctx.option("tree", "top_k", 4)), "max_nodes": tree_max_nodes(ctx.options, ctx.decoder)}
+    b = _drafted_block_size(ctx)
+    options = {**_step_options(ctx), "top_k": int(ctx.option("tree", "top_k", 4)),
+               "max_nodes": tree_max_nodes(ctx.options, ctx.decoder)}
     calibration, latency = ctx.inputs.calibration, ctx.inputs.latency
     TreeSchedule(calibration, latency, b, **options)  # raises for B < 2 or a bad option
     return lambda: TreeSchedule(calibration, latency, b, **options)
@@ -302,14 +308,12 @@ def _budget(ctx: Context):
     from pipeline.decoding import FixedSchedule
     from pipeline.policy.budget import BudgetPolicy
 
-    ctx.fixed_block_size  # a configured fixed B the drafter cannot draft fails here, named
-    b = verify_width_block_size(ctx.options, ctx.decoder, ctx.block_size)
-    ctx.decoder.check_block_size(b)
+    b = _drafted_block_size(ctx)
     if b < 2:
         raise ValueError(f"budget drafts blocks of B >= 2, got B={b}: set policy.verify_width.block_size (or the fixed B)")
-    policy = BudgetPolicy(ctx.inputs.calibration, ctx.inputs.batch_costs,
-                          skip_drafts=bool(ctx.option("verify_width", "skip_drafts", True)),
-                          max_skip=int(ctx.option("verify_width", "max_skip", 8)))
+    options = _step_options(ctx)
+    policy = BudgetPolicy(ctx.inputs.calibration, ctx.inputs.batch_costs, skip_drafts=options["skip_drafts"],
+                          max_skip=options["max_skip"])
     return JointWidths(lambda: FixedSchedule(b), policy)
 
 

@@ -145,3 +145,16 @@ class ServeMetrics:
         self.running.set(running)
         self.waiting.set(waiting)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def scrape(url: str) -> dict[str, float]:
+    """A server's ``GET <url>/metrics`` (ours or vLLM's) as ``{sample name: value summed over its labels}``, read with
+    prometheus-client's own parser: what benchmark scripts difference before and after a run."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
