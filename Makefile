@@ -132,9 +132,9 @@ aiperf: $(AIPERF_STAMP)
 # or `make serve-vllm`; this writes Spec-Bench in the layout its loader reads (data/bench/spec_bench_vllm.jsonl).
 SHARED_DATA ?= $(or $(BLOCKPILOT_SHARED_DATA),$(CURDIR)/../shared/data)
 bench-tools: $(STAMP) $(VLLM_STAMP) $(AIPERF_STAMP)
-	$(PY) -c 'import sys; from pipeline.prompts import write_spec_bench_for_vllm; print(write_spec_bench_for_vllm(*sys.argv[1:]))' \
+	$(PY) -c 'import sys; from pipeline.prompts import write_spec_bench_for; print(write_spec_bench_for(*sys.argv[1:]))' \
 	  "$(SHARED_DATA)/spec_bench.jsonl" data/bench/spec_bench_vllm.jsonl
-	$(PY) -c 'import sys; from pipeline.prompts import write_spec_bench_for_vllm; print(write_spec_bench_for_vllm(*sys.argv[1:]))' \
+	$(PY) -c 'import sys; from pipeline.prompts import write_spec_bench_for; print(write_spec_bench_for(*sys.argv[1:]))' \
 	  "$(SHARED_DATA)/spec_bench.jsonl" data/bench/spec_bench_aiperf.jsonl aiperf
 
 # vLLM's OpenAI-compatible server (conf/serve_vllm.yaml: 127.0.0.1:8000, dflash K=7, policy budget): the embedded

@@ -315,19 +315,19 @@ def load_prompt_set(source: str, name: str | None = None, limit: int | None = No
     return prompts[:limit] if limit else prompts
 
 
-def write_spec_bench_for_vllm(source: str | Path, out: str | Path, layout: str = "vllm") -> Path:
+def write_spec_bench_for(source: str | Path, out: str | Path, tool: str = "vllm") -> Path:
     """Spec-Bench in our layout (``{"id": "spec_bench-<question_id>-<category>", "turns", "source"}``) -> the layout a
-    benchmark tool reads, written atomically: ``vllm``, Spec-Bench's own ``question.jsonl`` that ``vllm bench serve
+    benchmark ``tool`` reads, written atomically: ``vllm``, Spec-Bench's own ``question.jsonl`` that ``vllm bench serve
     --dataset-name spec_bench`` reads (``question_id``, ``category``, ``turns``; its ``--spec-bench-category`` needs the
     category column); ``aiperf``, AIPerf's ``single_turn`` custom dataset (``{"text": first turn}``, one line a prompt,
     in Spec-Bench's order: ``aiperf profile --input-file ... --custom-dataset-type single_turn``).
 
     Raises:
         PromptSetUnavailable: when ``source`` is missing (names ``BLOCKPILOT_SHARED_DATA``).
-        ValueError: for another layout.
+        ValueError: for another tool.
     """
-    if layout not in ("vllm", "aiperf"):
-        raise ValueError(f"layout must be 'vllm' or 'aiperf', got {layout!r}")
+    if tool not in ("vllm", "aiperf"):
+        raise ValueError(f"tool must be 'vllm' or 'aiperf', got {tool!r}")
     source, out = Path(source), Path(out)
     if not source.is_file():
         raise PromptSetUnavailable(f"Spec-Bench not found at {source}: put spec_bench.jsonl in ../shared/data/ or set "
@@ -335,7 +335,7 @@ def write_spec_bench_for_vllm(source: str | Path, out: str | Path, layout: str =
     rows = []
     for p in jsonl_prompts(str(source), "spec_bench"):
         qid = str(p.id).split("-", 2)[1] if str(p.id).count("-") >= 2 else p.id
-        if layout == "aiperf":
+        if tool == "aiperf":
             rows.append({"text": p.turns[0]})
             continue
         rows.append({"question_id": int(qid) if str(qid).isdigit() else qid, "category": category_of(p.id),

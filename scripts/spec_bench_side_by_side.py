@@ -37,7 +37,7 @@ from pipeline.serving.metrics import scrape  # noqa: E402
 
 def write_sample(source: Path, per_category: int, out: Path) -> tuple[Path, list[str]]:
     """The first ``per_category`` prompts of every category (file order), in vLLM's Spec-Bench layout; their categories."""
-    from pipeline.prompts import category_of, write_spec_bench_for_vllm
+    from pipeline.prompts import category_of, write_spec_bench_for
 
     rows, seen = [], {}
     for line in source.read_text(encoding="utf-8").splitlines():
@@ -49,7 +49,7 @@ def write_sample(source: Path, per_category: int, out: Path) -> tuple[Path, list
     rows.sort(key=lambda r: category_of(r["id"]))  # stable: file order within a category
     ours = out / "spec_bench_sample_ours.jsonl"
     ours.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    return write_spec_bench_for_vllm(ours, out / "spec_bench_sample_vllm.jsonl"), [category_of(r["id"]) for r in rows]
+    return write_spec_bench_for(ours, out / "spec_bench_sample_vllm.jsonl"), [category_of(r["id"]) for r in rows]
 
 
 def start(config: str, port: int, log: Path) -> subprocess.Popen:

@@ -259,14 +259,14 @@ def test_vllm_bench_serves_own_reader_reads_our_speculative_counters(trained_dec
 @pytest.mark.skipif(not (VENV / "bin" / "python").exists(), reason="no .venv-vllm (make vllm)")
 def test_vllm_bench_serve_on_spec_bench_reports_our_acceptance(trained_decoder, tiny, tmp_path):
     """The field's tool end to end: ``vllm bench serve`` (``scripts/vllm_bench_serve.py``, vLLM's environment) runs
-    Spec-Bench-layout prompts (``write_spec_bench_for_vllm``) against our server, and the acceptance length and
+    Spec-Bench-layout prompts (``write_spec_bench_for``) against our server, and the acceptance length and
     accepted tokens it reports equal our server's own counters over the same requests."""
-    from pipeline.prompts import write_spec_bench_for_vllm
+    from pipeline.prompts import write_spec_bench_for
 
     ours = tmp_path / "spec_bench.jsonl"
     ours.write_text("".join(json.dumps({"id": f"spec_bench-{i}-{cat}", "turns": [text], "source": "test"}) + "\n"
                             for i, (cat, text) in enumerate(zip(["qa", "qa", "summarization"], PROMPTS))))
-    layout = write_spec_bench_for_vllm(ours, tmp_path / "vllm" / "spec_bench.jsonl")
+    layout = write_spec_bench_for(ours, tmp_path / "vllm" / "spec_bench.jsonl")
     assert [json.loads(line)["category"] for line in layout.read_text().splitlines()] == ["qa", "qa", "summarization"]
     engine = engine_for(trained_decoder, max_queue=8, default_max_tokens=16)
     app = create_app(engine)
@@ -302,14 +302,14 @@ AIPERF = PROJECT_ROOT / ".venv-aiperf" / "bin" / "python"
 @pytest.mark.skipif(not AIPERF.exists(), reason="no .venv-aiperf (make aiperf; make test installs it)")
 def test_aiperf_on_spec_bench_reports_our_acceptance(trained_decoder, tiny, tmp_path):
     """NVIDIA's AIPerf end to end (``.venv-aiperf``, a subprocess): Spec-Bench prompts in its ``single_turn`` layout
-    (``write_spec_bench_for_vllm(..., layout="aiperf")``) streamed to our server; the acceptance it reads from the
+    (``write_spec_bench_for(..., tool="aiperf")``) streamed to our server; the acceptance it reads from the
     responses' ``metrics.speculative_decoding`` (its Spec Decode table) equals our server's own counters."""
-    from pipeline.prompts import write_spec_bench_for_vllm
+    from pipeline.prompts import write_spec_bench_for
 
     ours = tmp_path / "spec_bench.jsonl"
     ours.write_text("".join(json.dumps({"id": f"spec_bench-{i}-{cat}", "turns": [text], "source": "test"}) + "\n"
                             for i, (cat, text) in enumerate(zip(["qa", "qa", "summarization"], PROMPTS))))
-    layout = write_spec_bench_for_vllm(ours, tmp_path / "aiperf" / "spec_bench.jsonl", layout="aiperf")
+    layout = write_spec_bench_for(ours, tmp_path / "aiperf" / "spec_bench.jsonl", tool="aiperf")
     assert [json.loads(line) for line in layout.read_text().splitlines()] == [{"text": t} for t in PROMPTS[:3]]
     # AIPerf 0.13 reads a local tokenizer folder as a hub id when HF_HUB_OFFLINE is set (as this suite sets it); online,
     # a local folder loads from disk with no request

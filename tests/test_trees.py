@@ -97,7 +97,6 @@ def test_walk_follows_the_targets_tokens():
     # root -> 5 (node 0) -> 6 (node 2); root -> 7 (node 1); node 0 -> 8 (node 3)
     tree = DraftTree([5, 7, 6, 8], [-1, -1, 0, 0], [1, 1, 2, 2], [0, 1, 0, 1], [0.5, 0.3, 0.2, 0.1])
     assert tree.row_parents() == [-1, 0, 0, 1, 1]
-    assert tree.shape() == [2, 2]
     # target tokens after rows 0..4: after the root 7 (node 1), after node 1 (row 2) 9: bonus 9
     assert tree.walk([7, 0, 9, 0, 0]) == ([1], 9)
     assert tree.walk([5, 8, 0, 0, 4]) == ([0, 3], 4)  # row 4 is node 3

@@ -115,11 +115,12 @@ def draft_confidence(logits: torch.Tensor, index: torch.Tensor, temperature: flo
 
     Args:
         logits: [R, V'] float drafter logits (over its draft vocabulary when it has one).
-        index: [R] column of the proposed token in ``logits`` (long).
+        index: [R] column of the proposed token in ``logits`` (long), or [R, k]: k candidates per row (a draft tree's).
         temperature: the request's temperature (0 = greedy).
     Returns:
-        [R] float32 probabilities in (0, 1].
+        [R] (or [R, k]) float32 probabilities in (0, 1].
     """
     scaled = logits.float() / (float(temperature) if temperature > 0 else 1.0)
-    picked = scaled.gather(-1, index.reshape(-1, 1).to(scaled.device))[:, 0]
-    return (picked - torch.logsumexp(scaled, dim=-1)).exp()
+    columns = index.reshape(index.shape[0], -1).to(scaled.device)
+    picked = scaled.gather(-1, columns) - torch.logsumexp(scaled, dim=-1, keepdim=True)
+    return picked.exp() if index.dim() > 1 else picked[:, 0].exp()

@@ -350,10 +350,8 @@ class SpeculativeDecoder:
         block[0, 0] = state.pending
         logits = self.draft_logits(state, block)
         columns = sampler.top_columns(logits, state.start + 1, top_k, self.draft_vocab)
-        k = columns.shape[1]
-        probs = draft_confidence(logits.repeat_interleave(k, 0), columns.reshape(-1), sampler.temperature)
         tokens = columns if self.draft_vocab is None else self.draft_vocab[columns]
-        return tokens, probs.reshape(-1, k)
+        return tokens, draft_confidence(logits, columns, sampler.temperature)
 
     def tree_step(self, state: DecodeState, block_size: int, sampler: PositionKeyedSampler,
                   choose_tree: Callable[[torch.Tensor, torch.Tensor, int], DraftTree], top_k: int = 4
@@ -541,7 +539,6 @@ class SpeculativeDecoder:
             self.check_block_size(block_size)
             b = min(block_size, config.max_new_tokens - stats.new_tokens)
             if choose_tree is not None and b > 1:
-                state.last_tree = None
                 new, _ = self.tree_step(state, b, sampler, choose_tree, schedule.top_k)
                 stats.trees.append((state.last_tree, state.last_path))
             else:

@@ -57,13 +57,6 @@ class DraftTree:
         """Each verify row's offset from the pending token's position (0 for the pending token)."""
         return [0] + list(self.depths)
 
-    def shape(self) -> list[int]:
-        """Nodes at each depth 1, 2, ... (the tree's width per drafted position)."""
-        widths = [0] * (max(self.depths, default=0))
-        for d in self.depths:
-            widths[d - 1] += 1
-        return widths
-
     def walk(self, target_tokens: list[int]) -> tuple[list[int], int]:
         """The accepted path and the bonus token, from the target's token at every verify row.
 

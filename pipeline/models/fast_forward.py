@@ -69,18 +69,14 @@ def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches, 
     Returns:
         [R, Hq * D]: each row's heads side by side.
     """
-    kernel_attend = smallm_kernel().attend
+    attend = smallm_kernel().attend
     tree = [] if parents is None else [int(p) for p in parents]
-
-    def attend(*args):
-        return kernel_attend(*args, tree)
-
     slots = [getattr(c.layers[layer_idx], "reserve", None) if layer_idx < len(c.layers) else None for c in caches]
     if all(s is not None for s in slots):
         reserved = [s(r) for s, r in zip(slots, rows)]
         if all(x is not None for x in reserved):
             return attend(q, k, v, [x[0] for x in reserved], [x[1] for x in reserved], list(rows),
-                          [x[2] for x in reserved], scale)
+                          [x[2] for x in reserved], scale, tree)
         for s, x, r in zip(slots, reserved, rows):  # undo the reservations made (none is written yet)
             if x is not None:
                 s.__self__.crop(-r)
@@ -90,7 +86,7 @@ def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches, 
         keys.append(kj[0])
         values.append(vj[0])
         at += r
-    return attend(q, None, None, keys, values, list(rows), [x.shape[1] for x in keys], scale)
+    return attend(q, None, None, keys, values, list(rows), [x.shape[1] for x in keys], scale, tree)
 
 
 class _Fused:

@@ -11,7 +11,8 @@ its probability of each (``SpeculativeDecoder.draft_candidates``). ``TreeSchedul
    the n-node subtree with the most expected accepted tokens, ``1 + sum of their path acceptances``;
 3. keeps the n that maximises expected tokens per ms, ``(1 + sum_{i<=n} v_i) / (draft_ms(B) + verify_ms(n + 1))`` on the
    measured step costs (``pipeline.costs.CostModel``): the CaDDTree objective (arXiv 2606.01813) on our calibration
-   and cost model, chosen by the same rule as the chain's verify width (``pipeline.policy.widths.best_count``).
+   and cost model, chosen by the same rule as the chain's verify width (``VerifyWidthSchedule.choose_count``,
+   ``pipeline.policy.widths.best_count``).
 
 The chain is the special case of rank-0 nodes only and no drafting is n = 0, so a tree is never priced worse than the
 chain it contains: for every n the best-first subtree holds at least the chain's expected tokens. The skip rule (skip
@@ -26,7 +27,6 @@ from pipeline.costs import CostModel
 from pipeline.decoding.trees import DraftTree, depth_exclusive, grow
 from pipeline.policy.calibration import AcceptanceCalibration
 from pipeline.policy.verify_width import VerifyWidthSchedule
-from pipeline.policy.widths import best_count
 
 
 class TreeSchedule(VerifyWidthSchedule):
@@ -52,15 +52,6 @@ class TreeSchedule(VerifyWidthSchedule):
         if int(top_k) < 1 or int(max_nodes) < 1:
             raise ValueError(f"a draft tree needs top_k >= 1 and max_nodes >= 1, got top_k={top_k}, max_nodes={max_nodes}")
         self.top_k, self.max_nodes = int(top_k), int(max_nodes)
-        self._verify: dict[int, list[float]] = {}
-
-    def verify_costs(self, context: int) -> list[float]:
-        """[verify_ms of n + 1 rows for n = 0..max_nodes] at a context length (ms; cached per 16 tokens)."""
-        key = int(context) // 16
-        if key not in self._verify:
-            length = key * 16 + 8
-            self._verify[key] = [self.cost_model.verify_ms(q, length) for q in range(1, self.max_nodes + 2)]
-        return self._verify[key]
 
     def acceptance(self, probs: torch.Tensor) -> torch.Tensor:
         """[D, K] conditional acceptance estimates of the candidates whose drafter probabilities are ``probs`` [D, K]."""
@@ -73,11 +64,5 @@ class TreeSchedule(VerifyWidthSchedule):
         b = tokens.shape[0] + 1
         full = grow(tokens, self.acceptance(probs), self.max_nodes)
         draft_ms = self.costs(b, start)[0]
-        verify_ms = self.verify_costs(start)[: len(full) + 1]
-        running = None
-        if self.objective == "marginal":
-            running = (self._tokens + 2.0) / (self._ms + 2.0 * verify_ms[0])
-        n, per_ms = best_count(torch.tensor(full.values, dtype=torch.float64), draft_ms, verify_ms, running)
-        self._paid = per_ms > 1.0 / max(verify_ms[0], 1e-9)
-        self._step_ms, self._plain_ms = draft_ms + verify_ms[n], verify_ms[0]
-        return full.prefix(n)
+        verify_ms = self.costs(self.max_nodes + 1, start)[1][: len(full) + 1]  # rows 1..n + 1 (a verify of n nodes)
+        return full.prefix(self.choose_count(torch.tensor(full.values, dtype=torch.float64), draft_ms, verify_ms))

@@ -31,7 +31,7 @@ import torch
 from pipeline.costs import CostModel
 from pipeline.decoding.schedules import Schedule
 from pipeline.policy.calibration import AcceptanceCalibration
-from pipeline.policy.widths import best_width
+from pipeline.policy.widths import best_count
 
 class VerifyWidthSchedule(Schedule):
     """Drafts at block size B, verifies the k drafts that maximise expected tokens per ms (see module docstring).
@@ -94,14 +94,21 @@ class VerifyWidthSchedule(Schedule):
         """k for a step whose drafts have probabilities ``confidence`` [b-1], the target cache at ``start`` tokens."""
         b = len(confidence) + 1
         draft_ms, verify_ms = self.costs(b, start)
+        return self.choose_count(torch.cumprod(self.calibration.predict(confidence), 0), draft_ms, verify_ms)
+
+    def choose_count(self, gains: torch.Tensor, draft_ms: float, verify_ms: list[float]) -> int:
+        """How many of a step's ordered drafts to verify (``widths.best_count``: drafts whose expected tokens are
+        ``gains``, costs ``draft_ms`` + ``verify_ms[n]``) under this schedule's objective; notes for the skip rule whether
+        drafting paid and the step's cost. A chain's gains are its running acceptance products, a tree's its nodes' path
+        acceptances (``pipeline.policy.trees``)."""
         plain = 1.0 / max(verify_ms[0], 1e-9)  # a plain step without the drafter, tokens per ms
         running = None
         if self.objective == "marginal":  # the request's rate so far, a plain step's two steps' worth as the prior
             running = (self._tokens + 2.0) / (self._ms + 2.0 * verify_ms[0])
-        k, per_ms = best_width(self.calibration.predict(confidence), draft_ms, verify_ms, running)
+        n, per_ms = best_count(gains, draft_ms, verify_ms, running)
         self._paid = per_ms > plain
-        self._step_ms, self._plain_ms = draft_ms + verify_ms[k], verify_ms[0]
-        return k
+        self._step_ms, self._plain_ms = draft_ms + verify_ms[n], verify_ms[0]
+        return n
 
     def next(self, tau: int, block_size: int) -> int:
         self._tokens += tau
