@@ -10,7 +10,7 @@ pattern of ``bench.arrivals`` (``burst``: every request arrives at once; ``poiss
 second), every concurrency c (at most c requests decode together; the rest queue and join at a step boundary after their
 prefill) and every method of ``bench.methods`` (built by the one method table, ``pipeline.policy.setup``, as the eval
 stage and the server build them: ``ar``, ``fixed``, ``verify_width``, ``budget``, ...), the workload is decoded with
-``pipeline.decoding.batched.decode_all``. Per run:
+``pipeline.decoding.scheduler.decode_all`` (the server's scheduler). Per run:
 
 - ``tokens_per_s``: all requests' new tokens / wall time from the first arrival to the last token;
   ``tokens_per_s_ci``: a percentile bootstrap 95% interval, resampling the run's batched steps and prefills (each a

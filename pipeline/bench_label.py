@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 from pipeline import costs
 from pipeline.cli import stage
 from pipeline.config_checks import validate_config
-from pipeline.decoding.speculative import DecodeConfig
+from pipeline.decoding.requests import DecodeConfig
 from pipeline.models.clock import now
 from pipeline.timing.steps import measure
 from pipeline.evaluation.report import write_json

@@ -53,7 +53,7 @@ from omegaconf import DictConfig
 
 from pipeline.cli import stage
 from pipeline.config_checks import validate_config
-from pipeline.evaluation.inputs import (EvalInputs, PerPrompt, check_prompts, load_eval_inputs,  # noqa: F401  (the API)
+from pipeline.evaluation.inputs import (EvalInputs, check_prompts, load_eval_inputs,  # noqa: F401  (the API)
                                         method_schedules, select_prompts)
 from pipeline.evaluation.report import log_summary, log_to_wandb, write_json, write_report
 from pipeline.evaluation.runs import SharedDecodes, evaluate, merge_turns  # noqa: F401

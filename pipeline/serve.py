@@ -72,7 +72,8 @@ def sources(cfg: DictConfig):
     s = cfg.serve
     return Sources("serve", resolve_path(str(s.predictor_dir)) if s.get("predictor_dir") else None,
                    s.get("labels_dir"), s.get("features_dir"), s.get("block_size"), "serve.block_size",
-                   str(s.get("target", "tau")), int(s.get("max_batch") or 1), missing_hint=run_hint(cfg))
+                   str(s.get("target", "tau")), int(s.get("max_batch") or 1),
+                   missing_hint="run make label, make dataset and make train first (or serve.predictor_dir=...)" + run_hint(cfg))
 
 
 def build_engine(cfg: DictConfig, decoder=None, thread=None):
@@ -89,14 +90,14 @@ def build_engine(cfg: DictConfig, decoder=None, thread=None):
     from pipeline.config_checks import validate_config
     from pipeline.decoding.build import build_decoder
     from pipeline.policy import setup
-    from pipeline.serving.engine import Engine, Policy
+    from pipeline.serving.engine import Engine
 
     validate_config(cfg, "serve")
     s = cfg.serve
     decoder = decoder or build_decoder(cfg.model)
     src, name = sources(cfg), str(s.policy)
     inputs = setup.load_inputs(cfg, decoder, [name], src)
-    policy = Policy.of(name, setup.build_methods(cfg, decoder, inputs, [name], src)[name])
+    policy = setup.build_methods(cfg, decoder, inputs, [name], src)[name]
     return Engine(decoder, policy, str(s.model_name), int(s.max_queue), int(s.default_max_tokens), int(s.max_tokens),
                   int(cfg.decode.seed), build_recorder(cfg, decoder), float(cfg.decode.temperature),
                   max_batch=src.max_requests, thread=thread, watch=setup.CostWatch(cfg, decoder, inputs, src))
@@ -111,7 +112,7 @@ def start_engine(cfg: DictConfig, thread=None):
     engine = build_engine(cfg, thread=thread)
     if cfg.serve.get("warmup", True):
         ids = messages_input_ids(engine.tokenizer, [{"role": "user", "content": "Hello"}])
-        engine.decoder.generate(ids, engine.policy.make(), DecodeConfig(8, 0.0, 0))
+        engine.decoder.generate(ids, engine.policy(), DecodeConfig(8, 0.0, 0))
     return engine
 
 

@@ -25,7 +25,7 @@ from hydra import compose, initialize_config_dir
 
 from pipeline import PROJECT_ROOT
 from pipeline.decoding.sampling import PositionKeyedSampler
-from pipeline.decoding.speculative import DecodeConfig
+from pipeline.decoding.requests import DecodeConfig
 from pipeline.decoding.build import build_decoder
 from pipeline.prompts import chat_input_ids, load_prompt_set
 

@@ -199,3 +199,17 @@ def build_tiny_run(base: Path, target_dir: str | Path, drafter_dir: str | Path) 
         torch.set_num_threads(threads)
     marker.write_text(json.dumps(run))
     return run
+
+
+def served_method(name: str, decoder, block_size: int | None = None, options: dict | None = None,
+                  predictor_dir: str | None = None, candidates=(2, 4, 8), inputs=None):
+    """``serve.policy=name`` built as the server builds it: the one method table (``pipeline.policy.setup``) over a
+    minimal config (``model.candidates``, the ``policy`` options); ``inputs`` already loaded are kept."""
+    from omegaconf import OmegaConf
+
+    from pipeline.policy import setup
+
+    cfg = OmegaConf.create({"model": {"candidates": list(candidates), "drafter": None}, "policy": options or {}, "seed": 0})
+    src = setup.Sources("serve", predictor_dir, block_size=block_size, block_size_key="serve.block_size")
+    inputs = setup.load_inputs(cfg, decoder, [name], src, inputs)
+    return setup.build_methods(cfg, decoder, inputs, [name], src)[name]

@@ -26,7 +26,8 @@ from transformers import DynamicCache
 from conftest import require
 from pipeline import PROJECT_ROOT
 from pipeline.decoding import DecodeConfig, SpeculativeDecoder
-from pipeline.decoding.batched import BatchedDecoder, decode_all
+from pipeline.decoding.batched import BatchedDecoder
+from pipeline.decoding.scheduler import decode_all
 from pipeline.decoding.schedules import BatchPolicy
 from pipeline.decoding.schedules import FixedSchedule
 from pipeline.models.backend import EXACT_FORMATS, SMALLM_MAX_ROWS, PackedLinear, pack_smallm, set_backend, smallm_available
@@ -358,7 +359,6 @@ def test_cancel_frees_the_slot(tiny):
 def test_real_target_batched_methods_equal_batch1_ar(compose_config):
     from pipeline.decoding.build import build_decoder
     from pipeline.policy import setup
-    from pipeline.policy.registry import batch_policy
     from pipeline.prompts import chat_input_ids, load_prompt_set
 
     drafter_dir = PROJECT_ROOT / "data" / "drafters" / "smollm2-135m-instruct-dflash-b8"
@@ -377,7 +377,7 @@ def test_real_target_batched_methods_equal_batch1_ar(compose_config):
     inputs = setup.load_inputs(cfg, decoder, methods, src)
     for method, factory in setup.build_methods(cfg, decoder, inputs, methods, src).items():
         got = decode_all(decoder, prompts, [factory() for _ in prompts], configs, arrivals=[0, 0, 1, 3],
-                         policy=batch_policy(factory))
+                         policy=factory.batch)
         assert [r.stats.output_ids for r in got] == ar, method
 
 
@@ -392,13 +392,14 @@ def test_batch_engine_serves_each_request_its_ar_text_and_frees_cancelled_slots(
 
     from pipeline.prompts import messages_input_ids
     from pipeline.serving.app import create_app
-    from pipeline.serving.engine import Engine, Job, QueueFull, build_policy
+    from pipeline.serving.engine import Engine, Job, QueueFull
+    from policy_fixtures import served_method
 
     texts = ["def add(a, b):", "Natalia sold clips to 48 of her friends.", "Write a function that sums a list."]
     tok = trained_decoder.target.tokenizer
     ids = {t: messages_input_ids(tok, [{"role": "user", "content": t}]) for t in texts}
     references = {t: trained_decoder.generate(ids[t], 1, DecodeConfig(10)).output_ids for t in texts}
-    engine = Engine(trained_decoder, build_policy("fixed", trained_decoder), "tiny", max_queue=2, default_max_tokens=10,
+    engine = Engine(trained_decoder, served_method("fixed", trained_decoder), "tiny", max_queue=2, default_max_tokens=10,
                     max_batch=4)
     app = create_app(engine)
 

@@ -53,7 +53,7 @@ def test_a_fake_tau_table_through_the_labeller(trained_decoder, monkeypatch):
     """label_tau / label_speed come from the per-B table: here a table where the best B is known."""
     import pipeline.labeling.oracle as oracle
     from pipeline.labeling.brute import BruteResult
-    from pipeline.decoding.speculative import RequestStats
+    from pipeline.decoding.requests import RequestStats
 
     table = {2: [2, 2], 4: [4, 3], 8: [4, 3], 12: [3, 3, 1]}  # mean tau 2, 3.5, 3.5, 2.33 -> tie 4/8 -> 4
     decode_ms = {2: 40.0, 4: 30.0, 8: 20.0, 12: 20.0}  # fastest: 8 and 12 tie -> 8

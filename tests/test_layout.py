@@ -225,3 +225,69 @@ def test_config_checks_import_no_torch_or_lightning():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PROJECT_ROOT, check=True)
     assert len(modules) >= 6
     assert out.stdout.strip() == "[]", f"a config check imports {out.stdout.strip()}"
+
+
+# -- one home per concept (issue 41): the scheduler and the per-request lifecycle ---------------------------------------
+LIFECYCLE_FIELDS = {"decode_ms", "first_token_s", "finished_s", "first_block_size", "schedule_ms"}
+LIFECYCLE_LISTS = {"output_ids", "token_times", "verify_widths", "confidences"}
+
+
+def concept_sites(source: str) -> set[str]:
+    """What a module's source does that belongs to one home only: ``scheduler`` (defines a ``*Scheduler`` class or
+    ``decode_all``, walks a chunked prefill ``prefill_steps``, admits with ``add(..., load=...)``) and ``lifecycle``
+    (sets a request's timing fields or appends to its output lists, defines ``cut_at_stop``)."""
+    sites = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef) and node.name.endswith("Scheduler"):
+            sites.add("scheduler")
+        elif isinstance(node, ast.FunctionDef) and node.name in ("decode_all", "cut_at_stop"):
+            sites.add("scheduler" if node.name == "decode_all" else "lifecycle")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            name, owner = node.func.attr, node.func.value
+            if name == "prefill_steps" or (name == "add" and any(k.arg == "load" for k in node.keywords)):
+                sites.add("scheduler")
+            if name in ("append", "extend") and isinstance(owner, ast.Attribute) and owner.attr in LIFECYCLE_LISTS:
+                sites.add("lifecycle")
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                for leaf in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                    if isinstance(leaf, ast.Attribute) and leaf.attr in LIFECYCLE_FIELDS:
+                        sites.add("lifecycle")
+    return sites
+
+
+HOMES = {"scheduler": {"pipeline.decoding.scheduler"}, "lifecycle": {"pipeline.decoding.requests"}}
+HOMES_ALSO = {"pipeline.decoding.speculative": {"scheduler"}}  # ``prefill`` walks its own ``prefill_steps``
+
+
+def misplaced(sources: dict[str, str]) -> list[str]:
+    """``"module: concept"`` for each module that does a one-home concept outside its home."""
+    found = []
+    for name, source in sorted(sources.items()):
+        for concept in sorted(concept_sites(source) - HOMES_ALSO.get(name, set())):
+            if name not in HOMES[concept]:
+                found.append(f"{name}: {concept} (its home: {', '.join(sorted(HOMES[concept]))})")
+    return found
+
+
+def test_one_scheduler_and_one_request_lifecycle():
+    """The server's engine and ``bench_batch`` run the one scheduler (``pipeline.decoding.scheduler``); the batch-1 and
+    batched decoders keep each request's books through the one ``Request`` (``pipeline.decoding.requests``)."""
+    sources = {name: path.read_text() for name, path in modules().items()}
+    assert not misplaced(sources), "use the one home instead: " + "; ".join(misplaced(sources))
+    for name in ("pipeline.decoding.speculative", "pipeline.decoding.batched"):
+        assert "Request.begin(" in sources[name] and ".record(" in sources[name], f"{name} keeps its own books"
+    for name in ("pipeline.serving.engine", "pipeline.evaluation.batched"):
+        assert "pipeline.decoding.scheduler" in imported(modules()[name]), f"{name} does not run the one scheduler"
+
+
+def test_the_home_check_finds_a_planted_second_scheduler_and_loop():
+    planted = {"pipeline.serving.engine": "class Admission:\n    def go(self, d):\n        self.steps = d.prefill_steps(1)\n",
+               "pipeline.decoding.batched": "def f(r, new):\n    r.stats.output_ids.extend(new)\n    r.finished_s = 1\n",
+               "pipeline.decoding.speculative": "def g(self):\n    return self.prefill_steps(1)\n",
+               "pipeline.policy.x": "class BurstScheduler:\n    pass\n"}
+    assert misplaced(planted) == [
+        "pipeline.decoding.batched: lifecycle (its home: pipeline.decoding.requests)",
+        "pipeline.policy.x: scheduler (its home: pipeline.decoding.scheduler)",
+        "pipeline.serving.engine: scheduler (its home: pipeline.decoding.scheduler)"]

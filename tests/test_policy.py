@@ -285,14 +285,14 @@ def test_predictor_json_must_match_its_net_and_fallback(tmp_path):
 def test_predictor_candidates_must_match_model_candidates(tmp_path):
     """Candidates [2..6] against model.candidates=[6..10] used to load silently."""
     from pipeline.evaluation.inputs import sources
-    from pipeline.policy import registry
+    from pipeline.policy import setup
 
     _exported(tmp_path / "predictors" / "mlp")
 
     def load_method_predictor(cfg, method):  # as the eval stage loads it (pipeline.policy.setup.load_inputs)
         src = sources(cfg)
-        return registry.load_method_predictor(method, registry.predictor_folder(src.predictor_dir, method, {}), None,
-                                              list(cfg.model.candidates))
+        return setup.load_method_predictor(method, setup.predictor_folder(src.predictor_dir, method, {}), None,
+                                           list(cfg.model.candidates))
 
     def cfg(*overrides):
         with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):

@@ -15,8 +15,8 @@ from policy_fixtures import ALL_METHODS, CANDIDATES, RUN, build_tiny_run, tiny_o
 
 from pipeline import PROJECT_ROOT  # noqa: E402
 from pipeline.evaluation.inputs import load_eval_inputs, method_schedules  # noqa: E402
-from pipeline.policy import registry  # noqa: E402
-from pipeline.policy.registry import METHODS, PerPrompt  # noqa: E402
+from pipeline.policy import registry, setup  # noqa: E402
+from pipeline.policy.registry import METHODS  # noqa: E402
 from pipeline.prompts import Prompt  # noqa: E402
 
 CONF = str(PROJECT_ROOT / "conf")
@@ -86,10 +86,10 @@ def test_every_method_builds_the_same_schedule_through_eval_and_serve(run, tiny)
             try:
                 assert engine.policy.name == name and engine.max_batch == 2
                 assert engine.batch.policy is engine.policy.batch and engine.policy.batch.calibration is not None
-                assert trace(engine.policy.make(), vocab) == trace(eval_factories["fixed"](), vocab)  # drafts at the fixed B
+                assert trace(engine.policy(), vocab) == trace(eval_factories["fixed"](), vocab)  # drafts at the fixed B
             finally:
                 engine.close()
-            with pytest.raises(ValueError, match="eval.methods entry 'budget' cannot be evaluated here.*bench_batch"):
+            with pytest.raises(ValueError, match="eval.methods \\['budget'\\] cannot be evaluated here.*bench_batch"):
                 registry.build(name, registry.Context(decoder))
             served.append(name)
             continue
@@ -101,13 +101,13 @@ def test_every_method_builds_the_same_schedule_through_eval_and_serve(run, tiny)
         engine = build_engine(serve_config(run, name), decoder)
         try:
             assert engine.policy.name == name
-            assert trace(engine.policy.make(), vocab) == trace(made(), vocab), name
+            assert trace(engine.policy(), vocab) == trace(made(), vocab), name
         finally:
             engine.close()
         served.append(name)
     assert served == list(registry.SERVABLE) and "oracle" not in served and "hf_generate" not in served
     oracle = eval_factories["oracle"]  # the eval-only bound: bound to each request
-    assert isinstance(oracle, PerPrompt) and oracle.bind(Prompt("code-0", ["x"], "code"))().block_size in CANDIDATES
+    assert oracle.per_request and oracle.bind(Prompt("code-0", ["x"], "code"))().block_size in CANDIDATES
 
 
 def test_one_option_reaches_both_stages(run, tiny):
@@ -119,7 +119,7 @@ def test_one_option_reaches_both_stages(run, tiny):
     ema_eval = method_schedules(cfg, decoder)["ema"]()
     engine = build_engine(serve_config(run, "ema", "policy.ema.start=12", "policy.ema.alpha=0.9"), decoder)
     try:
-        ema_serve = engine.policy.make()
+        ema_serve = engine.policy()
     finally:
         engine.close()
     assert ema_eval.first(torch.zeros(4)) == ema_serve.first(torch.zeros(4)) == 12
@@ -148,8 +148,8 @@ def test_default_block_size_and_the_vocabulary_check_are_written_once(tiny):
     other = SimpleNamespace(featurizer=SimpleNamespace(spec=SimpleNamespace(vocab_size=decoder.lm_head.shape[0] + 1)),
                             candidates=[2, 4])
     with pytest.raises(ValueError, match="vocabulary of"):
-        registry.check_predictor(other, decoder, "somewhere")
-    with pytest.raises(ValueError, match="unknown serve.policy entry 'beam'"):
+        setup.check_predictor(other, decoder, "somewhere")
+    with pytest.raises(ValueError, match="unknown serve.policy 'beam'"):
         registry.build("beam", registry.Context(decoder, where="serve"))
     with pytest.raises(ValueError, match="needs labels"):
         registry.build("oracle", registry.Context(decoder))
@@ -176,8 +176,6 @@ def test_every_batched_method_is_the_same_object_graph_in_the_server_and_in_benc
     built both ways from the same settings, and gives the same schedule (the same choices on the same inputs) under
     the same kind of batch policy, with the same calibration, cost models and options."""
     from pipeline.evaluation.batched import sources
-    from pipeline.policy import setup
-    from pipeline.policy.registry import batch_policy
     from pipeline.serve import build_engine
 
     decoder = tiny.decoder("llama", "trained")
@@ -189,10 +187,9 @@ def test_every_batched_method_is_the_same_object_graph_in_the_server_and_in_benc
         factory = setup.build_methods(bench_cfg, decoder, inputs, [name], sources(bench_cfg))[name]
         engine = build_engine(serve_config(run, name, *BUDGET), decoder)
         try:
-            made = factory.make if isinstance(factory, registry.JointWidths) else factory
-            assert trace(engine.policy.make(), vocab) == trace(made(), vocab), name
-            assert graph(engine.policy.batch) == graph(batch_policy(factory)), name
+            assert trace(engine.policy(), vocab) == trace(factory(), vocab), name
+            assert graph(engine.policy.batch) == graph(factory.batch), name
             if name == "verify_width":  # the batch-1 cost model its schedules read: the same measurement
-                assert engine.policy.make().cost_model.to_dict() == made().cost_model.to_dict()
+                assert engine.policy().cost_model.to_dict() == factory().cost_model.to_dict()
         finally:
             engine.close()

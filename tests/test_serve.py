@@ -17,7 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from conftest import composed
-from policy_fixtures import RUN, build_tiny_run
+from policy_fixtures import RUN, build_tiny_run, served_method
 from pipeline.decoding import DecodeConfig, FixedSchedule
 from pipeline.decoding.conversation import decode_prompt
 from pipeline.labeling.oracle import LabelSettings, label_prompt
@@ -25,7 +25,7 @@ from pipeline.labeling.store import read_labels
 from pipeline.prompts import Prompt, chat_input_ids
 from pipeline.serve import build_engine
 from pipeline.serving.app import create_app
-from pipeline.serving.engine import Engine, build_policy
+from pipeline.serving.engine import Engine
 
 MODEL = "tiny"
 PROMPTS = [
@@ -37,7 +37,7 @@ CANDIDATES = [2, 4, 8]
 
 
 def engine_for(decoder, policy: str = "fixed", **kwargs) -> Engine:
-    return Engine(decoder, build_policy(policy, decoder, candidates=CANDIDATES, predictor_dir=kwargs.pop("predictor_dir", None)),
+    return Engine(decoder, served_method(policy, decoder, candidates=CANDIDATES, predictor_dir=kwargs.pop("predictor_dir", None)),
                   MODEL, **kwargs)
 
 
@@ -262,18 +262,19 @@ def test_blockpilot_policy_picks_the_predictors_block_size(tiny_run, trained_dec
             assert out["blockpilot"]["token_ids"] == ar_reference(trained_decoder, text, 16)
     engine.close()
     with pytest.raises(FileNotFoundError, match="make train"):
-        build_policy("blockpilot", trained_decoder, predictor_dir=str(predictor_dir.parent / "missing"))
+        served_method("blockpilot", trained_decoder, predictor_dir=str(predictor_dir.parent / "missing"))
 
 
 def test_verify_width_policy_serves_the_ar_text_and_needs_its_inputs(tiny_run, trained_decoder, tmp_path):
     """serve.policy=verify_width through the engine: lossless, with the run's calibration and a measured latency model."""
     from pipeline.policy.calibration import load_calibration
+    from pipeline.policy import registry
     from pipeline.policy.registry import PolicyInputs
     from pipeline.timing.steps import measure
 
     calibration = load_calibration(Path(tiny_run["data"]) / "predictors" / RUN / "verify_width")
     latency = measure(trained_decoder, [8], [16, 64], repeats=1)
-    policy = build_policy("verify_width", trained_decoder, 8, options={"verify_width": {"max_skip": 2}},
+    policy = served_method("verify_width", trained_decoder, 8, options={"verify_width": {"max_skip": 2}},
                           inputs=PolicyInputs(calibration=calibration, latency=latency))
     engine = Engine(trained_decoder, policy, MODEL, default_max_tokens=20)
     with TestClient(create_app(engine), base_url="http://localhost") as c:
@@ -285,8 +286,8 @@ def test_verify_width_policy_serves_the_ar_text_and_needs_its_inputs(tiny_run, t
             widths = out["blockpilot"]["verify_widths"]  # steps by verified drafts k: every step counted, k <= B-1
             assert sum(widths.values()) == out["blockpilot"]["steps"] and all(0 <= int(k) <= 7 for k in widths)
     engine.close()
-    with pytest.raises(ValueError, match="needs calibration, costs"):
-        build_policy("verify_width", trained_decoder, 8)
+    with pytest.raises(ValueError, match="needs calibration, costs"):  # the registry's own check of its inputs
+        registry.build("verify_width", registry.Context(trained_decoder, block_size=8, where="serve"))
 
 
 def test_budget_policy_serves_the_ar_texts_with_widths_chosen_jointly(tiny, tiny_run, trained_decoder, tmp_path,
@@ -433,8 +434,8 @@ def test_recorded_requests_are_the_label_stages_rows_and_feed_the_dataset_stage(
     with composed("train", [f"train.features_dir={out}", f"train.out={tmp_path}/predictor", "trainer=smoke",
                             "train.batch_size=2", "logger.enabled=false", "features.k=16"]) as tcfg:
         predictor_dir = train_predictor(tcfg)
-    policy = build_policy("blockpilot", trained_decoder, predictor_dir=str(predictor_dir))  # servable
-    assert policy.make().max_block_size == max(CANDIDATES)
+    policy = served_method("blockpilot", trained_decoder, predictor_dir=str(predictor_dir))  # servable
+    assert policy().max_block_size == max(CANDIDATES)
 
 
 def test_the_decoders_on_tokens_hook_sees_every_token_in_order_and_can_end_the_decode(trained_decoder):

@@ -36,7 +36,8 @@ from pipeline.labeling.store import read_labels, read_shard
 from pipeline.serve import serve_options
 from pipeline.serving.app import create_app
 from pipeline.serving.guards import ServeOptions
-from pipeline.serving.engine import Engine, build_policy
+from pipeline.serving.engine import Engine
+from policy_fixtures import served_method
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 CHAT = "/v1/chat/completions"
@@ -372,7 +373,7 @@ MAX_TOKENS = 400  # 400 steps of B=1 at 20 ms: 8 s unless the decode stops
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_goes_away_stops_its_decode_and_frees_its_slot(tiny, stream):
     slow = SlowDecoder(tiny.decoder("llama", "trained"))
-    engine = Engine(slow, build_policy("ar", slow), MODEL, max_queue=2, default_max_tokens=8, max_tokens=MAX_TOKENS)
+    engine = Engine(slow, served_method("ar", slow), MODEL, max_queue=2, default_max_tokens=8, max_tokens=MAX_TOKENS)
     body = json.dumps({"model": MODEL, "prompt": "def add(a, b):", "max_tokens": MAX_TOKENS, "stream": stream})
     try:
         with live_server(create_app(engine)) as port:
@@ -400,7 +401,7 @@ def test_a_client_that_goes_away_stops_its_decode_and_frees_its_slot(tiny, strea
 
 def test_a_request_whose_client_left_while_queued_is_dropped(tiny):
     slow = SlowDecoder(tiny.decoder("llama", "trained"))
-    engine = Engine(slow, build_policy("ar", slow), MODEL, max_queue=2, default_max_tokens=8, max_tokens=MAX_TOKENS)
+    engine = Engine(slow, served_method("ar", slow), MODEL, max_queue=2, default_max_tokens=8, max_tokens=MAX_TOKENS)
     try:
         with live_server(create_app(engine)) as port:
             first = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
@@ -436,7 +437,7 @@ def test_fifty_streamed_clients_on_a_batching_server_ten_of_them_leaving_mid_str
     texts = PROMPTS + ["Write a function that returns the product of two numbers.", "0123456789 + - * /"]
     references = {t: decoder.generate(messages_input_ids(tokenizer, [{"role": "user", "content": t}]), 1,
                                       DecodeConfig(SHORT)).output_ids for t in texts}
-    engine = Engine(decoder, build_policy("fixed", decoder), MODEL, max_queue=CLIENTS, default_max_tokens=SHORT,
+    engine = Engine(decoder, served_method("fixed", decoder), MODEL, max_queue=CLIENTS, default_max_tokens=SHORT,
                          max_tokens=LONG, max_batch=8)
 
     async def client(port: int, i: int) -> dict:
@@ -614,7 +615,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_requests_steps
     assert steps[:-1] == [None] * (math.ceil(n / 4) - 1)
     assert steps[-1].cache.get_seq_length() == n and steps[-1].features.shape[1] == n
     references = {k: decoder.generate(ids[k], 1, DecodeConfig(m)).output_ids for k, (_, m) in texts.items()}
-    engine = Engine(decoder, build_policy("ar", decoder), MODEL, max_batch=4, default_max_tokens=8)
+    engine = Engine(decoder, served_method("ar", decoder), MODEL, max_batch=4, default_max_tokens=8)
     chunks_at: list[int] = []  # the batched step count when each chunk of the long prompt ran
     prefill_steps = decoder.prefill_steps
 

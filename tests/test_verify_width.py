@@ -20,7 +20,7 @@ from pipeline import PROJECT_ROOT
 from pipeline.costs import CostModel
 from pipeline.policy.calibration import (AcceptanceCalibration, calibration_samples, export_calibration, find_calibration,
                                          fit_from_labels, load_calibration, reliability)
-from pipeline.policy.registry import run_folder
+from pipeline.policy.setup import run_folder
 from pipeline.policy.verify_width import VerifyWidthSchedule, foresight_bound, step_acceptances
 from pipeline.policy.widths import best_width, expected_tokens
 from pipeline.prompts import chat_input_ids
@@ -321,7 +321,8 @@ def test_the_train_stage_fits_on_the_train_split_and_checks_on_the_test_split(tm
 
 def test_the_loaded_calibration_is_logged(tmp_path, caplog):
     """Issue 23 item 7: which calibration verify_width loaded was not logged (eval and serve load it through here)."""
-    from pipeline.policy.registry import PolicyInputs, load_verify_width
+    from pipeline.policy.registry import PolicyInputs
+    from pipeline.policy.setup import load_verify_width
 
     fitted = {"calibration": constant_calibration(1.0), "reliability": [], "reliability_split": "train"}
     path = export_calibration(tmp_path / "mine", fitted)

@@ -6,7 +6,7 @@ only) loads no model code (the vLLM plugin reads the budget policy, which subcla
 
 import importlib
 
-_EXPORTS = {"DecodeConfig": "speculative", "RequestStats": "speculative", "SpeculativeDecoder": "speculative",
+_EXPORTS = {"DecodeConfig": "requests", "RequestStats": "requests", "SpeculativeDecoder": "speculative",
             "EMASchedule": "schedules", "ExternalDecode": "schedules", "FixedSchedule": "schedules",
             "Schedule": "schedules", "BatchPolicy": "schedules"}
 __all__ = sorted(_EXPORTS)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Callable
 
 from pipeline.decoding.schedules import Schedule
-from pipeline.decoding.speculative import DecodeConfig, RequestStats, SpeculativeDecoder
+from pipeline.decoding.requests import DecodeConfig, RequestStats
+from pipeline.decoding.speculative import SpeculativeDecoder
 from pipeline.prompts import Prompt, chat_input_ids
 
 

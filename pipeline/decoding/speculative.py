@@ -9,14 +9,14 @@ drafter call (plain autoregressive decoding).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
 from transformers import DynamicCache
 
+from pipeline.decoding.requests import DecodeConfig, DecodeState, PrefillResult, Request, RequestStats, as_schedule
 from pipeline.decoding.sampling import PositionKeyedSampler, draft_confidence
-from pipeline.decoding.schedules import Schedule, FixedSchedule
+from pipeline.decoding.schedules import Schedule
 from pipeline.decoding.trees import DraftTree, tree_mask
 from pipeline.models.backend import SMALLM_MAX_ROWS, LMHead, resolve_backend, set_backend
 from pipeline.models.cache import compact, crop_to, resolve_kv_cache
@@ -32,128 +32,6 @@ class PromptTooLongError(ValueError):
 
     The label and eval stages skip such a request with a warning naming it instead of stopping the run.
     """
-
-
-@dataclass
-class DecodeConfig:
-    """Decoding settings of one request.
-
-    Attributes:
-        max_new_tokens: cap on generated tokens (the bonus token of the prefill included).
-        temperature: 0 = greedy; > 0 = position-keyed Gumbel-max sampling.
-        seed: sampling seed (ignored at T=0).
-    """
-
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    seed: int = 0
-
-
-@dataclass
-class PrefillResult:
-    """What one prefill leaves behind: caches, the first new token, the last-token logits.
-
-    Attributes:
-        input_ids: [1, n] prompt ids.
-        cache: the target's ``DynamicCache`` over the n prompt tokens.
-        last_logits: [V] target logits at the last prompt token (float32) — the policy's input.
-        features: [1, n, n_taps*H] context features for the drafter, or None without drafter.
-        first_token: the token sampled from ``last_logits`` (position n).
-        prefill_ms: wall time of the target forward and the first sample (ms).
-    """
-
-    input_ids: torch.Tensor
-    cache: DynamicCache
-    last_logits: torch.Tensor
-    features: torch.Tensor | None
-    first_token: int
-    prefill_ms: float
-
-
-@dataclass
-class RequestStats:
-    """Per-request outcome.
-
-    Attributes:
-        output_ids: generated token ids (the stop token included when one ended the output).
-        taus: acceptance length of each draft-verify step (accepted drafts + 1 bonus, tokens).
-        block_sizes: B used at each step.
-        verify_widths: drafts verified at each step (k; B-1 unless a verify-width policy chose fewer).
-        confidences: the drafter's probability of its first draft at each step (None for a step without one).
-        prefill_ms: prefill time (ms); decode_ms: time of all steps after prefill (ms);
-        schedule_ms: time spent choosing B after prefill (the policy's overhead, ms).
-        first_block_size: the B the schedule's ``first`` picked (None before it ran).
-        trees: each tree step's (tree verified, its accepted nodes) (a tree policy's decode; ``pipeline.decoding.trees``).
-    """
-
-    prompt_tokens: int
-    output_ids: list[int] = field(default_factory=list)
-    taus: list[int] = field(default_factory=list)
-    block_sizes: list[int] = field(default_factory=list)
-    verify_widths: list[int] = field(default_factory=list)
-    confidences: list[float | None] = field(default_factory=list)
-    prefill_ms: float = 0.0
-    decode_ms: float = 0.0
-    schedule_ms: float = 0.0
-    stopped: bool = False
-    first_block_size: int | None = None
-    trees: list[tuple[DraftTree, list[int]]] = field(default_factory=list)
-
-    @property
-    def new_tokens(self) -> int:
-        return len(self.output_ids)
-
-    @property
-    def tau(self) -> float:
-        """Mean acceptance length over steps (tokens per target verify)."""
-        return sum(self.taus) / len(self.taus) if self.taus else 0.0
-
-    @property
-    def tpot_ms(self) -> float:
-        """Decode time per output token after the first (ms)."""
-        return self.decode_ms / max(1, self.new_tokens - 1)
-
-    def as_row(self) -> dict:
-        """A JSON-ready summary row."""
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "new_tokens": self.new_tokens,
-            "tau": self.tau,
-            "steps": len(self.taus),
-            "block_sizes": sorted(set(self.block_sizes)),
-            "prefill_ms": self.prefill_ms,
-            "decode_ms": self.decode_ms,
-            "schedule_ms": self.schedule_ms,
-            "tpot_ms": self.tpot_ms,
-            "stopped": self.stopped,
-        }
-
-
-@dataclass
-class DecodeState:
-    """Where a request stands between two draft-verify steps.
-
-    Attributes:
-        cache: the target's cache over positions 0..start-1.
-        draft_cache: the drafter's cache of projected context keys/values (None without drafter).
-        features: [1, c, n_taps*H] target features of the last c accepted positions, not yet in
-            ``draft_cache`` (None without drafter).
-        pending: the last sampled token, at position ``start``, not yet fed to the target.
-        start: position of ``pending`` (tokens before it are in ``cache``).
-        last_width: drafts verified by the last step (k).
-        last_confidence: [b-1] the drafter's probability of each draft of the last step (None when it drafted nothing).
-        last_tree / last_path: the last tree step's tree and its accepted nodes (None after a chain step).
-    """
-
-    cache: DynamicCache
-    draft_cache: DynamicCache | None
-    features: torch.Tensor | None
-    pending: int
-    start: int
-    last_width: int = 0
-    last_confidence: torch.Tensor | None = None
-    last_tree: DraftTree | None = None
-    last_path: list[int] | None = None
 
 
 class SpeculativeDecoder:
@@ -442,18 +320,12 @@ class SpeculativeDecoder:
         accepted = int(matches.cumprod(0).sum()) if block.shape[1] > 1 else 0
         new = block[0, 1 : accepted + 1].tolist() + [int(target_tokens[accepted])]
         crop_to(state.cache, state.start + accepted + 1)
+        state.last_tree = state.last_path = None  # a chain step
         if state.draft_cache is not None:
             state.features = torch.cat([state.features, new_features[:, : accepted + 1]], dim=1)
         state.start += accepted + 1
         state.pending = new[-1]
         return new, accepted
-
-    def cut_at_stop(self, new: list[int]) -> tuple[list[int], bool]:
-        """``new`` up to and including its first stop token, and whether it had one."""
-        for i, token in enumerate(new):
-            if token in self.stop_ids:
-                return new[: i + 1], True
-        return new, False
 
     def prefill(self, input_ids: torch.Tensor, config: DecodeConfig, want_features: bool = True) -> PrefillResult:
         """Run the target over the prompt (in chunks of ``prefill_chunk`` tokens) and sample the first new token.
@@ -503,7 +375,8 @@ class SpeculativeDecoder:
     @torch.inference_mode()
     def decode(self, prefill: PrefillResult, schedule: Schedule | int, config: DecodeConfig,
                on_tokens: Callable[[list[int]], bool | None] | None = None) -> RequestStats:
-        """Decode after ``prefill`` with block sizes from ``schedule`` (an int means a fixed B).
+        """Decode after ``prefill`` with block sizes from ``schedule`` (an int means a fixed B): the request's life is
+        ``pipeline.decoding.requests.Request``'s, as in a batch.
 
         Args:
             on_tokens: called with the new token ids of the prefill's first token and then of every
@@ -515,51 +388,23 @@ class SpeculativeDecoder:
         Raises:
             ValueError: for a block size out of range (checked at every step).
         """
-        if isinstance(schedule, int):
-            schedule = FixedSchedule(schedule)
-        self.check_block_size(schedule.max_block_size)
-        use_drafter = schedule.max_block_size > 1
-        if use_drafter and prefill.features is None:
-            raise ValueError("prefill ran without drafter features; call prefill(want_features=True)")
-        sampler = PositionKeyedSampler(config.temperature, config.seed, self.lm_head.shape[0])
-        stats = RequestStats(prompt_tokens=prefill.input_ids.shape[1], prefill_ms=prefill.prefill_ms)
-
-        t_schedule = now(self.device)
-        block_size = stats.first_block_size = int(schedule.first(prefill.last_logits))
-        t0 = now(self.device)
-        stats.schedule_ms = (t0 - t_schedule) * 1e3
-
-        state = self.new_state(prefill, use_drafter)
-        stats.output_ids.append(state.pending)
-        stats.stopped = state.pending in self.stop_ids
-        halted = on_tokens is not None and bool(on_tokens([state.pending]))
+        req = Request.begin(self, prefill, schedule, config, on_tokens=on_tokens)
+        schedule = req.schedule
         choose_width = schedule.choose_width if schedule.chooses_widths else None  # a verify-width policy: k per step
         choose_tree = schedule.choose_tree if schedule.chooses_trees else None  # a tree policy: the tree per step
-        while not halted and not stats.stopped and stats.new_tokens < config.max_new_tokens:
-            self.check_block_size(block_size)
-            b = min(block_size, config.max_new_tokens - stats.new_tokens)
+        while not req.done:
+            self.check_block_size(req.block_size)
+            b = req.next_block()
             if choose_tree is not None and b > 1:
-                new, _ = self.tree_step(state, b, sampler, choose_tree, schedule.top_k)
-                stats.trees.append((state.last_tree, state.last_path))
+                new, _ = self.tree_step(req.state, b, req.sampler, choose_tree, schedule.top_k)
             else:
-                new, _ = self.step(state, b, sampler, choose_width)
-            new, stats.stopped = self.cut_at_stop(new)
-            stats.output_ids.extend(new)
-            stats.taus.append(len(new))
-            stats.block_sizes.append(b)
-            stats.verify_widths.append(state.last_width)
-            stats.confidences.append(float(state.last_confidence[0]) if state.last_confidence is not None else None)
-            block_size = schedule.next(len(new), b)
-            halted = on_tokens is not None and bool(on_tokens(new))
-
-        stats.decode_ms = (now(self.device) - t0) * 1e3
-        return stats
+                new, _ = self.step(req.state, b, req.sampler, choose_width)
+            req.record(new, b, now(self.device))
+        return req.stats
 
     def generate(self, input_ids: torch.Tensor, schedule: Schedule | int, config: DecodeConfig,
                  on_tokens: Callable[[list[int]], bool | None] | None = None) -> RequestStats:
         """Prefill then decode one request; see ``prefill`` and ``decode``."""
-        if isinstance(schedule, int):
-            self.check_block_size(schedule)
-            schedule = FixedSchedule(schedule)
+        schedule = as_schedule(self, schedule)
         prefill = self.prefill(input_ids, config, want_features=schedule.max_block_size > 1)
         return self.decode(prefill, schedule, config, on_tokens)

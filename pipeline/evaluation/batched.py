@@ -29,16 +29,16 @@ def check_bench_config(cfg: DictConfig) -> None:
             arrival pattern, a non-positive rate, max_new_tokens or bootstrap count, a negative temperature, or (for
             budget) a bad ``policy.budget.costs`` block; each names the key.
     """
-    from pipeline.policy.registry import METHODS, SERVABLE
+    from pipeline.policy.registry import METHODS, SERVABLE, check_methods
 
     b = cfg.bench
     conc = list(b.concurrency or [])
     if not conc or any(int(c) < 1 for c in conc):
         raise ValueError(f"bench.concurrency must be a non-empty list of ints >= 1, got {conc}")
-    bad = [m for m in b.methods or [] if m not in SERVABLE]
-    if not b.methods or bad:
-        raise ValueError(f"bench.methods must be a non-empty subset of the methods the batched decoder runs, "
-                         f"{list(SERVABLE)}; got {list(b.methods or [])}")
+    if not b.methods or isinstance(b.methods, str):
+        raise ValueError(f"bench.methods must be a non-empty list of the methods the batched decoder runs, "
+                         f"{list(SERVABLE)}; got {b.methods!r}")
+    check_methods(b.methods, "bench")
     bad = [a for a in b.arrivals or [] if a not in ARRIVALS]
     if not b.arrivals or bad:
         raise ValueError(f"bench.arrivals must be a non-empty subset of {list(ARRIVALS)}, got {list(b.arrivals or [])}")
@@ -146,11 +146,11 @@ def bench_batch(cfg: DictConfig) -> dict:
     """
     check_bench_config(cfg)
     from pipeline.decoding import DecodeConfig
-    from pipeline.decoding.batched import BatchedDecoder, decode_all
+    from pipeline.decoding.batched import BatchedDecoder
+    from pipeline.decoding.scheduler import decode_all
     from pipeline.decoding.build import build_decoder
     from pipeline.models.batched_forward import BatchedForward
     from pipeline.policy import setup
-    from pipeline.policy.registry import batch_policy
 
     b = cfg.bench
     torch.manual_seed(int(cfg.seed))
@@ -170,7 +170,7 @@ def bench_batch(cfg: DictConfig) -> dict:
 
     def run(method: str, prompts, configs, **kwargs) -> tuple[list, BatchedDecoder]:
         factory = setup.build_methods(cfg, decoder, inputs, [method], src)[method]
-        batch = BatchedDecoder(decoder, batch_policy(factory))
+        batch = BatchedDecoder(decoder, factory.batch)
         return decode_all(decoder, prompts, [factory() for _ in prompts], configs, batch=batch, **kwargs), batch
 
     if b.warmup:

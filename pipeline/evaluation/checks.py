@@ -18,14 +18,9 @@ def check_eval_config(cfg) -> None:
     methods = cfg.eval.get("methods")
     if not methods or isinstance(methods, str):
         raise ValueError(f"eval.methods={methods!r}: give a list, e.g. 'eval.methods=[ar,fixed]'")
-    from pipeline.policy.registry import BATCHED, BATCHED_ONLY, EVALUABLE, METHODS
+    from pipeline.policy.registry import check_methods
 
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown eval.methods {unknown}; choose from {list(EVALUABLE)}")
-    batched = [m for m in methods if m in BATCHED]
-    if batched:
-        raise ValueError(f"eval.methods {batched} cannot be evaluated here: {BATCHED_ONLY}")
+    check_methods(methods, "eval")
     check_policy_options(cfg)
     split = str(cfg.eval.get("split", "auto") or "all")
     if split not in ("auto", "all", "train", "validation", "test"):

@@ -8,19 +8,18 @@ builder of every stage's methods (``pipeline.policy.setup``, as the server and `
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from pathlib import Path
 
 from omegaconf import DictConfig
 
 from pipeline.policy import registry, setup
-from pipeline.policy.registry import METHODS, PerPrompt, PolicyInputs  # noqa: F401  (PerPrompt: re-exported)
+from pipeline.policy.registry import METHODS, PolicyInputs
 from pipeline.prompts import Prompt, check_label_template_kwargs, load_prompt_sets, prompt_id_of
 
 log = logging.getLogger(__name__)
 
 EvalInputs = PolicyInputs  # the eval stage's name for the methods' loaded inputs
-LABEL_METHODS = tuple(m for m, d in METHODS.items() if registry.LABELS in d.needs)
 WIDTH_METHODS = tuple(m for m, d in METHODS.items() if registry.CALIBRATION in d.needs)
 SPLIT_METHODS = tuple(m for m, d in METHODS.items() if d.label_split)
 
@@ -78,26 +77,10 @@ def load_eval_inputs(cfg: DictConfig, methods: list[str], decoder=None) -> EvalI
         FileNotFoundError: when a needed artifact is missing; the message names the stage to run.
         ValueError: when a predictor does not fit the decoder (vocabulary, block-size limit) or ``model.candidates``.
     """
-    from pipeline.labeling.store import read_label_table
-    from pipeline.policy.data import split_prompt_ids
-
-    inputs = EvalInputs()
-    labels_dir = Path(cfg.eval.labels_dir)
-    need_labels = any(m in LABEL_METHODS for m in methods)
-    if need_labels or any(labels_dir.glob("shard-*.parquet")):
-        try:
-            inputs.labels, inputs.label_meta = read_label_table(labels_dir)
-        except FileNotFoundError as err:
-            raise FileNotFoundError(f"eval methods {[m for m in methods if m in LABEL_METHODS]} need labels: {err}") from err
-    split = resolve_split(cfg, methods)
-    if split is not None or "best_fixed" in methods:
-        try:
-            inputs.splits = split_prompt_ids(cfg.eval.features_dir)
-        except FileNotFoundError as err:
-            raise FileNotFoundError(f"eval.split={split} / best_fixed need the dataset stage's splits: {err}") from err
-    setup.load_inputs(cfg, decoder, methods, sources(cfg), inputs)  # predictors, calibration, cost model
+    src = dataclasses.replace(sources(cfg), split=resolve_split(cfg, methods), labels_if_present=True)
+    inputs = setup.load_inputs(cfg, decoder, methods, src)  # labels, splits, predictors, calibration, cost model
     meta = inputs.label_meta
-    check_label_template_kwargs(meta, cfg.model, str(labels_dir))  # prompts of other token ids: labels of other text
+    check_label_template_kwargs(meta, cfg.model, str(cfg.eval.labels_dir))  # prompts of other token ids: labels of other text
     if meta:
         for key, value in (("max_new_tokens", cfg.decode.max_new_tokens), ("temperature", cfg.decode.temperature)):
             if key in meta and meta[key] != value:

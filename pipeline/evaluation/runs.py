@@ -22,7 +22,8 @@ from tqdm.auto import tqdm
 from pipeline.decoding import DecodeConfig, FixedSchedule
 from pipeline.decoding.conversation import decode_prompt
 from pipeline.decoding.schedules import ExternalDecode, Schedule
-from pipeline.decoding.speculative import PromptTooLongError, RequestStats
+from pipeline.decoding.requests import RequestStats
+from pipeline.decoding.speculative import PromptTooLongError
 from pipeline.decoding.trees import step_record
 from pipeline.evaluation.checks import check_eval_config
 from pipeline.models.clock import now
@@ -31,7 +32,7 @@ from pipeline.evaluation.inputs import (EvalInputs, check_prompts, load_eval_inp
 from pipeline.evaluation.resume import RowLog, row_settings
 from pipeline.evaluation.stats import speed_gains, summarize_all
 from pipeline.decoding.build import build_decoder
-from pipeline.policy.registry import METHODS, PerPrompt
+from pipeline.policy.registry import METHODS, check_methods
 from pipeline.prompts import Prompt, set_chat_template_kwargs, template_kwargs_of
 
 log = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ def verify_width_bound(inputs: EvalInputs, block_size: int, prompt_ids: set[str]
 
 
 def _factory(available: dict, method: str, prompt: Prompt):
-    return available[method].bind(prompt) if isinstance(available[method], PerPrompt) else available[method]
+    return available[method].bind(prompt)
 
 
 def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, inputs: EvalInputs | None = None,
@@ -143,8 +144,7 @@ def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, input
     Args:
         decoder: a ``SpeculativeDecoder`` (default: built from ``cfg.model``, after the config and prompt files are
             checked).
-        schedules: method -> schedule factory (default: ``method_schedules``); a factory is a zero-argument
-            callable or a ``PerPrompt``.
+        schedules: method -> ``pipeline.policy.registry.Factory`` (default: ``method_schedules``).
         inputs: preloaded ``EvalInputs`` (default: ``load_eval_inputs``).
         rows_path: a ``RowLog`` JSONL file: per-prompt rows are appended as each prompt finishes and a rerun
             resumes from it (``main`` passes ``rows.jsonl`` beside ``eval.out``); None keeps them in memory only.
@@ -164,9 +164,7 @@ def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, input
     if "ar" not in methods:
         methods = ["ar"] + methods  # speedup and losslessness are measured against ar in the same run
     if schedules is None:
-        unknown = [m for m in methods if m not in METHODS]
-        if unknown:
-            raise ValueError(f"unknown eval.methods {unknown}; available: {list(METHODS)}")
+        check_methods(methods, "eval")
         available = method_schedules(cfg, decoder, inputs, methods)
     else:
         available = schedules
@@ -207,7 +205,7 @@ def evaluate(cfg: DictConfig, decoder=None, schedules: dict | None = None, input
             continue
         row_log.append({"id": prompt.id, "rows": prompt_rows})
     for m in methods:  # peers that run a server of their own (vLLM) stop it
-        if not isinstance(available[m], PerPrompt) and isinstance(made := available[m](), ExternalDecode):
+        if not available[m].per_request and isinstance(made := available[m](), ExternalDecode):
             made.close()
     return collect_results(cfg, methods, prompts, row_log, runner, inputs, decoder, split)
 

@@ -11,7 +11,8 @@ import copy
 from dataclasses import dataclass, replace
 
 from pipeline.decoding.sampling import PositionKeyedSampler
-from pipeline.decoding.speculative import DecodeConfig, PrefillResult, RequestStats, SpeculativeDecoder
+from pipeline.decoding.requests import DecodeConfig, PrefillResult, RequestStats
+from pipeline.decoding.speculative import SpeculativeDecoder
 from pipeline.models.clock import now
 
 

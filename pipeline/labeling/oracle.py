@@ -19,7 +19,8 @@ import pandas as pd
 import torch
 
 from pipeline.costs import CostModel, steps_of
-from pipeline.decoding.speculative import DecodeConfig, SpeculativeDecoder
+from pipeline.decoding.requests import DecodeConfig
+from pipeline.decoding.speculative import SpeculativeDecoder
 from pipeline.labeling.brute import brute_force, reseed
 from pipeline.labeling.checks import LM_HEAD_MODES, MODES  # noqa: F401  (the label settings' names, re-exported)
 from pipeline.labeling.replay import replay, target_trace

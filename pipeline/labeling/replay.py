@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.decoding.sampling import PositionKeyedSampler, draft_confidence
-from pipeline.decoding.speculative import DecodeConfig, PrefillResult, SpeculativeDecoder
+from pipeline.decoding.requests import DecodeConfig, PrefillResult
+from pipeline.decoding.speculative import SpeculativeDecoder
 from pipeline.labeling.checks import LM_HEAD_MODES
 from pipeline.models.clock import now
 from pipeline.models.drafter import DFlashDrafter, lm_head_logits

@@ -30,7 +30,8 @@ from tqdm.auto import tqdm
 
 from pipeline import costs
 from pipeline.timing.steps import load_or_measure
-from pipeline.decoding.speculative import DecodeConfig, PromptTooLongError, SpeculativeDecoder
+from pipeline.decoding.requests import DecodeConfig
+from pipeline.decoding.speculative import PromptTooLongError, SpeculativeDecoder
 from pipeline.labeling.checks import check_label_config
 from pipeline.labeling.oracle import LabelSettings, check_candidates, label_prompt
 from pipeline.labeling.store import LabelStore

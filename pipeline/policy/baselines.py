@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.decoding.schedules import ExternalDecode
-from pipeline.decoding.speculative import RequestStats
+from pipeline.decoding.requests import RequestStats
 from pipeline.models.clock import now
 
 

@@ -26,15 +26,14 @@ Methods (``METHODS``):
     ``pipeline.integrations.vllm``), each request sent as the same prompt ids (``pipeline.policy.baselines``; eval only,
     needs ``make vllm``; options ``policy.vllm_*``).
 
-A factory is a zero-argument callable returning a fresh schedule, a ``PerPrompt`` (it needs the request), or a
-``JointWidths`` (a schedule per request plus the batch-level policy that chooses their widths together).
+Every builder returns a ``Factory``: a fresh schedule per request (``bind`` it to the request for the oracle) and the
+batch-level policy a batched decoder runs the method's requests under (``budget``'s ``BudgetPolicy``, else the base one).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Mapping
 
 import numpy as np
@@ -49,31 +48,42 @@ BATCHED_ONLY = ("it chooses the verify widths of every batched step jointly, and
                 "with serve.policy=budget serve.max_batch=8")
 
 
-class PerPrompt:
-    """A schedule factory that needs the request (e.g. the oracle): ``fn(prompt, turn) -> schedule``."""
+class Factory:
+    """What every method's builder returns (the one factory shape): the method's schedules and its batch-level policy.
 
-    def __init__(self, fn: Callable[[object, int], object]):
-        self.fn = fn
-
-    def bind(self, prompt) -> Callable[[], object]:
-        """A zero-argument factory for ``decode_prompt``: its k-th call builds the schedule of turn k (0-based)."""
-        turn = iter(range(len(prompt.turns)))
-        return lambda: self.fn(prompt, next(turn))
-
-
-class JointWidths:
-    """The factory of a method whose requests' verify widths one batch-level policy chooses together (``budget``).
-
-    Called, it returns a fresh per-request schedule (the B each request drafts); ``policy`` is the
-    ``pipeline.decoding.batched.BatchPolicy`` the ``BatchedDecoder`` consults at every admission and step (a
-    ``BudgetPolicy``). Only a batched decoder runs it (the server, ``pipeline.bench_batch``).
+    Args:
+        make: ``() -> schedule``, a fresh schedule per request; with ``per_request``, ``(prompt, turn) -> schedule`` (the
+            oracle reads each request's own label: ``bind`` it to the request first).
+        batch: the ``pipeline.decoding.schedules.BatchPolicy`` a batched decoder consults at every admission and step for
+            this method's requests (``budget``: its ``BudgetPolicy``, which chooses their verify widths together); None:
+            the base policy (each request's schedule decides).
+        name: the method (``build`` sets it).
     """
 
-    def __init__(self, make: Callable[[], object], policy):
-        self.make, self.policy = make, policy
+    def __init__(self, make: Callable, batch=None, per_request: bool = False, name: str = ""):
+        self.make, self.per_request, self.name = make, per_request, name
+        if batch is None:
+            from pipeline.decoding.schedules import BatchPolicy
+
+            batch = BatchPolicy()
+        self.batch = batch
 
     def __call__(self):
+        """A fresh schedule for a request.
+
+        Raises:
+            ValueError: for a method that needs the request (``bind`` it).
+        """
+        if self.per_request:
+            raise ValueError(f"method {self.name!r} needs the request: bind(prompt) first")
         return self.make()
+
+    def bind(self, prompt) -> Callable[[], object]:
+        """A zero-argument factory for ``prompt``'s turns: its k-th call builds the schedule of turn k (0-based)."""
+        if not self.per_request:
+            return self
+        turn = iter(range(len(prompt.turns)))
+        return lambda: self.make(prompt, next(turn))
 
 
 @dataclass
@@ -142,14 +152,6 @@ class Context:
         return b
 
 
-def batch_policy(factory):
-    """The ``BatchPolicy`` a batched decoder runs a method's requests under: a ``JointWidths``' own, else the base
-    policy (each request's schedule decides)."""
-    from pipeline.decoding.schedules import BatchPolicy
-
-    return factory.policy if isinstance(factory, JointWidths) else BatchPolicy()
-
-
 def default_block_size(decoder, block_size: int | None = None) -> int:
     """B when none is configured: ``block_size`` when given, else the drafter's training block size (1 without a drafter)."""
     if block_size is not None:
@@ -161,19 +163,6 @@ def verify_width_block_size(options: Mapping, decoder, block_size: int | None = 
     """B drafted by ``verify_width``: ``policy.verify_width.block_size``, else the fixed B (``block_size``, else the
     drafter's training block size: ``default_block_size``)."""
     return int((options.get("verify_width") or {}).get("block_size") or default_block_size(decoder, block_size))
-
-
-def check_predictor(predictor, decoder, directory) -> None:
-    """Raise ``ValueError`` when a predictor does not fit the decoder: its vocabulary, or the drafter's block-size limit."""
-    vocab = decoder.lm_head.shape[0]
-    spec_vocab = predictor.featurizer.spec.vocab_size
-    if spec_vocab and spec_vocab != vocab:
-        raise ValueError(f"predictor {directory} was trained on a vocabulary of {spec_vocab}, the target has {vocab}: "
-                         "train it on labels of this target")
-    limit = decoder.drafter.max_block_size if decoder.drafter is not None else 1
-    if max(predictor.candidates) > limit:
-        raise ValueError(f"predictor {directory} picks block sizes up to {max(predictor.candidates)}, beyond the drafter's "
-                         f"limit {limit}; use a predictor trained for this drafter")
 
 
 def best_fixed_block_size(inputs: PolicyInputs, target: str = "tau") -> int:
@@ -195,14 +184,14 @@ def best_fixed_block_size(inputs: PolicyInputs, target: str = "tau") -> int:
 def _ar(ctx: Context):
     from pipeline.decoding import FixedSchedule
 
-    return lambda: FixedSchedule(1)
+    return Factory(lambda: FixedSchedule(1))
 
 
 def _fixed(ctx: Context):
     from pipeline.decoding import FixedSchedule
 
     b = ctx.fixed_block_size
-    return lambda: FixedSchedule(b)
+    return Factory(lambda: FixedSchedule(b))
 
 
 def _ema(ctx: Context):
@@ -212,7 +201,7 @@ def _ema(ctx: Context):
     EMASchedule(cands)  # raises for an empty list
     ctx.decoder.check_block_size(max(cands))
     alpha, margin, start = ctx.option("ema", "alpha", 0.5), ctx.option("ema", "margin", 1.0), ctx.option("ema", "start")
-    return lambda: EMASchedule(cands, alpha, margin, start)
+    return Factory(lambda: EMASchedule(cands, alpha, margin, start))
 
 
 def _best_fixed(ctx: Context):
@@ -220,7 +209,7 @@ def _best_fixed(ctx: Context):
 
     b = best_fixed_block_size(ctx.inputs, ctx.target)
     ctx.decoder.check_block_size(b)
-    return lambda: FixedSchedule(b)
+    return Factory(lambda: FixedSchedule(b))
 
 
 def _oracle(ctx: Context):
@@ -241,7 +230,7 @@ def _oracle(ctx: Context):
             rid = prompt.id
         return FixedSchedule(label_of[rid])
 
-    return PerPrompt(oracle)
+    return Factory(oracle, per_request=True)
 
 
 def _predictor(method: str):
@@ -250,7 +239,7 @@ def _predictor(method: str):
 
         predictor = ctx.inputs.predictors[method]
         ctx.decoder.check_block_size(max(predictor.candidates))
-        return lambda: PredictorSchedule(predictor)
+        return Factory(lambda: PredictorSchedule(predictor))
 
     return build
 
@@ -278,7 +267,7 @@ def _verify_width(hybrid: bool):
         calibration, latency = ctx.inputs.calibration, ctx.inputs.latency
         predictor = ctx.inputs.predictors["blockpilot"] if hybrid else None
         VerifyWidthSchedule(calibration, latency, b, predictor, **options)  # raises for B < 2 or a bad option
-        return lambda: VerifyWidthSchedule(calibration, latency, b, predictor, **options)
+        return Factory(lambda: VerifyWidthSchedule(calibration, latency, b, predictor, **options))
 
     return build
 
@@ -291,7 +280,7 @@ def _tree(ctx: Context):
                "max_nodes": tree_max_nodes(ctx.options, ctx.decoder)}
     calibration, latency = ctx.inputs.calibration, ctx.inputs.latency
     TreeSchedule(calibration, latency, b, **options)  # raises for B < 2 or a bad option
-    return lambda: TreeSchedule(calibration, latency, b, **options)
+    return Factory(lambda: TreeSchedule(calibration, latency, b, **options))
 
 
 def tree_max_nodes(options: Mapping, decoder) -> int:
@@ -314,7 +303,7 @@ def _budget(ctx: Context):
     options = _step_options(ctx)
     policy = BudgetPolicy(ctx.inputs.calibration, ctx.inputs.batch_costs, skip_drafts=options["skip_drafts"],
                           max_skip=options["max_skip"])
-    return JointWidths(lambda: FixedSchedule(b), policy)
+    return Factory(lambda: FixedSchedule(b), policy)
 
 
 def _vllm(method: str, policy: str = "off"):
@@ -326,7 +315,7 @@ def _vllm(method: str, policy: str = "off"):
         if method == "dflash":  # vLLM's K: B - 1 of the fixed B unless policy.<method>.num_speculative_tokens says
             options.setdefault("num_speculative_tokens", ctx.fixed_block_size - 1)
         peer = VllmGenerate({"method": method, "policy": policy, **options})
-        return lambda: peer
+        return Factory(lambda: peer)
 
     return build
 
@@ -339,7 +328,7 @@ def _hf(prompt_lookup: bool):
         if prompt_lookup:
             extra = {"prompt_lookup_num_tokens": int(ctx.option("hf_prompt_lookup", "num_tokens", 10)),
                      "max_matching_ngram_size": int(ctx.option("hf_prompt_lookup", "max_matching_ngram_size", 2))}
-        return lambda: TransformersGenerate(extra)
+        return Factory(lambda: TransformersGenerate(extra))
 
     return build
 
@@ -359,7 +348,7 @@ class Method:
         per_step: whether B changes after every step (the report's B column says so).
         servable: whether the server can run it (None: yes; else why not).
         label_split: whether it is scored on the dataset's test split (``eval.split=auto``).
-        batched: whether only a batched decoder runs it (its factory is a ``JointWidths``; the server and bench_batch, not the
+        batched: whether only a batched decoder runs it (its ``Factory`` brings a batch-level policy; the server and bench_batch, not the
             eval stage).
     """
 
@@ -418,27 +407,57 @@ def missing_inputs(method: Method, inputs: PolicyInputs) -> list[str]:
     return sorted(n for n in method.needs if not have[n])
 
 
+STAGE_KEYS = {"eval": "eval.methods", "serve": "serve.policy", "bench": "bench.methods"}  # where -> the setting's name
+
+
+def runnable(where: str) -> tuple[str, ...]:
+    """The methods ``where`` runs: the eval stage decodes one request at a time (no batched method); the server and
+    ``bench_batch`` run the batched decoder (the servable methods)."""
+    return EVALUABLE if where == "eval" else SERVABLE
+
+
+def check_methods(names, where: str, key: str | None = None) -> None:
+    """The one check of method names (the config checks, ``build`` and the stages call it): every name is a method of
+    ``METHODS`` that ``where`` (``eval``, ``serve`` or ``bench``) can run.
+
+    Args:
+        names: the method names (a list), or one name (a str: ``serve.policy``).
+        key: the setting's name for messages (default ``STAGE_KEYS[where]``).
+    Raises:
+        ValueError: for the first unknown or unrunnable name, naming ``key`` and the choices.
+    """
+    key = key or STAGE_KEYS[where]
+    single = isinstance(names, str)
+    names = [names] if single else [str(n) for n in names]
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        shown = repr(unknown[0]) if single else unknown
+        raise ValueError(f"unknown {key} {shown}; choose from {list(runnable(where))}")
+    if where == "eval":
+        batched = [n for n in names if METHODS[n].batched]
+        if batched:
+            raise ValueError(f"{key} {batched} cannot be evaluated here: {BATCHED_ONLY}")
+        return
+    for n in names:
+        if METHODS[n].servable is not None:
+            raise ValueError(f"{key}={n} cannot be served: {METHODS[n].servable}; serve one of {list(SERVABLE)}")
+
+
 def build(name: str, ctx: Context):
     """The schedule factory of method ``name``.
 
     Raises:
-        ValueError: for an unknown method, one the server cannot run (``ctx.where == "serve"``), a batched method in
-            the eval stage, missing inputs (names them), or a B the decoder cannot draft.
+        ValueError: for an unknown method, one the stage cannot run (``check_methods``), missing inputs (names them), or
+            a B the decoder cannot draft.
     """
-    method = METHODS.get(name)
-    if method is None:
-        key = "serve.policy" if ctx.where == "serve" else "eval.methods"
-        raise ValueError(f"unknown {key} entry {name!r}; choose from {list(SERVABLE if ctx.where == 'serve' else METHODS)}")
-    if ctx.where in ("serve", "bench") and method.servable is not None:
-        key = "serve.policy" if ctx.where == "serve" else "bench.methods entry"
-        raise ValueError(f"{key}={name} cannot run in the batched decoder: {method.servable}; choose one of "
-                         f"{list(SERVABLE)}")
-    if ctx.where == "eval" and method.batched:
-        raise ValueError(f"eval.methods entry {name!r} cannot be evaluated here: {BATCHED_ONLY}")
+    check_methods(name if ctx.where == "serve" else [name], ctx.where)
+    method = METHODS[name]
     missing = missing_inputs(method, ctx.inputs)
     if missing:
         raise ValueError(f"method {name!r} needs {', '.join(missing)}, which were not loaded (load_inputs)")
-    return method.build(ctx)
+    factory = method.build(ctx)
+    factory.name = name
+    return factory
 
 
 def available(ctx: Context) -> dict:
@@ -446,97 +465,3 @@ def available(ctx: Context) -> dict:
     return {name: build(name, ctx) for name, m in METHODS.items()
             if not missing_inputs(m, ctx.inputs) and (ctx.where != "serve" or m.servable is None)
             and (ctx.where != "eval" or not m.batched)}
-
-
-# -- loading what the methods need -----------------------------------------------------------------------------
-def predictor_folder(predictor_dir: str | Path, method: str, options: Mapping) -> Path:
-    """Where ``method``'s predictor is read: ``predictor_dir`` itself when it holds ``predictor.json`` (a predictor folder
-    given directly), else its ``policy.<method>.predictor`` sub-folder (``mlp`` for blockpilot, ``full_vocab``)."""
-    directory = Path(predictor_dir)
-    if (directory / "predictor.json").is_file():
-        return directory
-    sub = (options.get(method) or {}).get("predictor") or {"blockpilot": "mlp"}.get(method, method)
-    return directory / str(sub)
-
-
-def run_folder(predictor_dir: str | Path | None) -> Path | None:
-    """The run's predictors folder behind ``predictor_dir`` (its parent when ``predictor_dir`` is a predictor folder
-    given directly, ``predictor_folder``'s first case); its ``verify_width`` sub-folder holds the run's calibration.
-    None without one."""
-    if not predictor_dir:
-        return None
-    directory = Path(predictor_dir)
-    return directory.parent if (directory / "predictor.json").is_file() else directory
-
-
-def load_method_predictor(method: str, directory: str | Path, decoder=None, candidates=None, device: str = "cpu",
-                          missing_hint: str = ""):
-    """The exported predictor of ``method`` at ``directory``, checked against ``candidates`` and the decoder.
-
-    Raises:
-        FileNotFoundError: without an exported predictor (``missing_hint`` says how to train one).
-        ValueError: when its candidates differ from ``candidates``, or it does not fit the decoder (``check_predictor``);
-            also ``load_predictor``'s checks of the files against each other.
-    """
-    from pipeline.policy.export import load_predictor
-
-    try:
-        predictor = load_predictor(directory, device=device)
-    except FileNotFoundError as err:
-        raise FileNotFoundError(f"method {method!r} needs a trained predictor at {directory}; {missing_hint or err}") from err
-    if candidates is not None and sorted(predictor.candidates) != sorted(int(c) for c in candidates):
-        candidates = [int(c) for c in candidates]
-        raise ValueError(f"predictor {directory} chooses among block sizes {predictor.candidates}, but model.candidates="
-                         f"{candidates}: evaluate with model.candidates={predictor.candidates} or train a predictor on labels "
-                         f"made with these candidates (label.block_sizes=${{model.candidates}})")
-    if decoder is not None:
-        check_predictor(predictor, decoder, directory)
-    return predictor
-
-
-def load_verify_width(inputs: PolicyInputs, decoder, options: Mapping, run_dir: str | Path, drafter: str | None,
-                      widths, cfg=None) -> None:
-    """Load the calibration (``find_calibration``: ``policy.verify_width.calibration``, else ``run_dir``, else the drafter
-    folder's) and, with ``cfg``, this machine's latency model (``policy.verify_width.latency``) into ``inputs``; logs
-    which calibration. ``budget`` reads the calibration only (``cfg=None``) and ``load_batch_costs``.
-
-    Raises:
-        FileNotFoundError: without a calibration; ValueError: without a drafter.
-    """
-    from pipeline.policy.calibration import find_calibration, load_calibration
-    from pipeline.timing.steps import load_or_measure
-
-    vw = options.get("verify_width") or {}
-    if decoder is not None and decoder.drafter is None:
-        raise ValueError("methods verify_width/hybrid/budget need a drafter (model.drafter=...)")
-    path = find_calibration(vw.get("calibration"), run_dir, drafter)
-    inputs.calibration, inputs.calibration_path = load_calibration(path), str(path)
-    info = inputs.calibration.info or {}
-    log.info("verify_width: calibration %s (%s samples, fitted on %s)", path, info.get("samples", "?"),
-             info.get("labels_dir", "?"))
-    lat = vw.get("latency") or {}
-    if cfg is not None and (lat.get("path") or decoder is not None):  # the one way to obtain the cost model
-        inputs.latency = load_or_measure(decoder, cfg, list(widths) if decoder is not None else [],
-                                               "policy.verify_width.latency")
-
-
-def load_batch_costs(inputs: PolicyInputs, decoder, options: Mapping, model, block_size: int, max_requests: int,
-                     seed: int = 0, fresh: bool = False) -> None:
-    """This machine's batched step cost model (``policy.budget.costs``: measured once per machine, models and forward
-    path, then read from its cache; ``pipeline.timing.batched.batch_costs_of``) into ``inputs.batch_costs``, timed for
-    blocks of ``block_size`` and up to ``max_requests`` requests per step. ``fresh``: measure again, replace the cache
-    and update the model ``inputs`` holds in place (every policy holding it reads the new costs).
-
-    Raises:
-        ValueError: for a bad ``policy.budget.costs`` block, or as ``measure_batch_costs``.
-    """
-    from pipeline.timing.batched import batch_costs_of
-
-    settings = (options.get("budget") or {}).get("costs")
-    costs = batch_costs_of(decoder, settings, model, block_size, max_requests, seed, "policy.budget.costs", fresh=fresh)
-    if fresh and inputs.batch_costs is not None:
-        inputs.batch_costs.update(costs)
-        return
-    inputs.batch_costs = costs
-    log.info("budget: batched step cost model for B=%d and up to %d requests (%s)", block_size, max_requests,
-             settings.get("cache") or "measured now, not cached")

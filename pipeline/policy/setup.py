@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
 
 from pipeline.policy import registry
 
@@ -35,6 +37,9 @@ class Sources:
         max_requests: the most requests sharing a batched step (the batched cost model is timed up to it).
         check_candidates: a predictor must choose among ``model.candidates`` (the eval stage: labels of them).
         missing_hint: appended to the message of a missing predictor.
+        split: the dataset split whose prompts the stage decodes (its ids are read from ``features_dir``), or None.
+        labels_if_present: read the run's labels when ``labels_dir`` holds any, even when no method needs them (the eval
+            stage's report figures).
     """
 
     where: str
@@ -47,6 +52,8 @@ class Sources:
     max_requests: int = 1
     check_candidates: bool = False
     missing_hint: str = ""
+    split: str | None = None
+    labels_if_present: bool = False
 
 
 def policy_options(cfg) -> dict:
@@ -87,25 +94,36 @@ def load_inputs(cfg, decoder, methods, src: Sources, inputs: registry.PolicyInpu
     inputs = inputs if inputs is not None else registry.PolicyInputs()
     wanted = [registry.METHODS[m] for m in dict.fromkeys(methods) if m in registry.METHODS]
     needs = set().union(*[m.needs for m in wanted]) if wanted else set()
-    if registry.LABELS in needs and inputs.labels is None:
+    present = src.labels_if_present and src.labels_dir and any(Path(src.labels_dir).glob("shard-*.parquet"))
+    if inputs.labels is None and (registry.LABELS in needs or present):
         from pipeline.labeling.store import read_label_table
+
+        try:
+            inputs.labels, inputs.label_meta = read_label_table(src.labels_dir)
+        except FileNotFoundError as err:
+            users = [m.name for m in wanted if registry.LABELS in m.needs]
+            raise FileNotFoundError(f"methods {users} need labels: {err}") from err
+    if inputs.splits is None and (registry.SPLITS in needs or src.split is not None):
         from pipeline.policy.data import split_prompt_ids
 
-        inputs.labels, inputs.label_meta = read_label_table(src.labels_dir)
-        if registry.SPLITS in needs:
+        try:
             inputs.splits = split_prompt_ids(src.features_dir)
+        except FileNotFoundError as err:
+            users = [f"split={src.split}"] * (src.split is not None) + [m.name for m in wanted if registry.SPLITS in m.needs]
+            raise FileNotFoundError(f"{' / '.join(users)} need the dataset stage's splits: {err}") from err
     options = policy_options(cfg)
     for method in sorted({m.predictor for m in wanted if m.predictor} - set(inputs.predictors)):
-        directory = registry.predictor_folder(src.predictor_dir, method, options)
-        inputs.predictors[method] = registry.load_method_predictor(
+        directory = predictor_folder(src.predictor_dir, method, options)
+        inputs.predictors[method] = load_method_predictor(
             method, directory, decoder, list(cfg.model.candidates) if src.check_candidates else None,
             str(decoder.device) if decoder is not None else "cpu", src.missing_hint)
-    if registry.CALIBRATION in needs:
-        run_dir = registry.run_folder(src.predictor_dir)
-        registry.load_verify_width(inputs, decoder, options, run_dir / "verify_width" if run_dir else None,
+    if registry.CALIBRATION in needs and (inputs.calibration is None
+                                          or (registry.COSTS in needs and inputs.latency is None)):
+        run_dir = run_folder(src.predictor_dir)
+        load_verify_width(inputs, decoder, options, run_dir / "verify_width" if run_dir else None,
                                    cfg.model.get("drafter"), widths(cfg, decoder, src) if decoder is not None else [],
                                    cfg if registry.COSTS in needs else None)
-    if registry.BATCH_COSTS in needs:
+    if registry.BATCH_COSTS in needs and inputs.batch_costs is None:
         b = drafted_block_size(cfg, decoder, src)
         try:
             decoder.check_block_size(b)
@@ -113,13 +131,12 @@ def load_inputs(cfg, decoder, methods, src: Sources, inputs: registry.PolicyInpu
             raise ValueError(f"{', '.join(m.name for m in wanted if registry.BATCH_COSTS in m.needs)} drafts at B={b} "
                              f"(policy.verify_width.block_size, else {src.block_size_key}, else the drafter's training "
                              f"B): {err}") from err
-        registry.load_batch_costs(inputs, decoder, options, cfg.model, b, src.max_requests, int(cfg.get("seed", 0)))
+        load_batch_costs(inputs, decoder, options, cfg.model, b, src.max_requests, int(cfg.get("seed", 0)))
     return inputs
 
 
 def build_methods(cfg, decoder, inputs: registry.PolicyInputs, methods, src: Sources) -> dict:
-    """``{method: factory}`` of ``methods`` (``registry.build``): a zero-argument schedule factory, a ``PerPrompt`` or a
-    ``JointWidths``.
+    """``{method: registry.Factory}`` of ``methods`` (``registry.build``).
 
     Raises:
         ValueError: for an unknown method, one the stage cannot run, missing inputs, or a B the drafter cannot draft.
@@ -167,6 +184,114 @@ class CostWatch:
         if costs is None:
             return
         if self.monitors["batch"].observe(costs.step_ms(*rows), ms) == "remeasure":
-            registry.load_batch_costs(self.inputs, self.decoder, policy_options(self.cfg), self.cfg.model,
+            load_batch_costs(self.inputs, self.decoder, policy_options(self.cfg), self.cfg.model,
                                       drafted_block_size(self.cfg, self.decoder, self.src), self.src.max_requests,
                                       int(self.cfg.get("seed", 0)), fresh=True)
+
+
+# -- the loaders of what the methods need --------------------------------------------------------------------------
+def check_predictor(predictor, decoder, directory) -> None:
+    """Raise ``ValueError`` when a predictor does not fit the decoder: its vocabulary, or the drafter's block-size limit."""
+    vocab = decoder.lm_head.shape[0]
+    spec_vocab = predictor.featurizer.spec.vocab_size
+    if spec_vocab and spec_vocab != vocab:
+        raise ValueError(f"predictor {directory} was trained on a vocabulary of {spec_vocab}, the target has {vocab}: "
+                         "train it on labels of this target")
+    limit = decoder.drafter.max_block_size if decoder.drafter is not None else 1
+    if max(predictor.candidates) > limit:
+        raise ValueError(f"predictor {directory} picks block sizes up to {max(predictor.candidates)}, beyond the drafter's "
+                         f"limit {limit}; use a predictor trained for this drafter")
+
+
+def predictor_folder(predictor_dir: str | Path, method: str, options: Mapping) -> Path:
+    """Where ``method``'s predictor is read: ``predictor_dir`` itself when it holds ``predictor.json`` (a predictor folder
+    given directly), else its ``policy.<method>.predictor`` sub-folder (``mlp`` for blockpilot, ``full_vocab``)."""
+    directory = Path(predictor_dir)
+    if (directory / "predictor.json").is_file():
+        return directory
+    sub = (options.get(method) or {}).get("predictor") or {"blockpilot": "mlp"}.get(method, method)
+    return directory / str(sub)
+
+
+def run_folder(predictor_dir: str | Path | None) -> Path | None:
+    """The run's predictors folder behind ``predictor_dir`` (its parent when ``predictor_dir`` is a predictor folder
+    given directly, ``predictor_folder``'s first case); its ``verify_width`` sub-folder holds the run's calibration.
+    None without one."""
+    if not predictor_dir:
+        return None
+    directory = Path(predictor_dir)
+    return directory.parent if (directory / "predictor.json").is_file() else directory
+
+
+def load_method_predictor(method: str, directory: str | Path, decoder=None, candidates=None, device: str = "cpu",
+                          missing_hint: str = ""):
+    """The exported predictor of ``method`` at ``directory``, checked against ``candidates`` and the decoder.
+
+    Raises:
+        FileNotFoundError: without an exported predictor (``missing_hint`` says how to train one).
+        ValueError: when its candidates differ from ``candidates``, or it does not fit the decoder (``check_predictor``);
+            also ``load_predictor``'s checks of the files against each other.
+    """
+    from pipeline.policy.export import load_predictor
+
+    try:
+        predictor = load_predictor(directory, device=device)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"method {method!r} needs a trained predictor at {directory} ({err}): "
+                                f"{missing_hint or 'run make label, make dataset and make train first'}") from err
+    if candidates is not None and sorted(predictor.candidates) != sorted(int(c) for c in candidates):
+        candidates = [int(c) for c in candidates]
+        raise ValueError(f"predictor {directory} chooses among block sizes {predictor.candidates}, but model.candidates="
+                         f"{candidates}: evaluate with model.candidates={predictor.candidates} or train a predictor on labels "
+                         f"made with these candidates (label.block_sizes=${{model.candidates}})")
+    if decoder is not None:
+        check_predictor(predictor, decoder, directory)
+    return predictor
+
+
+def load_verify_width(inputs: registry.PolicyInputs, decoder, options: Mapping, run_dir: str | Path, drafter: str | None,
+                      widths, cfg=None) -> None:
+    """Load the calibration (``find_calibration``: ``policy.verify_width.calibration``, else ``run_dir``, else the drafter
+    folder's) and, with ``cfg``, this machine's latency model (``policy.verify_width.latency``) into ``inputs``; logs
+    which calibration. ``budget`` reads the calibration only (``cfg=None``) and ``load_batch_costs``.
+
+    Raises:
+        FileNotFoundError: without a calibration; ValueError: without a drafter.
+    """
+    from pipeline.policy.calibration import find_calibration, load_calibration
+    from pipeline.timing.steps import load_or_measure
+
+    vw = options.get("verify_width") or {}
+    if decoder is not None and decoder.drafter is None:
+        raise ValueError("methods verify_width/hybrid/budget need a drafter (model.drafter=...)")
+    path = find_calibration(vw.get("calibration"), run_dir, drafter)
+    inputs.calibration, inputs.calibration_path = load_calibration(path), str(path)
+    info = inputs.calibration.info or {}
+    log.info("verify_width: calibration %s (%s samples, fitted on %s)", path, info.get("samples", "?"),
+             info.get("labels_dir", "?"))
+    lat = vw.get("latency") or {}
+    if cfg is not None and (lat.get("path") or decoder is not None):  # the one way to obtain the cost model
+        inputs.latency = load_or_measure(decoder, cfg, list(widths) if decoder is not None else [],
+                                               "policy.verify_width.latency")
+
+
+def load_batch_costs(inputs: registry.PolicyInputs, decoder, options: Mapping, model, block_size: int, max_requests: int,
+                     seed: int = 0, fresh: bool = False) -> None:
+    """This machine's batched step cost model (``policy.budget.costs``: measured once per machine, models and forward
+    path, then read from its cache; ``pipeline.timing.batched.batch_costs_of``) into ``inputs.batch_costs``, timed for
+    blocks of ``block_size`` and up to ``max_requests`` requests per step. ``fresh``: measure again, replace the cache
+    and update the model ``inputs`` holds in place (every policy holding it reads the new costs).
+
+    Raises:
+        ValueError: for a bad ``policy.budget.costs`` block, or as ``measure_batch_costs``.
+    """
+    from pipeline.timing.batched import batch_costs_of
+
+    settings = (options.get("budget") or {}).get("costs")
+    costs = batch_costs_of(decoder, settings, model, block_size, max_requests, seed, "policy.budget.costs", fresh=fresh)
+    if fresh and inputs.batch_costs is not None:
+        inputs.batch_costs.update(costs)
+        return
+    inputs.batch_costs = costs
+    log.info("budget: batched step cost model for B=%d and up to %d requests (%s)", block_size, max_requests,
+             settings.get("cache") or "measured now, not cached")

@@ -17,14 +17,11 @@ def check_serve_config(cfg) -> None:
     check_common(cfg, loads_model=True)
     if cfg.get("serve") is None:
         return
-    from pipeline.policy.registry import BATCHED, METHODS, SERVABLE
+    from pipeline.policy.registry import BATCHED, check_methods
 
     serve = cfg.serve
     policy = str(serve.get("policy"))
-    if policy not in METHODS:
-        raise ValueError(f"unknown serve.policy {policy!r}; choose from {list(SERVABLE)}")
-    if METHODS[policy].servable is not None:
-        raise ValueError(f"serve.policy={policy} cannot be served: {METHODS[policy].servable}; serve one of {list(SERVABLE)}")
+    check_methods(policy, "serve")
     max_batch = serve.get("max_batch", 1)
     max_batch = 1 if max_batch is None else max_batch
     if not is_int(max_batch) or max_batch < 1:

@@ -1,10 +1,12 @@
 """The serving engine: continuous batching over one decoder, ``serve.max_batch`` requests per step (1 included).
 
 ``Engine.run`` admits a request (``QueueFull`` past ``max_batch`` decoding + ``max_queue`` waiting) and waits for its
-``Completion``, decoded by one scheduler thread around a ``pipeline.decoding.batched.BatchedDecoder``: between two
-batched steps it admits waiting requests while fewer than ``max_batch`` decode (each prefilled alone, chunk by chunk,
-then joining at the step boundary), ends requests whose client went away (the slot frees at once: ``finish_reason``
-``abort``), and after each step answers the requests that finished. Each request's text is the one it would get alone
+``Completion``, decoded on one thread by the one scheduler of batched decoding (``pipeline.decoding.scheduler``, the
+one ``pipeline.bench_batch`` measures): between two batched steps it admits waiting requests while fewer than
+``max_batch`` decode (each prefilled alone, chunk by chunk, then joining at the step boundary), ends requests whose
+client went away (the slot frees at once: ``finish_reason`` ``abort``), and after each step the engine answers the
+requests that finished. The engine itself is the bridge: the event loop's admission and futures, each request's text
+stream and stop strings, the recorder, the listeners. Each request's text is the one it would get alone
 (batched steps are lossless and, on the smallm backend, bit-identical per request); with ``max_batch=1`` a request
 decodes alone, exactly as ``SpeculativeDecoder.generate`` decodes it. Streaming passes ``Job.on_text``, called from the
 scheduler thread with each text delta (``pipeline.serving.text``).
@@ -41,8 +43,9 @@ import torch
 
 from pipeline.decoding import DecodeConfig, FixedSchedule
 from pipeline.decoding.batched import BatchedDecoder
-from pipeline.decoding.schedules import BatchPolicy
-from pipeline.decoding.speculative import RequestStats, SpeculativeDecoder
+from pipeline.decoding.requests import RequestStats
+from pipeline.decoding.scheduler import Entry, RequestCancelled, Scheduler
+from pipeline.decoding.speculative import SpeculativeDecoder
 from pipeline.serving.metrics import Finished
 from pipeline.serving.recorder import Recorder, Served
 from pipeline.serving.schemas import DecodeInfo, RequestError
@@ -50,68 +53,11 @@ from pipeline.serving.text import TextStream
 
 log = logging.getLogger(__name__)
 
-STEPS_KEPT = 10_000  # batched steps whose ``BatchedDecoder.rows`` / ``step_log`` entries the server keeps
-
-
 class QueueFull(RuntimeError):
     """Every slot (``max_batch`` decoding + ``max_queue`` waiting) is taken; the caller answers 503."""
 
 
-class JobCancelled(RuntimeError):
-    """The job was cancelled (its client went away, or the server is shutting down) before its decode started."""
-
-
-class Policy:
-    """The server's method: a fresh schedule per request and the batched decoder's ``BatchPolicy``.
-
-    Args:
-        name: a servable method (``pipeline.policy.registry.SERVABLE``); make: zero-argument schedule factory; batch: the ``BatchPolicy`` of every batched
-            step (None: the base policy, each request's schedule decides).
-    """
-
-    def __init__(self, name: str, make: Callable[[], object], batch: BatchPolicy | None = None):
-        self.name, self.make = name, make
-        self.batch = batch if batch is not None else BatchPolicy()
-
-    @classmethod
-    def of(cls, name: str, factory) -> "Policy":
-        """The policy of a registry factory (a ``JointWidths`` brings its batch-level policy)."""
-        from pipeline.policy.registry import JointWidths, batch_policy
-
-        make = factory.make if isinstance(factory, JointWidths) else factory
-        return cls(name, make, batch_policy(factory))
-
-
-def build_policy(name: str, decoder: SpeculativeDecoder, block_size: int | None = None, predictor_dir: str | None = None,
-                 candidates=(), options: dict | None = None, inputs=None, run_hint: str = "", target: str = "tau") -> Policy:
-    """A ``serve.policy`` from the method table (``pipeline.policy.registry``) without a config: the registry's
-    builders over the given inputs (``pipeline.serve`` builds from its config through ``pipeline.policy.setup``).
-
-    Args:
-        block_size: the fixed policy's B (None: the drafter's training B).
-        predictor_dir: a predictor folder, or a run's predictors folder (blockpilot / full_vocab / hybrid).
-        candidates: ``model.candidates`` (ema); options: ``{method: {option: value}}`` (the ``policy`` config group).
-        inputs: ``PolicyInputs`` already loaded (calibration + latency for verify_width, + batch_costs for budget).
-        run_hint: appended to a missing predictor's message; target: best_fixed's label (``tau`` or ``speed``).
-    Raises:
-        ValueError: for an unknown or unservable policy, missing inputs, or a B the drafter cannot draft.
-        FileNotFoundError: for a predictor policy without a trained predictor at ``predictor_dir``.
-    """
-    from pipeline.policy import registry
-
-    options = dict(options or {})
-    inputs = inputs if inputs is not None else registry.PolicyInputs()
-    method = registry.METHODS.get(name)
-    wanted = method.predictor if method is not None and method.servable is None else None
-    if wanted and wanted not in inputs.predictors:
-        directory = registry.predictor_folder(predictor_dir, wanted, options) if predictor_dir else None
-        if directory is None or not (directory / "predictor.json").is_file():
-            raise FileNotFoundError(f"serve.policy={name} needs a trained predictor at {directory}: run make label, make dataset "
-                                    f"and make train first (or serve.predictor_dir=...){run_hint}")
-        inputs.predictors[wanted] = registry.load_method_predictor(wanted, directory, decoder, device=str(decoder.device))
-    ctx = registry.Context(decoder, options, inputs, [int(c) for c in candidates], block_size, "serve.block_size",
-                           target, "serve")
-    return Policy.of(name, registry.build(name, ctx))
+JobCancelled = RequestCancelled  # the job was cancelled (its client went away, or shutdown) before its decode started
 
 
 @dataclass
@@ -148,37 +94,39 @@ class Completion:
     info: DecodeInfo
 
 
-class _Request:
-    """One admitted job's life inside the engine (scheduler thread): its schedule, text stream, prefill steps, batch
-    request, and how it ends."""
+class _Request(Entry):
+    """One admitted job's life inside the engine (scheduler thread): its schedule, text stream, prefill, batch request,
+    and how it ends (the ``Entry`` hooks the scheduler calls)."""
 
-    def __init__(self, job: Job, future: asyncio.Future, loop: asyncio.AbstractEventLoop):
-        self.job, self.future, self.loop = job, future, loop
+    def __init__(self, job: Job, future: asyncio.Future, loop: asyncio.AbstractEventLoop, engine: "Engine"):
+        super().__init__(job.request_id, job.input_ids, job.config)
+        self.job, self.future, self.loop, self.engine = job, future, loop, engine
         self.stream: TextStream | None = None
-        self.schedule = self.batch_request = self.steps = None
         self.policy = ""
         self.queue_ms = 0.0
-        self.prefilled = 0  # prompt tokens prefilled so far
         self.record = False  # the recorder labels it
         self.kept = None  # its prefill with an unconsumed copy of the prompt cache (for the recorder), or None
 
-    def start(self, engine: "Engine") -> None:
-        """Choose its schedule (its own fixed B, else the policy's), open its text stream and its chunked prefill.
+    def start(self, decoder) -> bool:
+        """Choose its schedule (its own fixed B, else the policy's) and open its text stream; True when the recorder
+        labels it (its prefill keeps drafter features).
 
         Raises:
             ValueError: for a block size the drafter cannot draft.
         """
-        job = self.job
+        job, engine = self.job, self.engine
         self.queue_ms = (time.perf_counter() - job.submitted) * 1e3
         if job.block_size is not None:
-            engine.decoder.check_block_size(int(job.block_size))
+            decoder.check_block_size(int(job.block_size))
             self.policy, self.schedule = "request", FixedSchedule(int(job.block_size))
         else:
-            self.policy, self.schedule = engine.policy.name, engine.policy.make()
+            self.policy, self.schedule = engine.policy.name, engine.policy()
         self.stream = TextStream(engine.tokenizer, job.stops)
         self.record = engine.wants_record(job)
-        self.steps = engine.decoder.prefill_steps(job.input_ids, job.config,
-                                                  want_features=self.schedule.max_block_size > 1 or self.record)
+        return self.record
+
+    def cancelled(self) -> bool:
+        return self.job.cancelled.is_set()
 
     def on_tokens(self, ids: list[int]) -> bool:
         """Stream new tokens' text; True ends the request (a stop string, or its client went away). The first token
@@ -189,15 +137,21 @@ class _Request:
             self.job.on_text(delta)
         return self.stream.stopped or self.job.cancelled.is_set()
 
-    def keep_prefill(self, prefill) -> None:
+    def joined(self, prefill) -> None:
         """Keep a copy of the prefill's prompt cache for the recorder (the decode consumes the cache)."""
         if self.record:
             self.kept = copy.copy(prefill)
             self.kept.cache = copy.deepcopy(prefill.cache)
 
+    def finished(self) -> None:
+        self.engine._finish(self)
+
+    def failed(self, err: BaseException) -> None:
+        self.settle(err=err)
+
     def completion(self) -> Completion:
         """The finished request's answer (its text stream flushed)."""
-        job, stats = self.job, self.batch_request.stats
+        job, stats = self.job, self.request.stats
         tail = self.stream.finish()
         if tail and job.on_text is not None:
             job.on_text(tail)
@@ -214,7 +168,7 @@ class _Request:
         """The recorder's input (its kept prefill and its decode's stats), or None when it is not recorded."""
         if self.kept is None:
             return None
-        stats, halted = self.batch_request.stats, self.stream.stopped or self.job.cancelled.is_set()
+        stats, halted = self.request.stats, self.stream.stopped or self.job.cancelled.is_set()
         return Served(self.job.request_id, self.kept, list(stats.output_ids), self.job.config, halted, list(stats.taus),
                       list(stats.block_sizes), stats.decode_ms)
 
@@ -227,7 +181,8 @@ class Engine:
     """Decodes requests in batched steps of one ``SpeculativeDecoder`` (see the module doc).
 
     Args:
-        decoder: the decoder; policy: the configured ``Policy``; model_name: the id served at ``/v1/models``;
+        decoder: the decoder; policy: the served method's ``pipeline.policy.registry.Factory`` (its name, a fresh schedule
+            per request, the batch-level policy of every step); model_name: the id served at ``/v1/models``;
         max_queue: requests that may wait for a slot while ``max_batch`` decode (more get ``QueueFull``);
         default_max_tokens: ``max_tokens`` of a request that sends none; max_tokens: the largest allowed;
         default_seed: the seed of a request that sends none; recorder: a ``Recorder`` or None;
@@ -241,7 +196,7 @@ class Engine:
         ValueError: for max_batch < 1 or max_queue < 0.
     """
 
-    def __init__(self, decoder: SpeculativeDecoder, policy: Policy, model_name: str, max_queue: int = 64,
+    def __init__(self, decoder: SpeculativeDecoder, policy, model_name: str, max_queue: int = 64,
                  default_max_tokens: int = 256, max_tokens: int = 4096, default_seed: int = 0,
                  recorder: Recorder | None = None, default_temperature: float = 0.0, max_batch: int = 1,
                  thread: ThreadPoolExecutor | None = None, watch=None):
@@ -258,6 +213,7 @@ class Engine:
         # called with each finished request (``metrics.Finished``) on the scheduler thread before it is answered
         self.listeners: list[Callable[[Finished], None]] = []
         self.batch = BatchedDecoder(decoder, policy.batch)
+        self.scheduler = Scheduler(self.batch, self.max_batch)
         # the recorder labels finished requests on a thread of its own (a replay per request, after its answer)
         self._recording = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recorder") if recorder else None
         self.in_flight = 0  # admitted and not answered; touched only on the event loop's thread
@@ -265,9 +221,6 @@ class Engine:
         self.aborted = 0  # cancelled before or during the decode (client gone, shutdown)
         self._jobs: dict[int, Job] = {}  # admitted and not answered, by id(job)
         self._inbox: queue.Queue[_Request | None] = queue.Queue()
-        self._pending: list[_Request] = []
-        self._prefilling: _Request | None = None  # the request whose prefill is under way (it holds a slot)
-        self._running: dict[int, _Request] = {}  # id(BatchRequest) -> request
         self._idle = threading.Event()  # set only while nothing is admitted and unanswered
         self._idle.set()
         self._admit = threading.Lock()  # orders clearing ``_idle`` + enqueueing against the scheduler setting it
@@ -286,7 +239,7 @@ class Engine:
     @property
     def running(self) -> int:
         """Requests decoding now (``/health``; the rest of ``in_flight`` waits for a slot)."""
-        return len(self._running) + (self._prefilling is not None)
+        return self.scheduler.decoding
 
     def full(self) -> bool:
         """Whether a new request would be refused (``max_batch`` decoding and ``max_queue`` waiting)."""
@@ -353,7 +306,7 @@ class Engine:
             future = loop.create_future()
             with self._admit:
                 self._idle.clear()
-                self._inbox.put(_Request(job, future, loop))
+                self._inbox.put(_Request(job, future, loop, self))
             try:
                 completion = await asyncio.shield(future)
             except asyncio.CancelledError:
@@ -383,116 +336,34 @@ class Engine:
 
     # -- the scheduler thread -----------------------------------------------------------------------
     def _loop(self) -> None:
+        scheduler = self.scheduler
         while True:
-            if not self._pending and not self._running and self._prefilling is None:
+            if not scheduler.busy:
                 with self._admit:  # idle only when no request was enqueued: every later one clears it first
                     if self._inbox.empty():
                         self._idle.set()
                 request = self._inbox.get()
                 if request is None:
                     return
-                self._pending.append(request)
+                scheduler.submit(request)
             while True:
                 try:
                     request = self._inbox.get_nowait()
                 except queue.Empty:
                     break
                 if request is None:
-                    self._fail_all(RuntimeError("the server is shutting down"))
+                    scheduler.fail_all(RuntimeError("the server is shutting down"))
                     return
-                self._pending.append(request)
-            self._drop_cancelled()
-            self._prefill()
-            if not self.batch.active:
-                continue
-            try:
-                finished = self.batch.step()
-            except Exception as err:  # a failed step fails the requests in it; the engine keeps serving
-                log.exception("batched step failed")
-                for req in list(self.batch.active):
-                    self.batch.cancel(req)
-                    self._running.pop(id(req)).settle(err=err)
-                continue
-            if self.watch is not None and self.batch.step_log:
+                scheduler.submit(request)
+            if scheduler.tick() and self.watch is not None:
                 self.watch.step(self.batch.step_log[-1][0], self.batch.rows[-1])
-            for req in finished:
-                self._finish(self._running.pop(id(req)))
-            # the decoder logs every step; a server runs for days: keep the recent ones (memory stays bounded)
-            for log_ in (self.batch.rows, self.batch.step_log):
-                if len(log_) > 2 * STEPS_KEPT:
-                    del log_[:-STEPS_KEPT]
-
-    def _drop_cancelled(self) -> None:
-        """End requests whose client went away: waiting ones are answered at once, running ones leave the batch."""
-        for request in [r for r in self._pending if r.job.cancelled.is_set()]:
-            self._pending.remove(request)
-            request.settle(err=JobCancelled(f"request {request.job.request_id} was cancelled before its decode started"))
-        for key, request in list(self._running.items()):
-            if request.job.cancelled.is_set() and not request.batch_request.done:
-                self.batch.cancel(request.batch_request)
-                self._finish(self._running.pop(key))
-
-    def _prefill(self) -> None:
-        """Prefill waiting requests into free slots, chunk by chunk (``SpeculativeDecoder.prefill_steps``): while other
-        requests decode, at most about one chunk (``model.prefill_chunk`` tokens) runs between two batched steps, so a
-        long prompt stalls them one chunk at a time; with none decoding, prefills run back to back. A request joins
-        the batch at the step boundary after its last chunk."""
-        chunk = self.decoder.prefill_chunk or float("inf")
-        spent = 0
-        while True:
-            request = self._prefilling
-            if request is None:
-                if not self._pending or len(self._running) >= self.max_batch:
-                    return
-                request = self._pending.pop(0)
-                try:
-                    request.start(self)
-                except Exception as err:  # a block size the drafter cannot draft: this request only
-                    request.settle(err=err)
-                    continue
-                self._prefilling = request
-            if request.job.cancelled.is_set():
-                self._prefilling = None
-                request.settle(err=JobCancelled(f"request {request.job.request_id} was cancelled during its prefill"))
-                continue
-            try:
-                result = next(request.steps)
-            except Exception as err:  # a bad prompt (too long for max_tokens) or a failed forward: this request only
-                self._prefilling = None
-                request.settle(err=err)
-                continue
-            step = min(request.job.input_ids.numel() - request.prefilled, chunk)
-            request.prefilled += step
-            spent += step
-            if result is not None:
-                self._prefilling = None
-                self._join(request, result)
-            if self.batch.active and spent >= chunk:
-                return
-
-    def _join(self, request: _Request, prefill) -> None:
-        """The request joins the batch at the next step (its first token streamed now); the batch policy admits it at
-        the load of the running, joining and waiting requests."""
-        request.keep_prefill(prefill)
-        load = min(self.max_batch, len(self._running) + 1 + len(self._pending))
-        try:
-            req = self.batch.add(prefill, request.schedule, request.job.config, rid=request.job.request_id,
-                                 on_tokens=request.on_tokens, load=load)
-        except Exception as err:
-            request.settle(err=err)
-            return
-        request.batch_request = req
-        if req.done:
-            self._finish(request)
-        else:
-            self._running[id(req)] = request
 
     def _finish(self, request: _Request) -> None:
         """Answer a finished request (its listeners first: counters move before its client hears), then hand it to
         the recorder."""
         completion = request.completion()
         if self.listeners:
-            req = request.batch_request
+            req = request.request
             done = Finished(req.stats, completion.finish_reason, request.job.submitted, req.first_token_s,
                             req.finished_s, list(req.token_times))
             for listener in self.listeners:
@@ -502,19 +373,11 @@ class Engine:
                     log.exception("a listener failed on request %s", request.job.request_id)
         request.settle(completion)
         if self.watch is not None and self.max_batch == 1:
-            self.watch.request(request.batch_request.stats)
+            self.watch.request(request.request.stats)
         served = request.served()
         if served is not None:  # labelled on the recorder's own thread, after the answer
             self._recording.submit(self.recorder.record, served)
             request.kept = None
-
-    def _fail_all(self, err: BaseException) -> None:
-        if self._prefilling is not None:
-            self._pending.insert(0, self._prefilling)
-            self._prefilling = None
-        for request in [*self._pending, *self._running.values()]:
-            request.settle(err=err)
-        self._pending, self._running = [], {}
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def drain(self, timeout_s: float = 600.0) -> None:

@@ -1,7 +1,7 @@
 """What the field's benchmark tools read from a vLLM server, from the decoder's own per-request record.
 
 Two views of one source, the decoder's ``RequestStats`` (per step: ``taus`` = accepted drafts + 1 bonus,
-``verify_widths`` = drafts verified, k) and the ``BatchRequest``'s times:
+``verify_widths`` = drafts verified, k) and the ``Request``'s times:
 
 - ``speculative_decoding(stats)``: the per-response ``metrics.speculative_decoding`` object, vLLM's
   ``SpeculativeDecodingMetrics`` (``vllm/entrypoints/generate/base/protocol.py``, filled by

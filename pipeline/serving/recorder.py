@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.costs import CostModel
-from pipeline.decoding.speculative import DecodeConfig, PrefillResult, SpeculativeDecoder
+from pipeline.decoding.requests import DecodeConfig, PrefillResult
+from pipeline.decoding.speculative import SpeculativeDecoder
 from pipeline.labeling.oracle import check_candidates, distribution_features, pick_label
 from pipeline.labeling.checks import LM_HEAD_MODES
 from pipeline.labeling.replay import replay, trace_from_output

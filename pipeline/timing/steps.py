@@ -349,7 +349,7 @@ def step_figures(decoder, length: int, widths, block_sizes, pending: int, repeat
     """
 
     from pipeline.decoding.sampling import PositionKeyedSampler
-    from pipeline.decoding.speculative import DecodeState
+    from pipeline.decoding.requests import DecodeState
     from pipeline.models.target import new_cache
 
     if decoder.drafter is None:
