@@ -76,7 +76,13 @@ def test_cost_model_interpolates_and_round_trips():
 
 
 class _Req:
-    pass
+    """A batched request as the policy sees it: its id."""
+
+    count = 0
+
+    def __init__(self):
+        _Req.count += 1
+        self.rid = f"r{_Req.count}"
 
 
 def test_budget_policy_skips_the_drafter_after_an_unpaid_step():
@@ -106,9 +112,9 @@ def test_budget_gate_drafts_only_where_drafting_pays():
     good, bad, new = _Req(), _Req(), _Req()
     assert policy.plan([good, bad], [4, 4]) == [4, 4]  # nobody has drafted yet: both probe
     policy.allocate([good, bad], [torch.tensor([0.999] * 3), torch.tensor([0.05] * 3)])
-    assert good.budget_prior.tolist() == pytest.approx([0.999] * 3)
+    assert policy.core.requests[good.rid].prior.tolist() == pytest.approx([0.999] * 3)
     assert policy.population.tolist() == pytest.approx([0.9 * 0.999 + 0.1 * 0.05] * 3)  # both drafts moved it
-    bad.budget_skip = [0, 0]  # only the gate decides below
+    policy.core.state(bad.rid).backoff.left = 0  # only the gate decides below
     assert policy.plan([good, bad, new], [4, 4, 4]) == [4, 1, 4]  # the new request drafts on the population's prior
     assert [policy.plan([good, bad], [4, 4])[1] for _ in range(3)] == [1, 1, 4]  # left out 3 steps: the population's
     # where the requests seen so far accepted little, a new request takes their prior and does not draft at all
@@ -116,7 +122,7 @@ def test_budget_gate_drafts_only_where_drafting_pays():
     first, second, late = _Req(), _Req(), _Req()
     assert poor.plan([first, second], [4, 4]) == [4, 4]
     poor.allocate([first, second], [torch.tensor([0.05] * 3), torch.tensor([0.1] * 3)])
-    first.budget_skip = second.budget_skip = [0, 0]
+    poor.core.state(first.rid).backoff.left = poor.core.state(second.rid).backoff.left = 0
     assert [poor.plan([first, second, late], [4, 4, 4]) for _ in range(5)] == [[1, 1, 1]] * 5  # nor after max_skip
     # where drafting costs 4 ms a row, not even the best request's drafts repay it
     dear = BudgetPolicy(calibration, BatchCostModel([1, 64], [11.0, 74.0], [1, 64], [4.0, 256.0]), max_skip=3)
@@ -124,8 +130,14 @@ def test_budget_gate_drafts_only_where_drafting_pays():
     assert dear.plan([_Req(), _Req()], [4, 4]) == [1, 1]
     # where drafting is free, every request with any chance drafts
     free = BudgetPolicy(calibration, BatchCostModel([1, 64], [10.0, 10.0], [1, 64], [0.0, 0.0]), max_skip=3)
-    bad.budget_left_out = 0
     assert free.plan([good, bad], [4, 4]) == [4, 4]
+    # the policy keeps a request's state under its rid, only while it decodes: plan drops the requests it no longer
+    # gets, finished at once
+    assert set(policy.core.requests) == {good.rid, bad.rid}
+    policy.finished(bad)
+    assert set(policy.core.requests) == {good.rid}
+    policy.plan([new], [4])
+    assert set(policy.core.requests) == {new.rid}
 
 
 def test_budget_admits_a_request_to_draft_only_at_a_load_where_drafting_pays():
