@@ -28,7 +28,10 @@ plugin ``joint``            the same gate and back-off; the step's verify rows s
 The plugin's two were named ``verify_width`` and ``budget`` before issue 41. They share the width rules and this core
 with the registry's methods of those names, but not their per-request gate and skips (vLLM cannot leave one request
 out of a drafter forward), so they are named apart; the old names are refused with an error naming the new ones
-(``pipeline.peers.vllm_settings.RENAMED``).
+(``pipeline.peers.vllm_settings.RENAMED``). Every decision is the one the three copies this core replaced made, but
+one where they had drifted: where a drafted step has another number of columns than the population average, the plugin
+restarted the average from that step; it now keeps the registry's rule (``moving``: the common columns averaged, the
+others kept). In vLLM every drafting step has K columns unless its scheduler lowers K for a step, so the plugin decides as before.
 
 Imports only torch (no transformers, no model code): the vLLM plugin keeps its priors here in vLLM's own process.
 """
