@@ -137,7 +137,7 @@ bench-tools: $(STAMP) $(VLLM_STAMP) $(AIPERF_STAMP)
 	$(PY) -c 'import sys; from pipeline.prompts import write_spec_bench_for; print(write_spec_bench_for(*sys.argv[1:]))' \
 	  "$(SHARED_DATA)/spec_bench.jsonl" data/bench/spec_bench_aiperf.jsonl aiperf
 
-# vLLM's OpenAI-compatible server (conf/serve_vllm.yaml: 127.0.0.1:8000, dflash K=7, policy budget): the embedded
+# vLLM's OpenAI-compatible server (conf/serve_vllm.yaml: 127.0.0.1:8000, dflash K=7, policy joint): the embedded
 # target (its HF folder made once in data/cache/ by .venv/), the shipped drafter, the plugin; ARGS="vllm.port=8001 ..."
 serve-vllm: $(VLLM_STAMP) $(STAMP)
 	$(PY) -m pipeline.serve_vllm $(PROFILE) $(ARGS)

@@ -1,5 +1,6 @@
 """The verify budget (``pipeline.policy.budget``): the joint allocation is the optimum (brute-forced on small cases,
-and known answers on constructed ones), the budget policy skips drafting after a step that did not pay, the cost
+and known answers on constructed ones), the budget policy skips drafting after a step that did not pay, the
+drafting-policy core it shares with ``verify_width`` and the vLLM plugin (``pipeline.policy.core``), the cost
 model interpolates and round-trips, the batched foresight bound orders the policies as it must, and the measured cost
 model (``pipeline.costs.batched``) has the right shape and is cached."""
 
@@ -17,6 +18,7 @@ from pipeline.costs import BatchCostModel, monotone
 from pipeline.decoding.schedules import FixedSchedule
 from pipeline.policy.budget import BudgetPolicy, batched_foresight_bound, simulate_batched
 from pipeline.policy.calibration import AcceptanceCalibration
+from pipeline.policy.core import GATE_MARGIN, BackOff, DraftingCore
 from pipeline.policy.widths import allocate, brute_force_allocate
 from pipeline.timing.batched import batch_costs_of
 
@@ -76,7 +78,13 @@ def test_cost_model_interpolates_and_round_trips():
 
 
 class _Req:
-    pass
+    """A batched request as the policy sees it: its id."""
+
+    count = 0
+
+    def __init__(self):
+        _Req.count += 1
+        self.rid = f"r{_Req.count}"
 
 
 def test_budget_policy_skips_the_drafter_after_an_unpaid_step():
@@ -106,9 +114,9 @@ def test_budget_gate_drafts_only_where_drafting_pays():
     good, bad, new = _Req(), _Req(), _Req()
     assert policy.plan([good, bad], [4, 4]) == [4, 4]  # nobody has drafted yet: both probe
     policy.allocate([good, bad], [torch.tensor([0.999] * 3), torch.tensor([0.05] * 3)])
-    assert good.budget_prior.tolist() == pytest.approx([0.999] * 3)
+    assert policy.core.requests[good.rid].prior.tolist() == pytest.approx([0.999] * 3)
     assert policy.population.tolist() == pytest.approx([0.9 * 0.999 + 0.1 * 0.05] * 3)  # both drafts moved it
-    bad.budget_skip = [0, 0]  # only the gate decides below
+    policy.core.state(bad.rid).backoff.left = 0  # only the gate decides below
     assert policy.plan([good, bad, new], [4, 4, 4]) == [4, 1, 4]  # the new request drafts on the population's prior
     assert [policy.plan([good, bad], [4, 4])[1] for _ in range(3)] == [1, 1, 4]  # left out 3 steps: the population's
     # where the requests seen so far accepted little, a new request takes their prior and does not draft at all
@@ -116,7 +124,7 @@ def test_budget_gate_drafts_only_where_drafting_pays():
     first, second, late = _Req(), _Req(), _Req()
     assert poor.plan([first, second], [4, 4]) == [4, 4]
     poor.allocate([first, second], [torch.tensor([0.05] * 3), torch.tensor([0.1] * 3)])
-    first.budget_skip = second.budget_skip = [0, 0]
+    poor.core.state(first.rid).backoff.left = poor.core.state(second.rid).backoff.left = 0
     assert [poor.plan([first, second, late], [4, 4, 4]) for _ in range(5)] == [[1, 1, 1]] * 5  # nor after max_skip
     # where drafting costs 4 ms a row, not even the best request's drafts repay it
     dear = BudgetPolicy(calibration, BatchCostModel([1, 64], [11.0, 74.0], [1, 64], [4.0, 256.0]), max_skip=3)
@@ -124,8 +132,54 @@ def test_budget_gate_drafts_only_where_drafting_pays():
     assert dear.plan([_Req(), _Req()], [4, 4]) == [1, 1]
     # where drafting is free, every request with any chance drafts
     free = BudgetPolicy(calibration, BatchCostModel([1, 64], [10.0, 10.0], [1, 64], [0.0, 0.0]), max_skip=3)
-    bad.budget_left_out = 0
     assert free.plan([good, bad], [4, 4]) == [4, 4]
+    # the policy keeps a request's state under its rid, only while it decodes: plan drops the requests it no longer
+    # gets, finished at once
+    assert set(policy.core.requests) == {good.rid, bad.rid}
+    policy.finished(bad)
+    assert set(policy.core.requests) == {good.rid}
+    policy.plan([new], [4])
+    assert set(policy.core.requests) == {new.rid}
+
+
+def test_the_drafting_policy_core():
+    """``pipeline.policy.core``: the back-off's runs 1, 2, 4 ... max_skip (1 again once drafting paid), each request's
+    prior halfway to each drafted step's acceptances under its id until forgotten, the population average on the
+    columns in common (a longer step's further columns added, a shorter one's missing ones kept), the gate's margin."""
+    off = BackOff(max_skip=4)
+    runs = []
+    for _ in range(4):
+        off.missed()
+        runs.append(sum(off.skipping() for _ in range(6)))  # a run's steps are skipped, then the drafter looks
+    assert runs == [1, 2, 4, 4] and off.next_run == 4
+    off.paid()
+    assert off.next_run == 1 and not off.skipping()
+    never = BackOff(max_skip=0)
+    never.missed()
+    assert not never.skipping()
+    core = DraftingCore(max_skip=3)
+    assert core.margin == GATE_MARGIN == 0.1 and core.prior("a") is None  # nobody drafted: no prior at all
+    core.learn("a", torch.tensor([0.8, 0.6]))
+    assert core.prior("b").tolist() == pytest.approx([0.8, 0.6])  # a request without its own: the population's
+    core.learn("a", torch.tensor([0.4, 0.2]))
+    assert core.prior("a").tolist() == pytest.approx([0.6, 0.4])  # halfway
+    assert core.population.tolist() == pytest.approx([0.9 * 0.8 + 0.1 * 0.4, 0.9 * 0.6 + 0.1 * 0.2])
+    core.learn("b", torch.tensor([1.0, 1.0, 1.0]))
+    assert core.population.tolist() == pytest.approx([0.9 * 0.76 + 0.1, 0.9 * 0.56 + 0.1, 1.0])
+    core.learn("c", torch.tensor([0.0]))
+    assert core.population.tolist() == pytest.approx([0.9 * (0.9 * 0.76 + 0.1), 0.9 * 0.56 + 0.1, 1.0])
+    core.learn("a", torch.tensor([0.5]))
+    assert core.prior("a").tolist() == [0.5]  # another number of columns: replaced
+    core.forget("a")
+    core.forget("unknown")
+    assert set(core.requests) == {"b", "c"} and core.prior("a") is core.population
+    core.keep(["c", "d"])
+    assert set(core.requests) == {"c"}
+    assert core.pays(1.11, 1.0) and not core.pays(1.1, 1.0) and core.discount(1.1) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="margin"):
+        DraftingCore(margin=-0.1)
+    with pytest.raises(ValueError, match="max_skip"):
+        DraftingCore(max_skip=-1)
 
 
 def test_budget_admits_a_request_to_draft_only_at_a_load_where_drafting_pays():

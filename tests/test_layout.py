@@ -291,3 +291,84 @@ def test_the_home_check_finds_a_planted_second_scheduler_and_loop():
         "pipeline.decoding.batched: lifecycle (its home: pipeline.decoding.requests)",
         "pipeline.policy.x: scheduler (its home: pipeline.decoding.scheduler)",
         "pipeline.serving.engine: scheduler (its home: pipeline.decoding.scheduler)"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# one drafting-policy core (issue 41)
+# ---------------------------------------------------------------------------------------------------
+CORE = "pipeline.policy.core"  # the request priors, the population average, the gate, the back-off
+CORE_CLASSES = {"DraftingCore", "BackOff", "RequestState"}
+MARGIN_HOME = "pipeline.costs.margin"  # GATE_MARGIN, low enough for the plugin's settings (pipeline.peers)
+CORE_USERS = ("pipeline.policy.budget", "pipeline.policy.verify_width", "pipeline.integrations.vllm.policy")
+
+
+def _constants(tree: ast.Module) -> set[str]:
+    """The names a module assigns at its top level."""
+    out = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        out |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return out
+
+
+def _back_off_loops(tree: ast.AST) -> int:
+    """Doublings of a skip run: a ``min(...)`` that doubles something (``2 * x``) and caps it at a ``*skip*`` name."""
+    found = 0
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "min":
+            inner = [n for a in node.args for n in ast.walk(a)]
+            doubles = any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult) and 2 in
+                          [getattr(n.left, "value", None), getattr(n.right, "value", None)] for n in inner)
+            capped = any("skip" in (getattr(n, "id", None) or getattr(n, "attr", None) or "") for n in inner)
+            found += doubles and capped
+    return found
+
+
+def drafting_policy_cores(sources: dict[str, str]) -> list[str]:
+    """What makes a second drafting-policy core in ``{module: source}``: a core class, a margin or population-weight
+    constant or a back-off doubling outside their one home, or a user of the core that does not import it."""
+    found = []
+    for name, source in sorted(sources.items()):
+        tree = ast.parse(source)
+        classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)} & CORE_CLASSES
+        if classes and name != CORE:
+            found.append(f"{name} defines {sorted(classes)} (the core's: {CORE})")
+        margins = {c for c in _constants(tree) if c.endswith("MARGIN")}
+        if margins and name != MARGIN_HOME:
+            found.append(f"{name} defines {sorted(margins)} (import {MARGIN_HOME}.GATE_MARGIN)")
+        if "POPULATION_WEIGHT" in _constants(tree) and name != CORE:
+            found.append(f"{name} defines POPULATION_WEIGHT (the core's: {CORE})")
+        if _back_off_loops(tree) and name != CORE:
+            found.append(f"{name} doubles a skip run itself (use {CORE}.BackOff)")
+    return found
+
+
+def test_one_drafting_policy_core():
+    """The registry's ``verify_width`` and ``budget`` and the vLLM plugin's policy call one core
+    (``pipeline.policy.core``): no module but it defines its classes, the population weight or a back-off doubling, no
+    module but ``pipeline.costs.margin`` a margin constant, and each of the three imports the core."""
+    all_modules = modules()
+    found = drafting_policy_cores({name: path.read_text() for name, path in all_modules.items()})
+    assert not found, "; ".join(found)
+    assert {c for c in _constants(ast.parse(all_modules[MARGIN_HOME].read_text())) if c.endswith("MARGIN")} == \
+        {"GATE_MARGIN"}
+    for user in CORE_USERS:
+        assert CORE in imported(all_modules[user]), f"{user} must call the drafting-policy core {CORE}"
+    assert layer_of(CORE)[0] < layer_of("pipeline.integrations.vllm.policy")[0]  # the plugin may import it
+    assert layer_of(MARGIN_HOME)[0] < layer_of("pipeline.peers.vllm_settings")[0]  # the settings' default too
+
+
+def test_the_core_check_finds_planted_copies():
+    """The check finds each kind of copy the drifted cores had (issue 41)."""
+    planted = {
+        "pipeline.policy.budget": "GATE_MARGIN = 0.1\n",
+        "pipeline.peers.vllm_settings": "DEFAULT_MARGIN = 0.1\n",
+        "pipeline.integrations.vllm.policy": "POPULATION_WEIGHT = 0.1\nclass BackOff:\n    pass\n",
+        "pipeline.policy.verify_width": "def next(self):\n    self.run = min(max(1, 2 * self.run), self.max_skip)\n",
+        "pipeline.policy.other": "def plan(self):\n    self._probe_after = min(2 * self._probe_after, self.max_skip)\n",
+        CORE: "POPULATION_WEIGHT = 0.1\nclass BackOff:\n    def missed(self):\n"
+              "        self.run = min(max(1, 2 * self.run), self.max_skip)\n",
+    }
+    found = drafting_policy_cores(planted)
+    assert len(found) == 6 and not [f for f in found if f.startswith(CORE + " ")], found
+    assert drafting_policy_cores({"pipeline.x": "y = min(2 * a, b)\nz = min(max(1, 2 * n), limit)\n"}) == []

@@ -327,7 +327,7 @@ def test_the_loaded_calibration_is_logged(tmp_path, caplog):
     fitted = {"calibration": constant_calibration(1.0), "reliability": [], "reliability_split": "train"}
     path = export_calibration(tmp_path / "mine", fitted)
     inputs = PolicyInputs()
-    with caplog.at_level("INFO", logger="pipeline.policy.registry"):
+    with caplog.at_level("INFO", logger="pipeline.policy.setup"):
         load_verify_width(inputs, None, {"verify_width": {"calibration": str(path)}}, tmp_path / "run", None, [])
     assert inputs.calibration_path == str(path) and inputs.latency is None
     assert any(str(path) in r.getMessage() and "calibration" in r.getMessage() for r in caplog.records)

@@ -83,13 +83,13 @@ def test_vllm_dflash_loads_the_shipped_drafter_and_drafts_as_ours(reference, tmp
     assert counters["vllm:spec_decode_num_draft_tokens_total"] == K * counters["vllm:spec_decode_num_drafts_total"]
 
 
-def test_vllm_with_the_budget_plugin_is_lossless_and_trims(reference, tmp_path):
+def test_vllm_with_the_joint_plugin_is_lossless_and_trims(reference, tmp_path):
     labels = tmp_path / "labels.jsonl"
     cache = tmp_path / "cache"
     # save_every_s=0: no save while serving, so the learned curve is on disk only if the worker saved it as vLLM
     # stopped it (by signal), however long or short the server ran
-    with VllmServer(policy="budget", num_speculative_tokens=K, max_num_seqs=4, port=_port(), cache_dir=str(cache),
-                    labels=str(labels), save_every_s=0, log_path=str(tmp_path / "budget.log"),
+    with VllmServer(policy="joint", num_speculative_tokens=K, max_num_seqs=4, port=_port(), cache_dir=str(cache),
+                    labels=str(labels), save_every_s=0, log_path=str(tmp_path / "joint.log"),
                     startup_timeout_s=900) as server:
         with ThreadPoolExecutor(4) as pool:  # the four at once: batched steps, the joint widths
             responses = list(pool.map(lambda r: _chat(server, r["prompt"].turns[0]), reference))
@@ -108,7 +108,7 @@ def test_vllm_with_the_budget_plugin_is_lossless_and_trims(reference, tmp_path):
     assert spec.get("num_draft_tokens", 0) == 0  # the opted-out request never verified a draft
     drafts, tokens = counters["vllm:spec_decode_num_drafts_total"], counters["vllm:spec_decode_num_draft_tokens_total"]
     assert drafts > 0 and 0 < tokens < K * drafts and counters["vllm:spec_decode_num_accepted_tokens_total"] > 0
-    assert "BlockPilot: policy budget, K=7" in log
+    assert "BlockPilot: policy joint, K=7" in log
     (saved,) = cache.glob("step-costs-*.json")  # the learned curve, written as the worker stopped, for the next start
     assert sum(len(samples) for samples in StepCosts.load(saved).tables["verify"].values()) > 0  # decode steps timed
     assert "BlockPilot: step costs saved to" in stopped_log and "at stop" in stopped_log

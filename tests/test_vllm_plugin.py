@@ -19,6 +19,7 @@ from pipeline.integrations.vllm.policy import YIELD_DECAY, StepPolicy
 from pipeline.integrations.vllm.runtime import accepted_drafts
 from pipeline.peers.vllm_server import VllmServer, parse_counters
 from pipeline.peers.vllm_settings import Settings, check_vllm_version, speculates
+from pipeline.costs.margin import GATE_MARGIN
 from pipeline.policy.calibration import AcceptanceCalibration, load_calibration
 from pipeline.policy.widths import best_width, brute_force_allocate
 
@@ -44,12 +45,21 @@ def test_the_plugin_module_loads_no_model_code():
 
 def test_settings_from_the_environment():
     assert Settings.from_env({}) == Settings() and not Settings().active
-    s = Settings.from_env({"BLOCKPILOT_VLLM_POLICY": "Budget", "BLOCKPILOT_VLLM_MARGIN": "0.2",
+    s = Settings.from_env({"BLOCKPILOT_VLLM_POLICY": "Joint", "BLOCKPILOT_VLLM_MARGIN": "0.2",
                            "BLOCKPILOT_VLLM_MAX_SKIP": "4", "BLOCKPILOT_VLLM_LABELS": "/tmp/x.jsonl",
                            "BLOCKPILOT_VLLM_SAVE_EVERY_S": "0"})
-    assert s.active and (s.policy, s.margin, s.max_skip, s.labels) == ("budget", 0.2, 4, "/tmp/x.jsonl")
+    assert s.active and (s.policy, s.margin, s.max_skip, s.labels) == ("joint", 0.2, 4, "/tmp/x.jsonl")
+    assert Settings().margin == GATE_MARGIN == 0.1  # the one margin of every gate
     assert s.save_every_s == 0.0 and Settings().save_every_s == 5.0  # 0: the step costs are saved only at stop
     assert Settings.from_env(s.to_env()) == s
+    # the plugin's policies' names before issue 41 are the registry's names of other methods: refused, naming the new
+    for old, new in (("verify_width", "per_request"), ("budget", "joint")):
+        with pytest.raises(ValueError, match=rf"BLOCKPILOT_VLLM_POLICY='{old}': the plugin's '{old}' is now '{new}'"):
+            Settings.from_env({"BLOCKPILOT_VLLM_POLICY": old})
+        with pytest.raises(ValueError, match=rf"is now '{new}'"):
+            VllmServer(method="dflash", policy=old)
+        with pytest.raises(ValueError, match=rf"is now '{new}'"):
+            StepPolicy(old, None, StepCosts(), K)
     with pytest.raises(ValueError, match="BLOCKPILOT_VLLM_POLICY='greedy' is not one of"):
         Settings.from_env({"BLOCKPILOT_VLLM_POLICY": "greedy"})
     with pytest.raises(ValueError, match="BLOCKPILOT_VLLM_MAX_SKIP='two' is not a int"):
@@ -127,9 +137,9 @@ def _confidence(*rows):
     return torch.tensor([list(r) + [r[-1]] * (K - len(r)) for r in rows], dtype=torch.float32)
 
 
-def test_budget_widths_are_the_joint_optimum(calibration):
+def test_joint_widths_are_the_joint_optimum(calibration):
     costs = _costs(requests=(3,))
-    policy = StepPolicy("budget", calibration, costs, K)
+    policy = StepPolicy("joint", calibration, costs, K)
     confidence = _confidence([0.99, 0.98, 0.95, 0.9, 0.3], [0.9, 0.4, 0.1], [0.05, 0.02])
     ids = ["a", "b", "c"]
     assert policy.plan(ids, [True] * 3) == K
@@ -142,9 +152,9 @@ def test_budget_widths_are_the_joint_optimum(calibration):
     assert policy.widths(ids, [True, True, False], confidence)[2] == 0
 
 
-def test_verify_width_prices_each_request_at_its_share(calibration):
+def test_per_request_prices_each_request_at_its_share(calibration):
     costs = _costs(requests=(2,))
-    policy = StepPolicy("verify_width", calibration, costs, K)
+    policy = StepPolicy("per_request", calibration, costs, K)
     confidence = _confidence([0.99, 0.97, 0.9, 0.6], [0.2, 0.1])
     policy.plan(["a", "b"], [True, True])
     widths = policy.widths(["a", "b"], [True, True], confidence)
@@ -165,12 +175,12 @@ def test_fixed_verifies_every_draft_except_opted_out(calibration):
 def test_the_gate_skips_the_drafter_where_it_does_not_pay_and_probes(calibration):
     cheap = _costs(per_token=0.1, draft=1.0, requests=(1,))
     dear = _costs(per_token=20.0, draft=40.0, requests=(16,))
-    policy = StepPolicy("budget", calibration, cheap, K, max_skip=4)
+    policy = StepPolicy("joint", calibration, cheap, K, max_skip=4)
     assert policy.plan(["a"], [True]) == K  # nothing known: drafts to learn
     policy.widths(["a"], [True], _confidence([0.9, 0.8, 0.7]))
     assert policy.plan(["a"], [True]) == K  # drafting pays on a cheap verify
     ids = [f"r{i}" for i in range(16)]
-    policy = StepPolicy("budget", calibration, dear, K, max_skip=4)
+    policy = StepPolicy("joint", calibration, dear, K, max_skip=4)
     assert policy.plan(ids, [True] * 16) == K  # the first step learns the population's acceptance
     policy.widths(ids, [True] * 16, _confidence(*[[0.5, 0.3]] * 16))
     plans = [policy.plan(ids, [True] * 16) for _ in range(10)]
@@ -181,10 +191,10 @@ def test_the_gate_skips_the_drafter_where_it_does_not_pay_and_probes(calibration
     policy.costs = _costs(per_token=0.1, draft=1.0, requests=(16,))
     policy.widths(ids, [True] * 16, _confidence(*[[0.999] * K] * 16))
     policy.costs = dear
-    policy.priors.clear()
-    policy.population = torch.full((K,), 0.05, dtype=torch.float64)
+    policy.core.requests.clear()
+    policy.core.population = torch.full((K,), 0.05, dtype=torch.float64)
     assert [policy.plan(ids, [True] * 16) for _ in range(4)] == [0, K, 0, 0]
-    assert StepPolicy("budget", calibration, dear, K, max_skip=0).plan(ids, [False] * 16) == 0
+    assert StepPolicy("joint", calibration, dear, K, max_skip=0).plan(ids, [False] * 16) == 0
 
 
 def test_the_rejection_samplers_output_gives_each_requests_accepted_drafts():
@@ -200,7 +210,7 @@ def test_the_drafted_yield_stops_a_drafter_that_the_calibration_overrates(calibr
     confident = _confidence(*[[0.9] * K] * 16)
 
     def run(accepts):
-        policy = StepPolicy("budget", calibration, _costs(per_token=1.0, draft=10.0, requests=(16,)), K, max_skip=8)
+        policy = StepPolicy("joint", calibration, _costs(per_token=1.0, draft=10.0, requests=(16,)), K, max_skip=8)
         plans, widths = [], []
         for _ in range(20):
             plans.append(policy.plan(ids, [True] * 16))
@@ -217,14 +227,14 @@ def test_the_drafted_yield_stops_a_drafter_that_the_calibration_overrates(calibr
     assert overrated.drafted_yield == 0.0
     assert plans[:6] == [K, 0, K, 0, 0, K] and plans.count(K) <= 5  # the first step, then only the probes
     # the yield is the decayed ratio of accepted to expected drafts, trusted from 4 expected ones
-    policy = StepPolicy("budget", calibration, _costs(requests=(16,)), K)
+    policy = StepPolicy("joint", calibration, _costs(requests=(16,)), K)
     policy._expected = {"a": 3.0, "b": 2.0}
     policy.observe(["a", "b", "c"], [1, 1, None])
     assert policy.drafted_yield == pytest.approx(2 / 5)
     policy._expected = {"a": 1.0}
     policy.observe(["a"], [1])
     assert policy.drafted_yield == pytest.approx((YIELD_DECAY * 2 + 1) / (YIELD_DECAY * 5 + 1))
-    fresh = StepPolicy("budget", calibration, _costs(requests=(16,)), K)
+    fresh = StepPolicy("joint", calibration, _costs(requests=(16,)), K)
     fresh._expected = {"a": 3.0}
     fresh.observe(["a"], [0])
     assert fresh.drafted_yield == 1.0  # 3 expected drafts are too few to judge the calibration by
@@ -232,7 +242,7 @@ def test_the_drafted_yield_stops_a_drafter_that_the_calibration_overrates(calibr
 
 def test_the_policy_explores_missing_costs(calibration):
     costs = StepCosts()
-    policy = StepPolicy("budget", calibration, costs, K, explore=1)
+    policy = StepPolicy("joint", calibration, costs, K, explore=1)
     assert policy.plan(["a"], [True]) == 0  # first a plain step (verify(1), the idle drafter)
     costs.add("verify", 1, 50.0)
     costs.add("idle", 1, 1.0)
@@ -246,7 +256,7 @@ def test_the_policy_explores_missing_costs(calibration):
     with pytest.raises(ValueError, match="rows for 1 requests"):
         policy.widths(["a"], [True], _confidence([0.5], [0.5]))
     with pytest.raises(ValueError, match="needs an acceptance calibration"):
-        StepPolicy("budget", None, costs, K)
+        StepPolicy("joint", None, costs, K)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -296,7 +306,7 @@ def test_the_launcher_command_and_environment(tmp_path, monkeypatch):
     (venv / "lib" / "libiomp5.so").touch()
     monkeypatch.setenv("BLOCKPILOT_VLLM_POLICY", "fixed")  # the caller's own setting does not leak in
     monkeypatch.delenv("LD_PRELOAD", raising=False)
-    server = VllmServer(policy="budget", num_speculative_tokens=3, port=8011, venv=str(venv), labels="/tmp/l.jsonl",
+    server = VllmServer(policy="joint", num_speculative_tokens=3, port=8011, venv=str(venv), labels="/tmp/l.jsonl",
                         save_every_s=0)
     cmd = server.command(target="/models/t")
     assert cmd[:3] == [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
@@ -306,14 +316,14 @@ def test_the_launcher_command_and_environment(tmp_path, monkeypatch):
     assert cmd[cmd.index("--per-request-spec-decode-metrics") + 1] == "detailed"
     assert int(cmd[cmd.index("--shutdown-timeout") + 1]) > 0  # the worker saves its step costs before it is killed
     env = server.environment()
-    assert env["BLOCKPILOT_VLLM_POLICY"] == "budget" and env["BLOCKPILOT_VLLM_LABELS"] == "/tmp/l.jsonl"
+    assert env["BLOCKPILOT_VLLM_POLICY"] == "joint" and env["BLOCKPILOT_VLLM_LABELS"] == "/tmp/l.jsonl"
     assert Settings.from_env(env).save_every_s == 0.0
     assert env["LD_PRELOAD"] == str(venv / "lib" / "libiomp5.so") and env["HF_HUB_OFFLINE"] == "1"
     ar = VllmServer(method="ar", venv=str(venv))
     assert "--speculative-config" not in ar.command(target="/models/t")
     assert ar.environment()["BLOCKPILOT_VLLM_POLICY"] == "off" and ar.model == "smollm2-135m-instruct"
-    with pytest.raises(ValueError, match="policy budget applies to dflash"):
-        VllmServer(method="ar", policy="budget")
+    with pytest.raises(ValueError, match="policy joint applies to dflash"):
+        VllmServer(method="ar", policy="joint")
     with pytest.raises(ValueError, match="method must be one of"):
         VllmServer(method="eagle")
     with pytest.raises(FileNotFoundError, match="make vllm"):
@@ -381,7 +391,7 @@ def test_serve_vllm_config_builds_the_launcher(compose_config, tmp_path):
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").touch()
     server = server_of(compose_config("serve_vllm", [f"+vllm.venv={venv}", "vllm.port=8013"]))
-    assert (server.method, server.policy, server.num_speculative_tokens, server.port) == ("dflash", "budget", 7, 8013)
+    assert (server.method, server.policy, server.num_speculative_tokens, server.port) == ("dflash", "joint", 7, 8013)
     spec = json.loads(server.command(target="/t")[server.command(target="/t").index("--speculative-config") + 1])
     assert spec["model"] == str(SHIPPED)  # the config's relative drafter path, from the checkout's root
 
@@ -391,6 +401,6 @@ def test_a_policy_without_a_calibration_names_the_setting(tmp_path):
 
     assert calibration_of(Settings(policy="fixed"), str(tmp_path)) is None  # fixed chooses no widths
     with pytest.raises(FileNotFoundError, match="BLOCKPILOT_VLLM_CALIBRATION.*make vllm-refit"):
-        calibration_of(Settings(policy="budget"), str(tmp_path))
+        calibration_of(Settings(policy="joint"), str(tmp_path))
     if (SHIPPED / "calibration.json").exists():
-        assert calibration_of(Settings(policy="verify_width"), str(SHIPPED)).max_column == 8
+        assert calibration_of(Settings(policy="per_request"), str(SHIPPED)).max_column == 8

@@ -85,6 +85,7 @@ class BatchedDecoder:
         req.cancel(now(self.decoder.device))
         if req in self.active:
             self.active.remove(req)
+            self.policy.finished(req)
 
     # -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -163,6 +164,7 @@ class BatchedDecoder:
             if r.done:
                 finished.append(r)
                 self.active.remove(r)
+                self.policy.finished(r)
         self.step_log.append(((t_end - t_step) * 1e3, emitted))
         return finished
 

@@ -141,3 +141,6 @@ class BatchPolicy:
         """The verify width k_i of each drafting request, from its drafts' probabilities [b_i - 1] (``joint_widths``
         only)."""
         raise NotImplementedError
+
+    def finished(self, request) -> None:
+        """A request left the batch (done or cancelled): drop what the policy keeps of it. The base keeps nothing."""

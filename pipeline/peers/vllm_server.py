@@ -4,14 +4,14 @@
 
     from pipeline.peers.vllm_server import VllmServer
 
-    with VllmServer(method="dflash", num_speculative_tokens=7, policy="budget", port=8011) as server:
+    with VllmServer(method="dflash", num_speculative_tokens=7, policy="joint", port=8011) as server:
         client = openai.OpenAI(base_url=server.openai_url, api_key="none")
         ...                                   # server.model is the served model's name
         print(server.spec_decode_counters())  # vLLM's /metrics counters of speculative decoding
 
 ``method``: ``ar`` (no speculation) or ``dflash`` (vLLM's DFlash with our drafter folder, K =
 ``num_speculative_tokens`` drafts per step). ``policy`` (dflash only): ``off`` (vLLM's own DFlash, every draft
-verified), ``fixed``, ``verify_width`` or ``budget`` (BlockPilot's plugin: ``pipeline.integrations.vllm.plugin``,
+verified), ``fixed``, ``per_request`` or ``joint`` (BlockPilot's plugin: ``pipeline.integrations.vllm.plugin``,
 docs/vllm.md). The defaults serve the embedded default: the SmolLM2 target's HF folder (materialized once into
 ``data/cache/smollm2-135m-instruct`` by ``pipeline.models.target.cache_embedded_target``, which needs ``.venv``),
 the shipped drafter and its ``calibration.json``.
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import PROJECT_ROOT
-from pipeline.peers.vllm_settings import POLICIES, Settings
+from pipeline.peers.vllm_settings import POLICIES, Settings, check_policy
 
 VENV = PROJECT_ROOT / ".venv-vllm"
 EMBEDDED_TARGET = "smollm2-135m-instruct"
@@ -82,7 +82,7 @@ class VllmServer:
 
     Attributes (options):
         method: ``ar`` or ``dflash``; num_speculative_tokens: K of dflash (vLLM's ``num_speculative_tokens``).
-        policy: the plugin's policy for dflash: ``off`` (vLLM alone), ``fixed``, ``verify_width``, ``budget``.
+        policy: the plugin's policy for dflash: ``off`` (vLLM alone), ``fixed``, ``per_request``, ``joint``.
         host, port: where it listens (loopback by default); max_num_seqs: vLLM's concurrent requests.
         enforce_eager: no torch.compile (fast start); dtype: the models' dtype; max_model_len: the context.
         target: the target's HF folder (default: the embedded SmolLM2's); drafter: the drafter folder (default:
@@ -142,6 +142,7 @@ class VllmServer:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"vLLM method must be one of {METHODS}, got {self.method!r}")
+        check_policy(self.policy, "the plugin's policy")
         if self.policy not in POLICIES:
             raise ValueError(f"the plugin's policy must be one of {POLICIES}, got {self.policy!r}")
         if self.method == "ar" and self.policy != "off":

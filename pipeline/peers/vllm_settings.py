@@ -1,17 +1,21 @@
 """The plugin's settings (environment variables read in every vLLM process), the vLLM version it was written for, and
-the per-request opt-out. Standard library only: vLLM's API server imports this at startup through the plugin.
+the per-request opt-out. Standard library only (and the cost model's ``GATE_MARGIN``, which imports no more): vLLM's
+API server imports this at startup through the plugin.
 
 Environment (``BLOCKPILOT_VLLM_*``; the launcher ``pipeline.peers.vllm_server`` sets them from its options):
 
 ==================================  ==========================================================================
 ``BLOCKPILOT_VLLM_POLICY``          ``off`` (default: the plugin does nothing), ``fixed`` (verify every draft;
-                                    honours the opt-out and logs labels), ``verify_width`` (each request's k
-                                    alone), ``budget`` (the step's verify rows shared across requests)
+                                    honours the opt-out and logs labels), ``per_request`` (each request's k
+                                    alone), ``joint`` (the step's verify rows shared across requests); both gate
+                                    the whole step's drafter (``pipeline.policy.core`` tells them from the
+                                    registry's ``verify_width`` / ``budget``, their names before issue 41:
+                                    refused now, ``RENAMED``)
 ``BLOCKPILOT_VLLM_CALIBRATION``     calibration.json (or its folder); default: the drafter folder's
 ``BLOCKPILOT_VLLM_CACHE``           folder of the learned step-cost curves (default ``<checkout>/data/cache/vllm``)
 ``BLOCKPILOT_VLLM_LABELS``          a JSONL file: one label row per verified request-step (default: none)
 ``BLOCKPILOT_VLLM_MARGIN``          the drafter runs only where the modelled step beats the plain one by this
-                                    fraction (default ``pipeline.policy.budget.GATE_MARGIN``, 0.1)
+                                    fraction (default ``pipeline.costs.margin.GATE_MARGIN``, 0.1)
 ``BLOCKPILOT_VLLM_MAX_SKIP``        the longest run of steps without the drafter before it drafts again to
                                     refresh its priors (default 32)
 ``BLOCKPILOT_VLLM_EXPLORE``         samples each step-cost bucket needs before the policy trusts it (default 3)
@@ -29,11 +33,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.costs.margin import GATE_MARGIN
+
 VLLM_SERIES = "0.32."  # the vLLM release series whose internals the plugin wraps
-POLICIES = ("off", "fixed", "verify_width", "budget")
+POLICIES = ("off", "fixed", "per_request", "joint")
+# the plugin's policies' names before issue 41 (the registry's methods of those names gate and skip per request)
+RENAMED = {"verify_width": "per_request", "budget": "joint"}
 SPECULATE_KEY = "blockpilot_speculate"
 ENV_PREFIX = "BLOCKPILOT_VLLM_"
-DEFAULT_MARGIN = 0.1  # = pipeline.policy.budget.GATE_MARGIN (kept here: this module imports no torch)
 DEFAULT_MAX_SKIP = 32
 DEFAULT_EXPLORE = 3
 DEFAULT_SAVE_EVERY_S = 5.0
@@ -51,7 +58,7 @@ class Settings:
     calibration: str | None = None
     cache_dir: str | None = None
     labels: str | None = None
-    margin: float = DEFAULT_MARGIN
+    margin: float = GATE_MARGIN
     max_skip: int = DEFAULT_MAX_SKIP
     explore: int = DEFAULT_EXPLORE
     save_every_s: float = DEFAULT_SAVE_EVERY_S
@@ -79,11 +86,12 @@ class Settings:
             return value
 
         policy = (env.get(ENV_PREFIX + "POLICY") or "off").strip().lower()
+        check_policy(policy, f"{ENV_PREFIX}POLICY")
         if policy not in POLICIES:
             raise ValueError(f"{ENV_PREFIX}POLICY={policy!r} is not one of {list(POLICIES)}; unset it (off) or pick one")
         return cls(policy=policy, calibration=env.get(ENV_PREFIX + "CALIBRATION") or None,
                    cache_dir=env.get(ENV_PREFIX + "CACHE") or None, labels=env.get(ENV_PREFIX + "LABELS") or None,
-                   margin=number("MARGIN", float, DEFAULT_MARGIN, 0.0),
+                   margin=number("MARGIN", float, GATE_MARGIN, 0.0),
                    max_skip=number("MAX_SKIP", int, DEFAULT_MAX_SKIP, 0),
                    explore=number("EXPLORE", int, DEFAULT_EXPLORE, 1),
                    save_every_s=number("SAVE_EVERY_S", float, DEFAULT_SAVE_EVERY_S, 0.0))
@@ -94,6 +102,18 @@ class Settings:
                "MARGIN": repr(self.margin), "MAX_SKIP": str(self.max_skip), "EXPLORE": str(self.explore),
                "SAVE_EVERY_S": repr(self.save_every_s)}
         return {ENV_PREFIX + k: str(v) for k, v in out.items() if v is not None}
+
+
+def check_policy(policy: str, where: str) -> None:
+    """Refuse a plugin policy's name from before issue 41 (``RENAMED``), naming the new one.
+
+    Raises:
+        ValueError: for ``verify_width`` or ``budget`` (the message names ``where`` the value came from).
+    """
+    if policy in RENAMED:
+        raise ValueError(f"{where}={policy!r}: the plugin's {policy!r} is now {RENAMED[policy]!r} (it gates the whole "
+                         f"step's drafter, unlike the registry's {policy} method; pipeline/policy/core.py): use "
+                         f"{RENAMED[policy]!r}")
 
 
 def default_cache_dir() -> Path:

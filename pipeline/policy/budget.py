@@ -13,7 +13,8 @@ largest increments over all requests (taken in each request's order: a greedy ex
 the best of those N_d * (b-1) + 1 prefixes, exactly the optimum (``tests/test_budget.py`` brute-forces small cases).
 
 A request whose drafts do not pay gets k_i = 0 (a plain step) and, through ``BudgetPolicy.plan``, skips the drafter for
-the next 1, 2, 4, ... ``max_skip`` steps before it looks again (the rule ``VerifyWidthSchedule`` uses alone). Before the
+the next 1, 2, 4, ... ``max_skip`` steps before it looks again (the back-off ``VerifyWidthSchedule`` uses alone: both
+are ``pipeline.policy.core``'s, with the requests' priors, the population average and the gate's margin). Before the
 drafter runs, ``plan`` also gates drafting on each request's prior acceptance: a request drafts only when the modelled
 step with its draft (drafter rows and per-request cost included) yields more tokens per ms than without it.
 
@@ -32,20 +33,17 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import torch
 
 from pipeline.costs.batched import BatchCostModel
 from pipeline.decoding.schedules import BatchPolicy, FixedSchedule, Schedule
 from pipeline.policy.calibration import AcceptanceCalibration
+from pipeline.policy.core import GATE_MARGIN, POPULATION_WEIGHT, DraftingCore
 from pipeline.policy.widths import allocate, expected_tokens
 
 WIDTHS_KEPT = 100_000  # BudgetPolicy.widths: the most recent choices kept
-POPULATION_WEIGHT = 0.1  # BudgetPolicy.population: the weight of each drafting request-step's acceptances
-# BudgetPolicy's gate drafts only where the modelled step with the drafts yields this much more than the step without:
-# the drafter's Python work (sampling, confidences, the allocation) and the priors' optimism are not in the cost model
-GATE_MARGIN = 0.1
 # BudgetPolicy.admit, before any request has drafted: the drafts' acceptance taken as that of drafts the drafter is this
 # sure of (an optimistic prior, so that drafting is tried wherever it could pay; afterwards the observed drafted steps')
 CONFIDENT = 0.9
@@ -54,12 +52,11 @@ CONFIDENT = 0.9
 # ---------------------------------------------------------------------------------------------------
 # the joint allocation
 # ---------------------------------------------------------------------------------------------------
-def _skip_state(request) -> list[int]:
-    """[skip run length, steps left to skip] of a request, kept on the request itself."""
-    state = request.__dict__.get("budget_skip")
-    if state is None:
-        state = request.__dict__["budget_skip"] = [0, 0]
-    return state
+def request_id(request) -> Hashable:
+    """The id the policy keeps a request's state under: its ``rid`` (the batched decoder's), else the object itself
+    (a request added without an id)."""
+    rid = getattr(request, "rid", None)
+    return rid if rid is not None else ("object", id(request))
 
 
 class BudgetPolicy(BatchPolicy):
@@ -78,6 +75,10 @@ class BudgetPolicy(BatchPolicy):
     request k = 0 it also skips the drafter for the next 1, 2, 4, ... ``max_skip`` steps (the rule
     ``VerifyWidthSchedule`` uses alone).
 
+    The priors, the population, the gate's margin and the skips are the drafting-policy core's (``core``,
+    ``pipeline.policy.core``), each request's under its ``rid`` (``request_id``); ``plan`` drops the requests it is no
+    longer given (every active request is, each step), ``finished`` drops one at once.
+
     Args:
         calibration: the drafts' acceptance calibration; costs: this machine's ``BatchCostModel``.
         skip_drafts: skip the drafter after a step that gave a request k = 0; max_skip: the longest skip run (steps).
@@ -85,33 +86,41 @@ class BudgetPolicy(BatchPolicy):
         margin: the gate drafts only where the modelled step with the drafts yields ``1 + margin`` times the tokens per
             ms of the step without them.
     Attributes:
+        core: the ``DraftingCore`` (request priors, population, margin, back-off).
         widths: the last ``WIDTHS_KEPT`` k it chose, in order (bounded: a server runs one policy for days);
         population: [B-1] the moving average (weight ``POPULATION_WEIGHT`` per request-step) of every drafting
-            request's calibrated acceptance per column, or None before any request drafted.
+            request's calibrated acceptance per column, or None before any request drafted (the core's).
         drafted_yield: the moving average of (expected tokens, verified rows) of a drafting request's step at the
             widths ``allocate`` chose (k = 0 steps included), or None before any request drafted: what ``admit``
             expects a drafting request to add.
         admitted: {load: whether requests admitted at that load may draft} (the decisions so far).
     Raises:
-        ValueError: for max_skip < 0.
+        ValueError: for max_skip < 0 or margin < 0.
     """
 
     joint_widths = True
 
     def __init__(self, calibration: AcceptanceCalibration, costs: BatchCostModel, skip_drafts: bool = True,
                  max_skip: int = 8, gate: bool = True, margin: float = GATE_MARGIN):
-        if int(max_skip) < 0:
-            raise ValueError(f"max_skip must be >= 0, got {max_skip}")
-        if float(margin) < 0:
-            raise ValueError(f"margin must be >= 0, got {margin}")
-        self.margin = float(margin)
+        self.core = DraftingCore(max_skip, margin)
         self.calibration, self.costs = calibration, costs
         self.skip_drafts, self.max_skip, self.gate = bool(skip_drafts), int(max_skip), bool(gate)
         self._plain = 0
-        self.population: torch.Tensor | None = None
         self.drafted_yield: tuple[float, float] | None = None
         self.admitted: dict[int, bool] = {}
         self.widths: collections.deque[int] = collections.deque(maxlen=WIDTHS_KEPT)
+
+    @property
+    def margin(self) -> float:
+        return self.core.margin
+
+    @property
+    def population(self) -> torch.Tensor | None:
+        return self.core.population
+
+    @population.setter
+    def population(self, value: torch.Tensor | None) -> None:
+        self.core.population = value
 
     def admit(self, schedule: Schedule, load: int) -> Schedule:
         """``schedule`` when drafting can pay at ``load`` requests (``drafting_pays``), else autoregressive decoding
@@ -140,16 +149,15 @@ class BudgetPolicy(BatchPolicy):
         for d in sorted({1, load}):
             ms = self.costs.step_ms(round(load - d + d * rows), d * block_size, load, d)
             best = max(best, (load - d + d * tokens) / ms)
-        return best > plain * (1.0 + self.margin)
+        return self.core.pays(best, plain)
 
     def plan(self, requests: Sequence, sizes: Sequence[int]) -> list[int]:
         """The block size of each request this step: its own, or 1 (no drafter) while it skips or the gate leaves it
-        out (see the class doc)."""
+        out (see the class doc). ``requests`` are every request still decoding: the core drops the others."""
+        self.core.keep(request_id(r) for r in requests)
         out = []
         for r, b in zip(requests, sizes):
-            run = _skip_state(r)
-            if self.skip_drafts and run[1] > 0 and b > 1:
-                run[1] -= 1
+            if self.skip_drafts and b > 1 and self.core.state(request_id(r)).backoff.skipping():
                 out.append(1)
             else:
                 out.append(int(b))
@@ -158,6 +166,10 @@ class BudgetPolicy(BatchPolicy):
         self._plain = sum(1 for b in out if b <= 1)
         return out
 
+    def finished(self, request) -> None:
+        """Drop what the policy keeps of a request that finished (``plan`` drops it at the next step otherwise)."""
+        self.core.forget(request_id(request))
+
     def _gate(self, requests: Sequence, sizes: list[int]) -> list[int]:
         """Leave out of drafting the requests whose drafts, by their priors, do not repay the drafter's cost."""
         n = len(requests)
@@ -165,11 +177,10 @@ class BudgetPolicy(BatchPolicy):
         for i, (r, b) in enumerate(zip(requests, sizes)):
             if b <= 1:
                 continue
-            if r.__dict__.get("budget_left_out", 0) >= self.max_skip:
-                r.__dict__["budget_prior"] = None  # left out long enough for its prior to be stale: the population's
-            prior = r.__dict__.get("budget_prior")
-            if prior is None:
-                prior = self.population
+            state = self.core.state(request_id(r))
+            if state.left_out >= self.max_skip:
+                state.prior = None  # left out long enough for its prior to be stale: the population's
+            prior = self.core.prior(request_id(r))
             if prior is None:
                 probes.append(i)
             else:
@@ -186,24 +197,24 @@ class BudgetPolicy(BatchPolicy):
             else:
                 acceptance = fill + [p for _, _, p in ranked[:m]]
                 _, rate = allocate(acceptance, self.costs, n - len(drafting), sum(sizes[i] for i in drafting))
-                rate /= 1.0 + self.margin  # a draft must beat the step without it by the margin
+                rate = self.core.discount(rate)  # a draft must beat the step without it by the margin
             if rate > best + 1e-12:
                 best_m, best = m, rate
         out = list(sizes)
         for rank, (_, i, _) in enumerate(ranked):
-            r = requests[i]
+            state = self.core.state(request_id(requests[i]))
             if rank < best_m:
-                r.__dict__["budget_left_out"] = 0
+                state.left_out = 0
             else:
                 out[i] = 1
-                r.__dict__["budget_left_out"] = r.__dict__.get("budget_left_out", 0) + 1
+                state.left_out += 1
         for i in probes:
-            requests[i].__dict__["budget_left_out"] = 0
+            self.core.state(request_id(requests[i])).left_out = 0
         return out
 
     def allocate(self, requests: Sequence, confidences: Sequence[torch.Tensor]) -> list[int]:
         """The joint widths of the step's drafting requests (``allocate`` on the calibrated acceptances); updates each
-        request's prior of its drafts' acceptance."""
+        request's prior of its drafts' acceptance, the population's and each request's back-off."""
         acceptance = [self.calibration.predict(c) if c is not None and len(c) else torch.zeros(0) for c in confidences]
         drafted = sum(len(a) + 1 for a in acceptance)
         widths, _ = allocate(acceptance, self.costs, self._plain, drafted)
@@ -212,34 +223,14 @@ class BudgetPolicy(BatchPolicy):
             self.drafted_yield = step if self.drafted_yield is None else tuple(
                 (1 - POPULATION_WEIGHT) * old + POPULATION_WEIGHT * new for old, new in zip(self.drafted_yield, step))
         for r, k, a in zip(requests, widths, acceptance):
-            run = _skip_state(r)
+            backoff = self.core.state(request_id(r)).backoff
             if k > 0:
-                run[0] = 0
+                backoff.paid()
             elif self.skip_drafts:
-                run[0] = min(max(1, 2 * run[0]), self.max_skip)
-                run[1] = run[0]
-            a = torch.as_tensor(a, dtype=torch.float64).reshape(-1)
-            self._learn_population(a)
-            prior = r.__dict__.get("budget_prior")
-            if prior is not None and len(prior) == len(a):
-                a = 0.5 * prior + 0.5 * a
-            r.__dict__["budget_prior"] = a
+                backoff.missed()
+            self.core.learn(request_id(r), a)
         self.widths.extend(widths)
         return widths
-
-    def _learn_population(self, acceptance: torch.Tensor) -> None:
-        if len(acceptance):
-            self.population = _moving(self.population, acceptance, POPULATION_WEIGHT)
-
-
-def _moving(old: torch.Tensor | None, new: torch.Tensor, weight: float) -> torch.Tensor:
-    """``old`` moved by ``weight`` toward ``new`` on their common columns (``new`` where ``old`` has none)."""
-    if old is None or len(old) == 0:
-        return new.clone()
-    out = old.clone() if len(old) >= len(new) else torch.cat([old, new[len(old):]])
-    m = min(len(old), len(new))
-    out[:m] = (1 - weight) * old[:m] + weight * new[:m]
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -22,9 +22,10 @@ Methods (``METHODS``):
     above), plain or with prompt-lookup decoding (``pipeline.policy.baselines``; eval only: the server streams from the
     speculative decoder);
   * ``vllm_ar`` / ``vllm_dflash`` / ``vllm_verify_width``: vLLM's OpenAI server on the same target and drafter (no
-    speculation; its own DFlash verifying K = B - 1 drafts every step; DFlash with our plugin's verify widths,
-    ``pipeline.integrations.vllm``), each request sent as the same prompt ids (``pipeline.policy.baselines``; eval only,
-    needs ``make vllm``; options ``policy.vllm_*``).
+    speculation; its own DFlash verifying K = B - 1 drafts every step; DFlash with our plugin's ``per_request``
+    widths, ``pipeline.integrations.vllm``: not this table's ``verify_width``, see ``pipeline.policy.core``), each
+    request sent as the same prompt ids (``pipeline.policy.baselines``; eval only, needs ``make vllm``; options
+    ``policy.vllm_*``).
 
 Every builder returns a ``Factory``: a fresh schedule per request (``bind`` it to the request for the oracle) and the
 batch-level policy a batched decoder runs the method's requests under (``budget``'s ``BudgetPolicy``, else the base one).
@@ -306,11 +307,10 @@ def _budget(ctx: Context):
     return Factory(lambda: FixedSchedule(b), policy)
 
 
-def _vllm(method: str, policy: str = "off"):
+def _vllm(name: str, method: str, policy: str = "off"):
     def build(ctx: Context):
         from pipeline.policy.baselines import VllmGenerate
 
-        name = {"ar": "vllm_ar", "off": "vllm_dflash"}.get(method if method == "ar" else policy, f"vllm_{policy}")
         options = {k: v for k, v in (ctx.options.get(name) or {}).items() if v is not None}
         if method == "dflash":  # vLLM's K: B - 1 of the fixed B unless policy.<method>.num_speculative_tokens says
             options.setdefault("num_speculative_tokens", ctx.fixed_block_size - 1)
@@ -382,10 +382,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("budget", frozenset({CALIBRATION, BATCH_COSTS}), _budget, gain_share=False, batched=True),
     Method("hf_generate", frozenset(), _hf(False), gain_share=False, servable=_EVAL_ONLY_HF),
     Method("hf_prompt_lookup", frozenset(), _hf(True), gain_share=False, servable=_EVAL_ONLY_HF),
-    Method("vllm_ar", frozenset({VLLM}), _vllm("ar"), gain_share=False, servable=_EVAL_ONLY_VLLM),
-    Method("vllm_dflash", frozenset({VLLM}), _vllm("dflash"), gain_share=False, servable=_EVAL_ONLY_VLLM),
-    Method("vllm_verify_width", frozenset({VLLM}), _vllm("dflash", "verify_width"), gain_share=False,
-           servable=_EVAL_ONLY_VLLM),
+    Method("vllm_ar", frozenset({VLLM}), _vllm("vllm_ar", "ar"), gain_share=False, servable=_EVAL_ONLY_VLLM),
+    Method("vllm_dflash", frozenset({VLLM}), _vllm("vllm_dflash", "dflash"), gain_share=False, servable=_EVAL_ONLY_VLLM),
+    Method("vllm_verify_width", frozenset({VLLM}), _vllm("vllm_verify_width", "dflash", "per_request"),
+           gain_share=False, servable=_EVAL_ONLY_VLLM),
 )}
 SERVABLE = tuple(name for name, m in METHODS.items() if m.servable is None)
 EVALUABLE = tuple(name for name, m in METHODS.items() if not m.batched)  # what the eval stage can run

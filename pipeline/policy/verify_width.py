@@ -11,7 +11,8 @@ and costs ``draft_ms(B, L) + verify_ms(k+1, L)`` on this machine (``pipeline.cos
 step costs by width and context length L, one monotone curve shared with the label stage). ``VerifyWidthSchedule`` picks the k
 in 0..B-1 with the most expected tokens per ms (k = 0 is a plain target step). When even the best k
 was not worth the draft (fewer expected tokens per ms than a plain step without drafting), the next
-steps skip the drafter (1, 2, 4, ... up to ``max_skip`` steps, then it drafts again to look); the
+steps skip the drafter (1, 2, 4, ... up to ``max_skip`` steps, then it drafts again to look: the drafting-policy
+core's ``BackOff``, ``pipeline.policy.core``, the one ``BudgetPolicy`` and the vLLM plugin use too); the
 target's features keep flowing to the drafter, so drafting resumes where it left off. Every choice is
 lossless: the target still decides every token.
 
@@ -31,6 +32,7 @@ import torch
 from pipeline.costs import CostModel
 from pipeline.decoding.schedules import Schedule
 from pipeline.policy.calibration import AcceptanceCalibration
+from pipeline.policy.core import BackOff
 from pipeline.policy.widths import best_count
 
 class VerifyWidthSchedule(Schedule):
@@ -72,7 +74,7 @@ class VerifyWidthSchedule(Schedule):
 
     def _reset(self) -> None:
         self._paid = True
-        self._skip_len = self._remaining = 0
+        self.backoff = BackOff(self.max_skip)  # the request's runs without the drafter
         self._tokens = self._ms = 0.0  # the request's emitted tokens and predicted step costs (marginal objective)
         self._step_ms = self._plain_ms = 0.0  # the last drafted step's cost, and a plain step's at its context
 
@@ -118,14 +120,12 @@ class VerifyWidthSchedule(Schedule):
         if not self.skip_drafts:
             return self._chosen
         if block_size == 1:  # a skipped draft
-            self._remaining -= 1
-            return 1 if self._remaining > 0 else self._chosen
+            return 1 if self.backoff.skipping() else self._chosen
         if self._paid:
-            self._skip_len = 0
+            self.backoff.paid()
             return self._chosen
-        self._skip_len = min(max(1, 2 * self._skip_len), self.max_skip)
-        self._remaining = self._skip_len
-        return 1 if self._remaining > 0 else self._chosen
+        self.backoff.missed()
+        return 1 if self.backoff.skipping() else self._chosen
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -9,15 +9,21 @@ keeps a prior of its drafts' calibrated acceptance (the mean of its last drafted
 population's moving average), and the drafter runs only when the modelled step with the drafts (``allocate`` on the
 priors, the machine's ``StepCosts``) yields ``1 + margin`` times the tokens per ms of a step without them. A policy
 that stops drafting drafts once (a probe) after 1, 2, 4, ... ``max_skip`` skipped steps (its priors would otherwise
-never change); the run lengths start again from 1 only after a drafting step whose verified drafts paid.
+never change); the run lengths start again from 1 only after a drafting step whose verified drafts paid. The priors
+(keyed by vLLM's request ids), the population average, the gate's margin and the run lengths are the drafting-policy
+core's (``pipeline.policy.core``, shared with the registry's ``verify_width`` and ``budget``); its docstring holds the
+table of how the plugin's policies and the registry's methods differ.
 
 ``widths`` (after it, on the drafter's probabilities of its drafts, calibrated by ``AcceptanceCalibration``):
 
 * ``fixed``: every draft (K), as vLLM does without the plugin;
-* ``verify_width``: each request alone (``best_width``: the k with the most expected tokens per ms, priced at its
+* ``per_request``: each request alone (``best_width``: the k with the most expected tokens per ms, priced at its
   1/n share of a step where every request verifies k);
-* ``budget``: the step's verify rows shared across requests (``allocate``: the widths that maximise the whole step's
+* ``joint``: the step's verify rows shared across requests (``allocate``: the widths that maximise the whole step's
   expected tokens per ms).
+
+(``per_request`` and ``joint`` were named ``verify_width`` and ``budget`` before issue 41: the registry's methods of
+those names gate and skip per request, which vLLM's one drafter forward per step cannot; the old names are refused.)
 
 Both decisions read the calibrated acceptance scaled by the **drafted yield**: the drafts vLLM actually accepted
 over the ones the calibration expected at the widths chosen (``observe``, a moving ratio over the recent drafting
@@ -39,11 +45,12 @@ from typing import Sequence
 import torch
 
 from pipeline.integrations.vllm.costs import StepCosts
-from pipeline.policy.budget import POPULATION_WEIGHT
+from pipeline.peers.vllm_settings import POLICIES, check_policy
 from pipeline.policy.calibration import AcceptanceCalibration
+from pipeline.policy.core import GATE_MARGIN, BackOff, DraftingCore
 from pipeline.policy.widths import allocate, best_width
 
-KINDS = ("fixed", "verify_width", "budget")
+KINDS = tuple(p for p in POLICIES if p != "off")  # fixed, per_request, joint
 REUSE_STEPS = 8  # steps a gate decision is reused while the requests and their priors stay the same
 YIELD_DECAY = 0.9  # the drafted yield's weight on the past, per verifying step observed
 YIELD_MIN_EXPECTED = 4.0  # expected accepted drafts (decayed) before the yield is trusted (1 until then)
@@ -54,23 +61,26 @@ class StepPolicy:
     """``plan`` and ``widths`` of one vLLM server (see the module docstring).
 
     Args:
-        kind: ``fixed``, ``verify_width`` or ``budget``.
+        kind: ``fixed``, ``per_request`` or ``joint``.
         calibration: the drafter's acceptance calibration (unused by ``fixed``).
         costs: the machine's learned ``StepCosts`` (shared with the code that measures the steps).
         num_spec: K, the drafts per request of a drafting step (vLLM's ``num_speculative_tokens``).
-        margin: the gate's margin (``pipeline.policy.budget.GATE_MARGIN`` by default, through the settings).
+        margin: the gate's margin (``pipeline.costs.margin.GATE_MARGIN`` by default, through the settings).
         max_skip: the longest run of gated-off steps before a step drafts again to refresh the priors (0: never).
         explore: the samples each step-cost bucket needs before the policy trusts it.
     Attributes:
+        core: the ``DraftingCore``: each request's prior under its vLLM request id, the population average, the margin.
+        backoff: the step's ``BackOff``: a probe after each run of ``backoff.next_run`` gated-off steps.
         drafted_yield: accepted drafts / the calibration's expected ones at the verified widths (``observe``).
         decisions: counts of its choices: ``{"steps", "drafted", "explored", "probes"}``, and ``"verified"`` of
             ``"drafts"`` (kept by the caller, which sees every step's widths).
     Raises:
-        ValueError: for an unknown kind, K < 1, or a missing calibration.
+        ValueError: for an unknown kind (naming the new name of a renamed one), K < 1, or a missing calibration.
     """
 
     def __init__(self, kind: str, calibration: AcceptanceCalibration | None, costs: StepCosts, num_spec: int,
-                 margin: float = 0.1, max_skip: int = 32, explore: int = 3):
+                 margin: float = GATE_MARGIN, max_skip: int = 32, explore: int = 3):
+        check_policy(kind, "StepPolicy's kind")
         if kind not in KINDS:
             raise ValueError(f"policy must be one of {KINDS}, got {kind!r}")
         if int(num_spec) < 1:
@@ -79,11 +89,10 @@ class StepPolicy:
             raise ValueError(f"policy {kind} needs an acceptance calibration (BLOCKPILOT_VLLM_CALIBRATION or the "
                              "drafter folder's calibration.json)")
         self.kind, self.calibration, self.costs = kind, calibration, costs
-        self.num_spec, self.margin, self.max_skip, self.explore = int(num_spec), float(margin), int(max_skip), int(explore)
-        self.priors: dict[str, torch.Tensor] = {}
-        self.population: torch.Tensor | None = None
+        self.num_spec, self.max_skip, self.explore = int(num_spec), int(max_skip), int(explore)
+        self.core = DraftingCore(self.max_skip, margin)
+        self.backoff = BackOff(self.max_skip)
         self._gated = 0  # consecutive gated-off steps
-        self._probe_after = 1
         self._explore_width: int | None = None  # the uniform width of an exploring step
         self._learned = 0  # drafting steps learned from (the priors' version)
         self._gate: tuple | None = None  # (requests and priors, step, decision) of the last gate
@@ -98,9 +107,7 @@ class StepPolicy:
         self.decisions["steps"] += 1
         self._explore_width = None
         self._expected = {}  # ``observe`` read last step's already; a step whose widths are not chosen here leaves none
-        live = set(req_ids)
-        for gone in [r for r in self.priors if r not in live]:
-            del self.priors[gone]
+        self.core.keep(req_ids)
         n = len(req_ids)
         if n == 0 or not any(speculate):
             return 0
@@ -118,8 +125,9 @@ class StepPolicy:
         if self._worth(req_ids, speculate):
             self._gated = 0
             return self._drafts()
-        if self.max_skip and self._gated >= self._probe_after:  # skipped long enough: draft once to look again
-            self._gated, self._probe_after = 0, min(2 * self._probe_after, self.max_skip)
+        if self.max_skip and self._gated >= self.backoff.next_run:  # skipped long enough: draft once to look again
+            self._gated = 0
+            self.backoff.missed()  # the run just ended did not pay: the next one is twice as long
             self.decisions["probes"] += 1
             return self._drafts()
         self._gated += 1
@@ -145,13 +153,13 @@ class StepPolicy:
         acceptance = []
         for r, s in zip(req_ids, speculate):
             if s:
-                prior = self.priors.get(r, self.population)
+                prior = self.core.prior(r)
                 if prior is None:
                     return True  # nothing known yet: draft to learn
                 acceptance.append(self._scaled(prior[: self.num_spec]))
         plain = n / self.costs.step_ms(n, n, drafted=False)
         _, rate = allocate(acceptance, lambda rows: self.costs.step_ms(rows, n, drafted=True), n - len(acceptance))
-        return rate > plain * (1.0 + self.margin)
+        return self.core.pays(rate, plain)
 
     # ------------------------------------------------------------------------------------------------
     def widths(self, req_ids: Sequence[str], speculate: Sequence[bool], confidence: torch.Tensor | None) -> list[int]:
@@ -179,7 +187,7 @@ class StepPolicy:
             calibrated = {i: self.calibration.predict(confidence[i].double()) for i, s in enumerate(speculate) if s}
             self._learn(req_ids, calibrated)
             acceptance = {i: self._scaled(a) for i, a in calibrated.items()}
-            if self.kind == "verify_width":
+            if self.kind == "per_request":
                 draft_ms = self.costs.at("draft", n) / n
                 fixed = self.costs.at("overhead", n) / n
                 verify_ms = [fixed + self.costs.at("verify", n * (1 + k)) / n for k in range(k_max + 1)]
@@ -232,16 +240,15 @@ class StepPolicy:
         n = len(widths)
         expected = n + sum(float(torch.cumprod(a[:k], 0).sum()) for i, a in acceptance.items() for k in [widths[i]] if k)
         rate = expected / self.costs.step_ms(n + sum(widths), n, drafted=True)
-        if rate > (1.0 + self.margin) * n / self.costs.step_ms(n, n, drafted=False):
-            self._probe_after = 1
+        if self.core.pays(rate, n / self.costs.step_ms(n, n, drafted=False)):
+            self.backoff.paid()
+
+    @property
+    def margin(self) -> float:
+        return self.core.margin
 
     def _learn(self, req_ids: Sequence[str], acceptance: dict[int, torch.Tensor]) -> None:
-        """Each drafting request's prior (halfway to this step's acceptances) and the population's moving average."""
+        """Each drafting request's prior and the population average (``DraftingCore.learn``)."""
         self._learned += 1
         for i, a in acceptance.items():
-            prior = self.priors.get(req_ids[i])
-            self.priors[req_ids[i]] = a.clone() if prior is None or len(prior) != len(a) else 0.5 * prior + 0.5 * a
-            if self.population is None or len(self.population) != len(a):
-                self.population = a.clone()
-            else:
-                self.population = (1 - POPULATION_WEIGHT) * self.population + POPULATION_WEIGHT * a
+            self.core.learn(req_ids[i], a)
