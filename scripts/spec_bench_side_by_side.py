@@ -104,7 +104,7 @@ def bench(url: str, model: str, tokenizer: str, dataset: Path, n: int, concurren
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", nargs="+", default=["ours:ar", "ours:verify_width", "ours:budget", "vllm:ar",
-                                                      "vllm:dflash", "vllm:budget"])
+                                                      "vllm:dflash", "vllm:joint"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--per-category", type=int, default=2)
     ap.add_argument("--output-len", type=int, default=64)
