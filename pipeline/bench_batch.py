@@ -40,14 +40,15 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from pipeline.cli import stage
-from pipeline.evaluation.batched import FIELDS, bench_batch, check_bench_config, markdown
+from pipeline.config_checks import validate_config
+from pipeline.evaluation.batched import FIELDS, bench_batch, markdown
 
 log = logging.getLogger(__name__)
 
 
 @stage("bench_batch")
 def main(cfg: DictConfig) -> None:
-    check_bench_config(cfg)
+    validate_config(cfg, "bench_batch")
     from pipeline.tracking import init_wandb
 
     run = init_wandb(cfg, job_type="bench_batch")

@@ -28,6 +28,7 @@ import os
 from omegaconf import DictConfig
 
 from pipeline.cli import stage
+from pipeline.config_checks import validate_config
 from pipeline.evaluation.serving import bench_server, markdown, served
 
 log = logging.getLogger(__name__)
@@ -42,9 +43,7 @@ def bench_serve(cfg: DictConfig) -> dict:
         AssertionError: when a served text is not token-identical to the eval stage's decode, or a burst request fails.
         ValueError: for ``bench.base_url`` with more than one server (one running server cannot be several).
     """
-    if cfg.bench.base_url and len(cfg.bench.get("servers") or []) > 1:
-        raise ValueError(f"bench.base_url={cfg.bench.base_url} is one running server, but bench.servers names "
-                         f"{len(cfg.bench.servers)}: drop bench.base_url (each server is started in turn) or keep one")
+    validate_config(cfg, "bench_serve")  # before any model loads
     from pipeline.decoding import DecodeConfig, FixedSchedule
     from pipeline.decoding.build import build_decoder
     from pipeline.decoding.conversation import decode_prompt

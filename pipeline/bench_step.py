@@ -138,6 +138,9 @@ def markdown(result: dict, block_size: int | None = None) -> str:
 
 @stage("bench_step")
 def main(cfg: DictConfig) -> None:
+    from pipeline.config_checks import validate_config
+
+    validate_config(cfg, "bench_step")
     result = bench_step(cfg)
     table = markdown(result, int(cfg.model.get("training_block_size") or 8))
     info = result["info"]

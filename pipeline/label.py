@@ -21,7 +21,10 @@ log = logging.getLogger(__name__)
 
 @stage("label")
 def main(cfg: DictConfig) -> None:
+    from pipeline.config_checks import validate_config
     from pipeline.labeling.runner import run_label  # imported here: a multirun's launcher process needs no torch
+
+    validate_config(cfg, "label")
 
     summary = run_label(cfg)
     log.info("shard %d/%d: labelled %d, %d done before, %d skipped (too long for the context: %s), label_tau counts %s -> %s",

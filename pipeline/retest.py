@@ -22,6 +22,9 @@ from pipeline.evaluation.retest import markdown, run_retest
 
 @stage("retest")
 def main(cfg: DictConfig) -> None:
+    from pipeline.config_checks import validate_config
+
+    validate_config(cfg, "retest")
     results = run_retest(cfg)
     print(markdown(results))
     print(Path(cfg.retest.out) / "retest.json")

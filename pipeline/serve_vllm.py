@@ -25,6 +25,9 @@ def server_of(cfg: DictConfig):
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="serve_vllm")
 def main(cfg: DictConfig) -> None:
+    from pipeline.config_checks import validate_config
+
+    validate_config(cfg, "serve_vllm")
     server = server_of(cfg)
     print(f"vLLM ({server.method}, policy {server.policy}) on {server.openai_url}, model {server.model}", flush=True)
     server.serve_forever()

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from pipeline import PROJECT_ROOT
 from pipeline.config_checks import validate_config
 from pipeline.decoding import DecodeConfig
 from pipeline.decoding.sampling import PositionKeyedSampler
@@ -176,3 +177,39 @@ def test_a_missing_prompt_set_is_one_line_on_the_command_line(tmp_path):
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith(f"error: prompt set gsm8k: {tmp_path}/gsm8k.jsonl not found"), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr + result.stdout
+
+
+CONF_OF = {"eval": "evaluate"}  # a stage's config file when its name differs
+ENTRY_OF = {"eval": "evaluate"}  # a stage's entry point module when its name differs
+
+
+def test_every_stage_is_dispatched_by_validate_config_and_checks_its_defaults(compose_config):
+    """Issue 41 item 3: ``validate_config`` knows every stage that has an entry point and a config, each entry point
+    calls it with its stage's name, and every stage's default config passes its check (each check imports no torch:
+    tests/test_layout.py)."""
+    from pipeline.config_checks import STAGES, validate_config
+
+    confs = sorted(p.stem for p in (PROJECT_ROOT / "conf").glob("*.yaml"))
+    expected = {s for s in STAGES}
+    assert {CONF_OF.get(s, s) for s in expected} <= set(confs), confs
+    for stage in STAGES:
+        source = (PROJECT_ROOT / "pipeline" / f"{ENTRY_OF.get(stage, stage)}.py").read_text()
+        assert f'validate_config(cfg, "{stage}")' in source, f"pipeline/{ENTRY_OF.get(stage, stage)}.py skips its check"
+        validate_config(compose_config(CONF_OF.get(stage, stage)), stage)
+    for name in confs:  # every stage config but the GPU drafter recipe's variant belongs to a dispatched stage
+        assert name in {CONF_OF.get(s, s) for s in STAGES} or name == "draft_gpu", f"conf/{name}.yaml: no check"
+
+
+@pytest.mark.parametrize("stage, overrides, message", [
+    ("bench_batch", ["bench.methods=[oracle]"], r"bench.methods=oracle cannot be served"),
+    ("bench_batch", ["bench.temperature=-1"], r"bench.temperature"),
+    ("bench_step", ["contexts=[0]"], r"contexts"),
+    ("serve_vllm", ["vllm.policy=budget"], r"vllm.policy='budget'.*now 'joint'"),
+    ("serve_vllm", ["vllm.method=ar", "vllm.policy=joint"], r"applies to dflash"),
+    ("bench_serve", ["bench.base_url=http://127.0.0.1:1", "bench.servers=[{name: a},{name: b}]"], r"drop bench.base_url"),
+])
+def test_the_newly_dispatched_stages_refuse_bad_values(compose_config, stage, overrides, message):
+    from pipeline.config_checks import validate_config
+
+    with pytest.raises(ValueError, match=message):
+        validate_config(compose_config(stage, overrides), stage)

@@ -322,7 +322,7 @@ def test_the_launcher_command_and_environment(tmp_path, monkeypatch):
     ar = VllmServer(method="ar", venv=str(venv))
     assert "--speculative-config" not in ar.command(target="/models/t")
     assert ar.environment()["BLOCKPILOT_VLLM_POLICY"] == "off" and ar.model == "smollm2-135m-instruct"
-    with pytest.raises(ValueError, match="policy joint applies to dflash"):
+    with pytest.raises(ValueError, match="vllm.policy=joint applies to dflash"):
         VllmServer(method="ar", policy="joint")
     with pytest.raises(ValueError, match="method must be one of"):
         VllmServer(method="eagle")

@@ -14,50 +14,11 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from pipeline.evaluation.checks import ARRIVALS, check_bench_config  # noqa: F401  (the bench's check, re-read here)
 from pipeline.evaluation.stats import bootstrap_interval
 
 log = logging.getLogger(__name__)
-ARRIVALS = ("burst", "poisson")
 FIELDS = ("tokens_per_s", "tokens_per_s_ci", "tpot_ms_p50", "tpot_ms_p99", "ttft_ms_p50", "ttft_ms_p99", "exact_match")
-
-
-def check_bench_config(cfg: DictConfig) -> None:
-    """Check ``cfg.bench`` before any model loads.
-
-    Raises:
-        ValueError: for an empty or non-positive concurrency list, a method the batched decoder cannot run, an unknown
-            arrival pattern, a non-positive rate, max_new_tokens or bootstrap count, a negative temperature, or (for
-            budget) a bad ``policy.budget.costs`` block; each names the key.
-    """
-    from pipeline.policy.registry import METHODS, SERVABLE, check_methods
-
-    b = cfg.bench
-    conc = list(b.concurrency or [])
-    if not conc or any(int(c) < 1 for c in conc):
-        raise ValueError(f"bench.concurrency must be a non-empty list of ints >= 1, got {conc}")
-    if not b.methods or isinstance(b.methods, str):
-        raise ValueError(f"bench.methods must be a non-empty list of the methods the batched decoder runs, "
-                         f"{list(SERVABLE)}; got {b.methods!r}")
-    check_methods(b.methods, "bench")
-    bad = [a for a in b.arrivals or [] if a not in ARRIVALS]
-    if not b.arrivals or bad:
-        raise ValueError(f"bench.arrivals must be a non-empty subset of {list(ARRIVALS)}, got {list(b.arrivals or [])}")
-    if "poisson" in b.arrivals and not float(b.rate) > 0:
-        raise ValueError(f"bench.rate must be > 0 requests/s for Poisson arrivals, got {b.rate}")
-    if int(b.max_new_tokens) < 1:
-        raise ValueError(f"bench.max_new_tokens must be >= 1, got {b.max_new_tokens}")
-    if not float(b.temperature) >= 0 or not math.isfinite(float(b.temperature)):
-        raise ValueError(f"bench.temperature must be a finite number >= 0, got {b.temperature}")
-    if int(b.bootstrap) < 1:
-        raise ValueError(f"bench.bootstrap must be >= 1 resamples, got {b.bootstrap}")
-    if b.requests is not None and int(b.requests) < 1:
-        raise ValueError(f"bench.requests must be >= 1 or null (every prompt), got {b.requests}")
-    if b.split not in (None, "train", "validation", "test"):
-        raise ValueError(f"bench.split must be null, train, validation or test, got {b.split!r}")
-    if any(METHODS[m].batched for m in b.methods):
-        from pipeline.costs.batched import check_batch_cost_settings
-
-        check_batch_cost_settings(((cfg.get("policy") or {}).get("budget") or {}).get("costs"), "policy.budget.costs")
 
 
 def percentile(values, q: float) -> float:

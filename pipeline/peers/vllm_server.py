@@ -38,12 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import PROJECT_ROOT
-from pipeline.peers.vllm_settings import POLICIES, Settings, check_policy
+from pipeline.peers.vllm_settings import METHODS, Settings, check_server
 
 VENV = PROJECT_ROOT / ".venv-vllm"
 EMBEDDED_TARGET = "smollm2-135m-instruct"
 SHIPPED_DRAFTER = PROJECT_ROOT / "data" / "drafters" / "smollm2-135m-instruct-dflash-b8"
-METHODS = ("ar", "dflash")
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
                  "vllm:spec_decode_num_accepted_tokens_total")
 
@@ -140,15 +139,7 @@ class VllmServer:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"vLLM method must be one of {METHODS}, got {self.method!r}")
-        check_policy(self.policy, "the plugin's policy")
-        if self.policy not in POLICIES:
-            raise ValueError(f"the plugin's policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.method == "ar" and self.policy != "off":
-            raise ValueError(f"policy {self.policy} applies to dflash: use method=dflash or policy=off")
-        if self.method == "dflash" and int(self.num_speculative_tokens) < 1:
-            raise ValueError(f"dflash drafts K >= 1 tokens per step, got num_speculative_tokens={self.num_speculative_tokens}")
+        check_server(self.method, self.policy, self.num_speculative_tokens)
         self.process: subprocess.Popen | None = None
         self._log = None
 

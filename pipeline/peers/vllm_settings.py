@@ -37,6 +37,7 @@ from pipeline.costs.margin import GATE_MARGIN
 
 VLLM_SERIES = "0.32."  # the vLLM release series whose internals the plugin wraps
 POLICIES = ("off", "fixed", "per_request", "joint")
+METHODS = ("ar", "dflash")  # vLLM without speculation, or with its DFlash drafter
 # the plugin's policies' names before issue 41 (the registry's methods of those names gate and skip per request)
 RENAMED = {"verify_width": "per_request", "budget": "joint"}
 SPECULATE_KEY = "blockpilot_speculate"
@@ -114,6 +115,37 @@ def check_policy(policy: str, where: str) -> None:
         raise ValueError(f"{where}={policy!r}: the plugin's {policy!r} is now {RENAMED[policy]!r} (it gates the whole "
                          f"step's drafter, unlike the registry's {policy} method; pipeline/policy/core.py): use "
                          f"{RENAMED[policy]!r}")
+
+
+def check_server(method: str, policy: str, num_speculative_tokens: int, key: str = "vllm") -> None:
+    """Check a vLLM server's method, plugin policy and K (``pipeline.peers.vllm_server.VllmServer`` and the
+    serve_vllm stage's config check).
+
+    Raises:
+        ValueError: for the first bad value, naming ``key``'s setting.
+    """
+    if method not in METHODS:
+        raise ValueError(f"{key}.method must be one of {list(METHODS)}, got {method!r}")
+    check_policy(policy, f"{key}.policy")
+    if policy not in POLICIES:
+        raise ValueError(f"{key}.policy (the plugin's policy) must be one of {list(POLICIES)}, got {policy!r}")
+    if method == "ar" and policy != "off":
+        raise ValueError(f"{key}.policy={policy} applies to dflash: use {key}.method=dflash or {key}.policy=off")
+    if method == "dflash" and int(num_speculative_tokens) < 1:
+        raise ValueError(f"dflash drafts K >= 1 tokens per step, got {key}.num_speculative_tokens={num_speculative_tokens}")
+
+
+def check_serve_vllm_config(cfg) -> None:
+    """The serve_vllm stage's check (``conf/serve_vllm.yaml``): ``check_server`` on ``vllm.*`` and its port.
+
+    Raises:
+        ValueError: for the first bad value, naming the key.
+    """
+    v = cfg.vllm
+    check_server(str(v.get("method")), str(v.get("policy")), int(v.get("num_speculative_tokens") or 0))
+    port = v.get("port")
+    if not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError(f"vllm.port must be a TCP port number (1..65535), got {port!r}")
 
 
 def default_cache_dir() -> Path:
