@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
-import shutil
 import dataclasses
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from pipeline import DATA_DIR
+from pipeline.files import atomic_dir
 from pipeline.models.backend import LMHead
 
 log = logging.getLogger(__name__)
@@ -65,16 +63,8 @@ def packaged_gguf_path() -> Path:
 
 def _atomic_save_dir(build, final: Path) -> Path:
     """Write a directory through ``build(tmp_dir)`` then rename it into place (no half-written cache)."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=final.name + ".", dir=final.parent))
-    try:
+    with atomic_dir(final) as tmp:
         build(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 

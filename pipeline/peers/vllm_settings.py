@@ -8,7 +8,9 @@ Environment (``BLOCKPILOT_VLLM_*``; the launcher ``pipeline.peers.vllm_server`` 
                                     honours the opt-out and logs labels), ``verify_width`` (each request's k
                                     alone), ``budget`` (the step's verify rows shared across requests)
 ``BLOCKPILOT_VLLM_CALIBRATION``     calibration.json (or its folder); default: the drafter folder's
-``BLOCKPILOT_VLLM_CACHE``           folder of the learned step-cost curves (default ``<checkout>/data/cache/vllm``)
+``BLOCKPILOT_VLLM_CACHE``           folder of the learned step-cost curves (default: the one per-machine cost
+                                    cache, ``pipeline.costs.store.default_dir()``: ``$BLOCKPILOT_COST_CACHE``,
+                                    else ``<checkout>/data/cache/costs``)
 ``BLOCKPILOT_VLLM_LABELS``          a JSONL file: one label row per verified request-step (default: none)
 ``BLOCKPILOT_VLLM_MARGIN``          the drafter runs only where the modelled step beats the plain one by this
                                     fraction (default ``pipeline.policy.budget.GATE_MARGIN``, 0.1)
@@ -94,11 +96,6 @@ class Settings:
                "MARGIN": repr(self.margin), "MAX_SKIP": str(self.max_skip), "EXPLORE": str(self.explore),
                "SAVE_EVERY_S": repr(self.save_every_s)}
         return {ENV_PREFIX + k: str(v) for k, v in out.items() if v is not None}
-
-
-def default_cache_dir() -> Path:
-    """``<checkout>/data/cache/vllm``: per-machine step-cost curves (git-ignored, like the main venv's cost caches)."""
-    return Path(__file__).resolve().parents[3] / "data" / "cache" / "vllm"
 
 
 def check_vllm_version(version: str) -> None:
