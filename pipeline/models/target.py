@@ -61,13 +61,6 @@ def packaged_gguf_path() -> Path:
     return files[0]
 
 
-def _atomic_save_dir(build, final: Path) -> Path:
-    """Write a directory through ``build(tmp_dir)`` then rename it into place (no half-written cache)."""
-    with atomic_dir(final) as tmp:
-        build(tmp)
-    return final
-
-
 def cache_embedded_target(cache_dir: Path | None = None) -> Path:
     """Dequantize the packaged GGUF once and cache it as a plain safetensors checkpoint.
 
@@ -92,11 +85,10 @@ def cache_embedded_target(cache_dir: Path | None = None) -> Path:
     plain.load_state_dict(loaded.state_dict())
     plain.generation_config = loaded.generation_config
 
-    def build(tmp: Path) -> None:
+    with atomic_dir(cache_dir) as tmp:  # no half-written cache
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-
-    return _atomic_save_dir(build, cache_dir)
+    return cache_dir
 
 
 @dataclass
