@@ -90,8 +90,10 @@ def atomic_dir(path: str | Path, mode: int | None = None) -> Iterator[Path]:
             raise
     finally:
         for leftover in (tmp, old):
-            if leftover is not None and leftover.exists():
+            if leftover is not None and leftover.is_dir():
                 shutil.rmtree(leftover, ignore_errors=True)
+            elif leftover is not None and leftover.exists():  # a file stood where the folder goes
+                leftover.unlink()
 
 
 def move_aside(path: str | Path, to: str | Path) -> Path:
