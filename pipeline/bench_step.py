@@ -38,7 +38,7 @@ from pipeline.decoding.speculative import SpeculativeDecoder
 from pipeline.models.backend import resolve_backend
 from pipeline.models.cache import resolve_kv_cache
 from pipeline.models.loading import load_models
-from pipeline.models.backend import _cpu_name
+from pipeline.costs.store import cpu_name
 from pipeline.models.kernel import kernel_isa
 from pipeline.timing.limits import floor_ms, machine_limits, weight_footprint
 from pipeline.timing.steps import step_figures
@@ -106,7 +106,7 @@ def bench_step(cfg: DictConfig) -> dict:
                  "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": str(target.model.dtype),
                  "device": str(target.model.device), "target": target.name, "drafter": str(cfg.model.drafter),
                  "repeats": int(cfg.repeats), "pending_features": int(cfg.pending_features),
-                 "fast_forward": str(cfg.model.get("fast_forward", "auto")), "cpu": _cpu_name(),
+                 "fast_forward": str(cfg.model.get("fast_forward", "auto")), "cpu": cpu_name(),
                  "isa": kernel_isa(), "limits": limits},
     }
 

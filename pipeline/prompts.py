@@ -28,6 +28,8 @@ from urllib.parse import urlparse
 
 import torch
 
+from pipeline.files import write_atomic
+
 log = logging.getLogger(__name__)
 
 TURN_SEPARATOR = "#turn"
@@ -340,11 +342,7 @@ def write_spec_bench_for(source: str | Path, out: str | Path, tool: str = "vllm"
             continue
         rows.append({"question_id": int(qid) if str(qid).isdigit() else qid, "category": category_of(p.id),
                      "turns": p.turns})
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    tmp.replace(out)
-    return out
+    return write_atomic(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 MISSING = ("error", "skip")

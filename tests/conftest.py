@@ -105,6 +105,19 @@ class TinyModels:
         return SpeculativeDecoder(self.target(arch), drafter)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cost_cache(tmp_path_factory) -> Path:
+    """The one per-machine cost cache (``pipeline.costs.store.default_dir``: the smallm crossover, the machine's
+    limits) in a folder of this session, for the tests and the stages they start as subprocesses: no test writes a
+    measurement timed under its load into the checkout's ``data/cache/costs`` (``$BLOCKPILOT_COST_CACHE`` set before
+    the run is kept)."""
+    from pipeline.costs.store import CACHE_ENV
+
+    if not os.environ.get(CACHE_ENV):
+        os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("costs"))
+    return Path(os.environ[CACHE_ENV])
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> TinyModels:
     """Session-wide cache of tiny models (see ``TinyModels``)."""
@@ -118,7 +131,7 @@ def trained_decoder(tiny) -> SpeculativeDecoder:
 
 
 class SteadyClock:
-    """A deterministic stand-in for the measuring harness's clock (``pipeline.timing.steps.clock``): every read moves
+    """A deterministic stand-in for the measuring harness's clock (``pipeline.timing.fixture.clock``): every read moves
     it on, so a timed point reads ``tick_ms`` plus ``growth_ms`` for every read of the clock up to its end, whatever the
     host's speed or load. A point timed later reads a little more: a second measurement never repeats the first, the
     shape check finds nothing to time again, and a spot check never finds the machine faster than a stored measurement
@@ -139,11 +152,11 @@ def steady_clock():
     """The harness's clock swapped for a ``SteadyClock`` for one test (its own patch: a test's ``monkeypatch.undo()``
     keeps it): the verdicts of step-cost measurements and spot checks (reused, refused, measured again) then hold on a
     loaded machine as on an idle one."""
-    from pipeline.timing import steps
+    from pipeline.timing import fixture
 
     clock = SteadyClock()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(steps, "clock", clock)
+        patch.setattr(fixture, "clock", clock)
         yield clock
 
 

@@ -47,7 +47,7 @@ EXPECTED = {
                "retest.out": f"{DATA}/retest/main/topk", "retest.targets": ["tau", "speed"]},
     "serve": {"run_name": "main", "serve.host": "127.0.0.1", "serve.port": 8000, "serve.model_name": "smollm2-135m-instruct"},
     "serve_vllm": {"run_name": "vllm", "vllm.host": "127.0.0.1", "vllm.port": 8000, "vllm.method": "dflash",
-                   "vllm.policy": "budget", "vllm.target": "smollm2-135m-instruct",
+                   "vllm.policy": "joint", "vllm.target": "smollm2-135m-instruct",
                    "vllm.drafter": "data/drafters/smollm2-135m-instruct-dflash-b8"},
 }
 
@@ -75,6 +75,28 @@ def test_every_top_level_config_has_its_stage_keys(compose_config):
             assert _get(resolved, key) == want, (name, key)
         for s in resolved.get("data", {}).get("sets", []):  # every JSONL prompt set lives under paths.shared_data
             assert s["source"] == "humaneval" or s["source"].startswith(resolved["paths"]["shared_data"] + "/"), (name, s)
+
+
+COST_CACHES = ("label.latency.cache", "policy.verify_width.latency.cache", "policy.budget.costs.cache", "vllm.cache_dir")
+
+
+def test_every_cost_cache_is_the_one_folder(compose_config, monkeypatch):
+    """Every per-machine cost cache a config names is ``paths.costs``, the folder ``pipeline.costs.store`` defaults to
+    (the crossover's and the machine limits')."""
+    from pipeline.costs import store
+
+    monkeypatch.delenv(store.CACHE_ENV, raising=False)
+    found = {}
+    for name in TOP_LEVEL:
+        resolved = OmegaConf.to_container(compose_config(name), resolve=True)
+        assert resolved["paths"]["costs"] == str(store.default_dir()) == f"{DATA}/cache/costs", name
+        for key in COST_CACHES:
+            try:
+                found[(name, key)] = _get(resolved, key)
+            except (KeyError, TypeError):
+                continue
+    assert {k for _, k in found} == set(COST_CACHES)
+    assert set(found.values()) == {f"{DATA}/cache/costs"}, found
 
 
 def _tiny_overrides(cfg, tiny) -> list[str]:

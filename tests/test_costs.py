@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from pipeline import costs
 from pipeline.costs import CostModel, DriftMonitor, Timing, monotone, retime, suspect_points, time_points
 from pipeline.policy.verify_width import VerifyWidthSchedule
+from pipeline.costs import store
 from pipeline.timing import steps
 from pipeline.timing.steps import load_or_measure
 
@@ -148,6 +149,7 @@ def test_cached_per_machine_and_forward_path_and_remeasured_on_a_key_change(tmp_
     assert len(files) == 1 and first.block_sizes == list(range(1, 9)) and first.context_buckets == [8, 32]
     stored = json.loads(files[0].read_text())
     assert stored["key"]["forward"] == trained_decoder.forward_path() and stored["key"]["block_sizes"] == list(range(1, 9))
+    assert stored["key"]["kind"] == "latency" and stored["key"]["host"] == store.host()  # the one key builder's host
     # reused (measured timings never repeat exactly), also by another stage's section with the same settings, and by a
     # caller reading other widths up to the same largest one (every width 1..max is measured and keyed)
     assert load_or_measure(trained_decoder, cfg, [8, 4, 4]) == first
@@ -235,6 +237,36 @@ class FakeClock:
 
     def __call__(self):
         return self.t
+
+
+def test_the_one_store_keys_by_kind_and_host_and_refuses_another_key(tmp_path, monkeypatch, caplog):
+    import torch  # noqa: F401  (loaded: the host's identity names torch's threads and version)
+
+    monkeypatch.delenv(store.CACHE_ENV, raising=False)
+    from pipeline import DATA_DIR
+
+    assert store.default_dir() == DATA_DIR / "cache" / "costs"
+    monkeypatch.setenv(store.CACHE_ENV, str(tmp_path / "elsewhere"))
+    assert store.default_dir() == tmp_path / "elsewhere"
+    key = store.key("limits", read_mb=512)
+    assert key["kind"] == "limits" and key["read_mb"] == 512 and key["version"] == store.VERSION
+    assert key["host"]["cpu"] == store.cpu_name() and key["host"]["threads"] == torch.get_num_threads()
+    assert key["host"]["torch"] == torch.__version__
+    path = store.path_of(tmp_path, key)
+    assert path.parent == tmp_path and path.name.startswith("limits-") and path.suffix == ".json"
+    assert store.path_of(tmp_path, store.key("limits", read_mb=256)) != path
+    calls = []
+    measure = lambda: calls.append(1) or {"gb_s": 3.0}  # noqa: E731
+    assert store.cached(tmp_path, key, "limits", measure) == {"gb_s": 3.0}
+    assert store.cached(tmp_path, key, "limits", measure) == {"gb_s": 3.0} and len(calls) == 1  # reused
+    assert store.cached(tmp_path, key, "limits", measure, check=lambda d: "stale") == {"gb_s": 3.0} and len(calls) == 2
+    assert store.get(tmp_path, key, "limits") == {"gb_s": 3.0} and store.get(tmp_path, key, "other") is None
+    stored = json.loads(path.read_text())
+    path.write_text(json.dumps({**stored, "key": {**stored["key"], "host": "elsewhere"}}))
+    with caplog.at_level(logging.WARNING, logger="pipeline.costs.store"):
+        assert store.get(tmp_path, key, "limits") is None  # a file under the right name with another key
+    assert "holds no measurement" in caplog.text
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # written atomically: no temporary file left
 
 
 def test_the_timer_interleaves_points_and_keeps_the_least_sample_and_the_spread():

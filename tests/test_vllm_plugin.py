@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from pipeline import PROJECT_ROOT
-from pipeline.integrations.vllm.costs import StepCosts, cache_key, cache_path
+from pipeline.costs import store
+from pipeline.integrations.vllm.costs import StepCosts, cache_key
 from pipeline.integrations.vllm.labels import LabelLog, read_rows, refit, step_row
 from pipeline.integrations.vllm.policy import YIELD_DECAY, StepPolicy
 from pipeline.integrations.vllm.runtime import accepted_drafts
@@ -115,11 +116,15 @@ def test_step_costs_fit_medians_monotone_and_round_trip(tmp_path):
     assert costs.step_ms(8, 2, drafted=True) == pytest.approx(ys[1] + 1.0 + 7.0)
     assert costs.missing(2, range(3), enough=1) == {"verify": [0, 2], "draft": [], "idle": [2]}
     key = cache_key(vllm="0.32.0", target="t", drafter="d", k=7)
-    path = costs.save(cache_path(tmp_path, key))
-    assert path.name.startswith("step-costs-") and path.parent == tmp_path and costs.added == 0
-    loaded = StepCosts.load(path)
+    assert key["kind"] == "step-costs" and key["k"] == "7" and key["host"] == store.host()  # the one key builder
+    path = costs.store(tmp_path, key)  # the one cache's file and writer
+    assert path == store.path_of(tmp_path, key) and path.name.startswith("step-costs-") and costs.added == 0
+    assert json.loads(path.read_text())["key"] == key
+    loaded = StepCosts.stored(tmp_path, key)
     assert loaded.curve("verify") == costs.curve("verify") and loaded.count("verify", 4) == 3
-    assert StepCosts.load(tmp_path / "none.json", info={"a": 1}).info == {"a": 1}  # no file: empty tables
+    assert StepCosts.load(path).curve("verify") == costs.curve("verify")
+    other = cache_key(vllm="0.32.0", target="t", drafter="d", k=6)
+    assert StepCosts.stored(tmp_path, other).info == other and not StepCosts.stored(tmp_path, other).tables["verify"]
     with pytest.raises(ValueError, match="step-cost table must be one of"):
         costs.add("prefill", 1, 1.0)
 

@@ -19,7 +19,6 @@ Shard ``shard-XXXXX.safetensors`` holds, for the S sequences of one batch:
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from pipeline.files import atomic_file
 from pipeline.models.target import Target, logit_head
 from pipeline.prompts import Prompt, chat_input_ids
 
@@ -138,10 +138,8 @@ def write_shard(path: Path, sequences: list[tuple[torch.Tensor, torch.Tensor | N
             tensors["final"] = feats[:, -final_size:].contiguous()
             feats = feats[:, :-final_size]
         tensors["features"] = feats.contiguous()
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, tmp,
-              metadata=None if seconds is None else {"generation_seconds": f"{seconds:.3f}"})
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        save_file(tensors, tmp, metadata=None if seconds is None else {"generation_seconds": f"{seconds:.3f}"})
 
 
 def generation_seconds(paths: list[Path]) -> tuple[float, int]:

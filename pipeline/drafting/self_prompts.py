@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Iterable
@@ -24,6 +23,7 @@ from typing import Iterable
 import torch
 from tqdm.auto import tqdm
 
+from pipeline.files import write_atomic
 from pipeline.models.target import Target
 from pipeline.prompts import Prompt
 
@@ -197,10 +197,8 @@ def build_self_prompts(target: Target, target_name: str, out_dir: str | Path, na
                          "raise the set's prompt_max_tokens if most are 'unfinished', or train on prompt files")
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = [{"id": f"{name}-{i}", "turns": [t], "source": "self"} for i, t in enumerate(kept)]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     meta = path.with_suffix(".meta.json")
     meta.write_text(json.dumps({"settings": {k: v for k, v in settings.items() if k != "blocked"},
                                 "decontamination_texts": len(blocked_texts), "counts": filt.counts}, indent=2))
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
     return [Prompt(r["id"], r["turns"], name) for r in rows]

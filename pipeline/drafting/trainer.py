@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import shutil
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -33,6 +31,7 @@ from pipeline.drafting.checks import check_loss
 from pipeline.drafting.module import DrafterModule, init_from_target_layers
 from pipeline.drafting.responses import build_response_cache, generation_seconds
 from pipeline.drafting.sources import training_prompts
+from pipeline.files import atomic_dir
 from pipeline.models.drafter import DFlashDrafter, make_drafter_config, num_parameters
 from pipeline.models.loading import resolve_path as resolve_input
 from pipeline.models.target import load_target
@@ -177,37 +176,32 @@ def train_drafter(cfg: DictConfig) -> Path:
     val_tau_per_set = {k.removeprefix("val/tau/"): round(float(v), 4) for k, v in final.items() if k.startswith("val/tau/")}
 
     out = Path(dcfg.out) if Path(dcfg.out).is_absolute() else PROJECT_ROOT / dcfg.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    tmp.chmod(0o755)
-    drafter.save_pretrained(tmp, dtype=getattr(torch, dcfg.export_dtype))
-    stats = {
-        "target": cfg.model.target,
-        "training block size": drafter.block_size,
-        "draft layers": len(drafter.layers),
-        "parameters": num_parameters(drafter),
-        "draft vocabulary": int(drafter.d2t.numel()) if drafter.d2t is not None else "full",
-        "initialised from target layers": copied or "random",
-        "target layer taps": layer_ids,
-        "training sequences per set": dict(Counter(s["set"] for s in sequences)),
-        "training sequences (train/val)": f"{len(train)}/{len(val)}",
-        "response tokens": response_tokens,
-        "optimizer steps": trainer.global_step,
-        "anchors per sequence x batch": f"{dcfg.anchors_per_seq} x {dcfg.batch_size}",
-        "data generation wall time per set (s, recorded in the cached shards)": data_seconds,
-        "this run's data stage wall time (s)": round(t_data - t_start),
-        "training wall time (s)": round(train_seconds),
-        "features": features_mode,
-        "hardware": hardware(cfg.model.device),
-        "loss": loss,
-        "val_tau": val_tau,
-        "val_tau_per_set": val_tau_per_set,
-    }
-    write_model_card(tmp, out.name, cfg, stats)
-    (tmp / "training_stats.json").write_text(json.dumps(stats, indent=2, default=str))
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    with atomic_dir(out, mode=0o755) as tmp:
+        drafter.save_pretrained(tmp, dtype=getattr(torch, dcfg.export_dtype))
+        stats = {
+            "target": cfg.model.target,
+            "training block size": drafter.block_size,
+            "draft layers": len(drafter.layers),
+            "parameters": num_parameters(drafter),
+            "draft vocabulary": int(drafter.d2t.numel()) if drafter.d2t is not None else "full",
+            "initialised from target layers": copied or "random",
+            "target layer taps": layer_ids,
+            "training sequences per set": dict(Counter(s["set"] for s in sequences)),
+            "training sequences (train/val)": f"{len(train)}/{len(val)}",
+            "response tokens": response_tokens,
+            "optimizer steps": trainer.global_step,
+            "anchors per sequence x batch": f"{dcfg.anchors_per_seq} x {dcfg.batch_size}",
+            "data generation wall time per set (s, recorded in the cached shards)": data_seconds,
+            "this run's data stage wall time (s)": round(t_data - t_start),
+            "training wall time (s)": round(train_seconds),
+            "features": features_mode,
+            "hardware": hardware(cfg.model.device),
+            "loss": loss,
+            "val_tau": val_tau,
+            "val_tau_per_set": val_tau_per_set,
+        }
+        write_model_card(tmp, out.name, cfg, stats)
+        (tmp / "training_stats.json").write_text(json.dumps(stats, indent=2, default=str))
     if run is not None:
         run.summary.update({f"val_tau_b{k}": v for k, v in val_tau.items()})
         run.finish()

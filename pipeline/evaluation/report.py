@@ -17,7 +17,6 @@ import datetime
 import json
 import logging
 import math
-import os
 import subprocess
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from pipeline.evaluation.stats import GAIN_BASES, GAIN_METHODS, method_rows, speed_gains, speed_intervals  # noqa: F401
+from pipeline.files import write_json_atomic
 from pipeline.policy.registry import METHODS
 
 log = logging.getLogger(__name__)
@@ -404,12 +404,7 @@ def provenance(cfg) -> dict:
 
 def write_json(results: dict, out: str | Path) -> Path:
     """Write ``results`` atomically at ``out``."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(results, indent=2))
-    os.replace(tmp, out)
-    return out
+    return write_json_atomic(out, results, newline=False)
 
 
 def log_summary(results: dict) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.evaluation.inputs import WIDTH_METHODS, EvalInputs
+from pipeline.files import move_aside, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +46,11 @@ class RowLog:
         if complete and complete[0][1].get("settings") != json.loads(header)["settings"]:
             log.warning("%s holds rows of other settings; moving it to %s and starting afresh", self.path,
                         self.path.name + ".old")
-            os.replace(self.path, self.path.with_name(self.path.name + ".old"))
+            move_aside(self.path, self.path.with_name(self.path.name + ".old"))
             complete = []
         for _, entry in complete[1:]:
             self.done[str(entry["id"])] = entry
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in [header] + [raw for raw, _ in complete[1:]]))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, "".join(line + "\n" for line in [header] + [raw for raw, _ in complete[1:]]))
         if self.done:
             log.info("%s: resuming, %d prompts already done", self.path, len(self.done))
 

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
+
+from pipeline.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,4 @@ def write_retest(results: dict, out: Path) -> None:
     """``retest.json`` and ``retest.md`` into ``out``, atomically."""
     out.mkdir(parents=True, exist_ok=True)
     for name, text in (("retest.json", json.dumps(results, indent=2)), ("retest.md", markdown(results))):
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text + "\n")
-        os.replace(tmp, out / name)
+        write_atomic(out / name, text + "\n")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import uuid
 from pathlib import Path
 from typing import Iterable
@@ -34,6 +33,8 @@ from typing import Iterable
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from pipeline.files import create_once, move_aside, publish_new
 
 log = logging.getLogger(__name__)
 
@@ -124,21 +125,6 @@ def read_shard(file: str | Path, columns: list[str] | None = None) -> pa.Table:
     return table.select(wanted)
 
 
-def _publish(tmp: Path, directory: Path, pattern: str, start: int) -> Path:
-    """Hard-link ``tmp`` to the first free ``pattern.format(i)`` (i >= start) in ``directory``; remove ``tmp``."""
-    index = start
-    try:
-        while True:
-            final = directory / pattern.format(index)
-            try:
-                os.link(tmp, final)
-                return final
-            except FileExistsError:
-                index += 1
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 class LabelStore:
     """Reads and appends the shard files and ``meta.json`` of one label directory.
 
@@ -174,8 +160,7 @@ class LabelStore:
                 if not set_aside_bad:
                     raise
                 aside = self.directory / BAD_DIR / f"{file.stem}-{uuid.uuid4().hex[:8]}{file.suffix}"
-                aside.parent.mkdir(exist_ok=True)
-                os.replace(file, aside)
+                move_aside(file, aside)
                 log.warning("label shard %s %s; moved it to %s: its requests will be labelled again", file, err.problem, aside)
         return ids
 
@@ -209,9 +194,8 @@ class LabelStore:
         if not rows:
             return None
         table = pa.Table.from_pylist([{k: r.get(k) for k in LABEL_SCHEMA.names} for r in rows], schema=LABEL_SCHEMA)
-        tmp = self.directory / f".tmp-{os.getpid()}-{uuid.uuid4().hex}.parquet"
-        pq.write_table(table, tmp)
-        return _publish(tmp, self.directory, "shard-{:05d}.parquet", len(self.shard_files()))
+        return publish_new(lambda tmp: pq.write_table(table, tmp), self.directory, "shard-{:05d}.parquet",
+                           len(self.shard_files()))
 
     # -- meta --------------------------------------------------------------------------------------
     def read_meta(self) -> dict | None:
@@ -228,14 +212,8 @@ class LabelStore:
         """
         stored = self.read_meta()
         if stored is None:
-            tmp = self.directory / f".tmp-{os.getpid()}-{uuid.uuid4().hex}.json"
-            tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-            try:
-                os.link(tmp, self.directory / META_NAME)
-            except FileExistsError:
-                pass  # another worker was first
-            finally:
-                tmp.unlink(missing_ok=True)
+            text = json.dumps(meta, indent=2, sort_keys=True) + "\n"
+            create_once(self.directory / META_NAME, lambda tmp: tmp.write_text(text))  # else another worker was first
             stored = self.read_meta()
         check_meta_compatible(stored, meta, str(self.directory))
         return stored
@@ -329,8 +307,6 @@ def merge_labels(sources: Iterable[str | Path], out: str | Path) -> Path:
     frames = [read_labels(s) for s in sources]
     frame = pd.concat(frames).drop_duplicates("id", keep="first").sort_values("id", kind="mergesort")
     table = pa.Table.from_pandas(frame[LABEL_SCHEMA.names], schema=LABEL_SCHEMA, preserve_index=False)
-    tmp = store.directory / f".tmp-{os.getpid()}-{uuid.uuid4().hex}.parquet"
-    pq.write_table(table, tmp)
-    _publish(tmp, store.directory, "shard-{:05d}.parquet", 0)
+    publish_new(lambda tmp: pq.write_table(table, tmp), store.directory, "shard-{:05d}.parquet", 0)
     store.ensure_meta(metas[0])
     return store.directory

@@ -45,8 +45,6 @@ import functools
 import hashlib
 import logging
 import os
-import platform
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -81,16 +79,6 @@ def backend_signature(backend: str) -> str:
     isa = smallm_kernel().isa()
     digest = hashlib.sha256(_KERNEL.read_bytes() + repr((EXACT_FORMATS, crossover, isa)).encode()).hexdigest()[:8]
     return f"{backend}:{digest}"
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _time_pair_ms(first, second, weights, repeats: int = 7, warmup: int = 2) -> tuple[float, float]:
@@ -159,8 +147,8 @@ def exact_crossover() -> dict[str, int]:
 
     ``$BLOCKPILOT_SMALLM_EXACT_ROWS`` (an int) sets every format's; otherwise it is measured once per machine
     (``measure_crossover``, ~5 s, on the one timer of ``pipeline.costs.timer``) and kept in the one per-machine cache
-    (``pipeline.costs.store``: ``data/cache/costs/``, or ``$BLOCKPILOT_COST_CACHE``) under a key of the kernel source,
-    the CPU model and torch's thread count.
+    (``pipeline.costs.store``: ``data/cache/costs/``, or ``$BLOCKPILOT_COST_CACHE``) under a key of the kernel source
+    and this host (``store.key``: the CPU model, torch's thread count and version).
 
     Raises:
         ValueError: when the environment variable is not a positive int.
@@ -176,9 +164,8 @@ def exact_crossover() -> dict[str, int]:
         return {fmt: min(value, SMALLM_MAX_ROWS) for fmt in EXACT_FORMATS}
     from pipeline.costs import store
 
-    key = {"kernel": hashlib.sha256(_KERNEL.read_bytes()).hexdigest()[:12], "isa": smallm_kernel().isa(),
-           "formats": list(EXACT_FORMATS),
-           "rows": list(_TUNE_ROWS), "cpu": _cpu_name(), "threads": torch.get_num_threads()}
+    key = store.key("smallm-crossover", kernel=hashlib.sha256(_KERNEL.read_bytes()).hexdigest()[:12],
+                    isa=smallm_kernel().isa(), formats=list(EXACT_FORMATS), rows=list(_TUNE_ROWS))
 
     measured: dict = {}
 
@@ -195,7 +182,7 @@ def exact_crossover() -> dict[str, int]:
         return None if ok else "it holds no crossover per format"
 
     try:
-        data = store.cached(store.default_dir(), "smallm-crossover", key, "crossover", measure, check)
+        data = store.cached(store.default_dir(), key, "crossover", measure, check)
     except OSError as err:  # an unwritable cache folder: measured every process (once: kept if already measured)
         log.warning("smallm: could not cache the crossover (%s)", err)
         data = measured or measure()

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pipeline.files import atomic_dir
 from pipeline.models.drafter import CONFIG_NAME, HEAD_KEY, LEGACY_VOCAB_KEY, REMOTE_CODE_NAME, vllm_layout, write_config
 
 LOADING_HEADING = "## Loading"
@@ -156,10 +156,7 @@ def export_drafter(src: str | Path, dst: str | Path, full_vocab: bool = False, t
         if "torch_dtype" in config:
             config["torch_dtype"] = stored
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=dst.name + ".", dir=dst.parent))
-    try:
-        tmp.chmod(0o755)
+    with atomic_dir(dst, mode=0o755) as tmp:
         for file in sorted(src.iterdir()):
             if file.name in (CONFIG_NAME, REMOTE_CODE_NAME) or not file.is_file():
                 continue
@@ -174,10 +171,4 @@ def export_drafter(src: str | Path, dst: str | Path, full_vocab: bool = False, t
         card = tmp / "README.md"
         if card.exists():
             card.write_text(with_loading_section(card.read_text(), config.get("draft_vocab_size")))
-        if dst.exists():
-            shutil.rmtree(dst)
-        tmp.rename(dst)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return dst

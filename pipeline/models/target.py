@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
-import shutil
 import dataclasses
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from pipeline import DATA_DIR
+from pipeline.files import atomic_dir
 from pipeline.models.backend import LMHead
 
 log = logging.getLogger(__name__)
@@ -63,21 +61,6 @@ def packaged_gguf_path() -> Path:
     return files[0]
 
 
-def _atomic_save_dir(build, final: Path) -> Path:
-    """Write a directory through ``build(tmp_dir)`` then rename it into place (no half-written cache)."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=final.name + ".", dir=final.parent))
-    try:
-        build(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
 def cache_embedded_target(cache_dir: Path | None = None) -> Path:
     """Dequantize the packaged GGUF once and cache it as a plain safetensors checkpoint.
 
@@ -102,11 +85,10 @@ def cache_embedded_target(cache_dir: Path | None = None) -> Path:
     plain.load_state_dict(loaded.state_dict())
     plain.generation_config = loaded.generation_config
 
-    def build(tmp: Path) -> None:
+    with atomic_dir(cache_dir) as tmp:  # no half-written cache
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-
-    return _atomic_save_dir(build, cache_dir)
+    return cache_dir
 
 
 @dataclass

@@ -12,7 +12,9 @@ Environment (``BLOCKPILOT_VLLM_*``; the launcher ``pipeline.peers.vllm_server`` 
                                     registry's ``verify_width`` / ``budget``, their names before issue 41:
                                     refused now, ``RENAMED``)
 ``BLOCKPILOT_VLLM_CALIBRATION``     calibration.json (or its folder); default: the drafter folder's
-``BLOCKPILOT_VLLM_CACHE``           folder of the learned step-cost curves (default ``<checkout>/data/cache/vllm``)
+``BLOCKPILOT_VLLM_CACHE``           folder of the learned step-cost curves (default: the one per-machine cost
+                                    cache, ``pipeline.costs.store.default_dir()``: ``$BLOCKPILOT_COST_CACHE``,
+                                    else ``<checkout>/data/cache/costs``)
 ``BLOCKPILOT_VLLM_LABELS``          a JSONL file: one label row per verified request-step (default: none)
 ``BLOCKPILOT_VLLM_MARGIN``          the drafter runs only where the modelled step beats the plain one by this
                                     fraction (default ``pipeline.costs.margin.GATE_MARGIN``, 0.1)
@@ -31,7 +33,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from pipeline.costs.margin import GATE_MARGIN
 
@@ -146,11 +147,6 @@ def check_serve_vllm_config(cfg) -> None:
     port = v.get("port")
     if not isinstance(port, int) or not 0 < port < 65536:
         raise ValueError(f"vllm.port must be a TCP port number (1..65535), got {port!r}")
-
-
-def default_cache_dir() -> Path:
-    """``<checkout>/data/cache/vllm``: per-machine step-cost curves (git-ignored, like the main venv's cost caches)."""
-    return Path(__file__).resolve().parents[3] / "data" / "cache" / "vllm"
 
 
 def check_vllm_version(version: str) -> None:

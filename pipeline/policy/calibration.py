@@ -13,13 +13,14 @@ plugin, ``pipeline.integrations.vllm``) can read a calibration.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
+
+from pipeline.files import write_json_atomic
 
 CALIBRATION_NAME = "calibration.json"
 _LOGIT_CLIP = 9.0
@@ -206,10 +207,7 @@ def export_calibration(out_dir: str | Path, fitted: dict) -> Path:
     payload = {**fitted["calibration"].to_dict(), "reliability": fitted["reliability"],
                "reliability_split": fitted["reliability_split"]}
     path = out_dir / CALIBRATION_NAME
-    tmp = path.with_suffix(f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_json_atomic(path, payload)
 
 
 def find_calibration(explicit: str | None, run_dir: str | Path | None, drafter: str | None) -> Path:

@@ -26,10 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +34,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from pipeline.files import atomic_dir
 from pipeline.policy.features import Featurizer, FeatureSpec
 from pipeline.labeling.store import read_label_table
 from pipeline.prompts import check_label_template_kwargs, prompt_id_of
@@ -230,17 +228,9 @@ def build_dataset(cfg: DictConfig) -> Path:
 
 def save_dataset(dd, info: dict, out: Path) -> None:
     """``save_to_disk`` into a temp dir beside ``out``, add ``blockpilot.json``, then rename into place."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    dd.save_to_disk(str(tmp))
-    (tmp / INFO).write_text(json.dumps(info, indent=2, default=str) + "\n")
-    old = out.with_name(f".{out.name}.old") if out.exists() else None
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    with atomic_dir(out) as tmp:
+        dd.save_to_disk(str(tmp))
+        (tmp / INFO).write_text(json.dumps(info, indent=2, default=str) + "\n")
 
 
 def load_feature_dataset(directory: str | Path):

@@ -13,9 +13,6 @@ A predictor directory holds:
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from pipeline.files import atomic_dir
 from pipeline.policy.fallback import apply_fallback
 from pipeline.policy.features import Featurizer, FeatureSpec
 from pipeline.policy.predictors import build_predictor, num_parameters
@@ -108,22 +106,13 @@ def export_predictor(out: str | Path, net: nn.Module, spec: FeatureSpec, candida
         ``out``.
     """
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    state = {k: v.detach().float().cpu().contiguous() for k, v in net.state_dict().items()}
-    save_file(state, tmp / WEIGHTS, metadata={"format": "pt"})
-    config = {"format": FORMAT, "version": VERSION, "arch": net.arch, "arch_config": net.config,
-              "features": spec.to_dict(), "candidates": [int(c) for c in candidates],
-              "num_parameters": num_parameters(net), **(meta or {})}
-    (tmp / CONFIG).write_text(json.dumps(config, indent=2, default=float) + "\n")
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    with atomic_dir(out) as tmp:
+        state = {k: v.detach().float().cpu().contiguous() for k, v in net.state_dict().items()}
+        save_file(state, tmp / WEIGHTS, metadata={"format": "pt"})
+        config = {"format": FORMAT, "version": VERSION, "arch": net.arch, "arch_config": net.config,
+                  "features": spec.to_dict(), "candidates": [int(c) for c in candidates],
+                  "num_parameters": num_parameters(net), **(meta or {})}
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2, default=float) + "\n")
     return out
 
 

@@ -22,12 +22,9 @@ from typing import Sequence
 
 import torch
 
-from pipeline.costs import BatchCostModel, check_batch_cost_settings, monotone, retime, suspect_points, time_points
-from pipeline.costs import store
+from pipeline.costs import BatchCostModel, check_batch_cost_settings, monotone, store, suspect_points
 from pipeline.models.cache import crop_to
-from pipeline.models.clock import synchronize
-from pipeline.timing import steps as step_timing
-from pipeline.timing.steps import SPOT_TOLERANCE, measured_under_load
+from pipeline.timing.fixture import SPOT_TOLERANCE, draft_cache_at, first_loaded, measure_points, prefill, random_ids
 
 log = logging.getLogger(__name__)
 PREFIX = "batch-costs"
@@ -41,7 +38,6 @@ class BatchPoints:
     def __init__(self, decoder, block_size: int, context: int, need: int, seed: int = 0):
         from pipeline.decoding.sampling import PositionKeyedSampler
         from pipeline.models.batched_forward import BatchedForward
-        from pipeline.models.target import new_cache
 
         self.decoder, self.context = decoder, int(context)
         self.has_drafter = decoder.drafter is not None
@@ -54,16 +50,13 @@ class BatchPoints:
         self.forward = BatchedForward(decoder)
         vocab = decoder.lm_head.shape[0]
         gen = torch.Generator().manual_seed(seed)
-        n_tok = min(vocab, len(decoder.target.tokenizer))
         self.sampler = PositionKeyedSampler(0.0, seed, vocab)
         self.caches, self.feats = [], []
         for _ in range(need):
-            ids = torch.randint(0, n_tok, (1, context), generator=gen).to(decoder.device)
-            cache = new_cache(decoder.model, decoder.kv_cache)
-            _, features = decoder.target_forward(ids, cache, 0, want_features=self.has_drafter, last_only=True)
+            cache, _, features = prefill(decoder, random_ids(decoder, context, gen))
             self.caches.append(cache)
             self.feats.append(features)
-        self.block_ids = torch.randint(0, n_tok, (1, self.max_block), generator=gen).to(decoder.device)
+        self.block_ids = random_ids(decoder, self.max_block, gen)
 
     def split_rows(self, total: int) -> list[int]:
         """``total`` rows over the fewest requests of at most B rows each, as even as can be."""
@@ -87,13 +80,7 @@ class BatchPoints:
         """A drafter forward over blocks of ``sizes`` rows (one per request)."""
 
         dec, ctx, pending, block = self.decoder, self.context, self.PENDING, self.block_ids
-        dcaches = []
-        for i, _ in enumerate(sizes):
-            dc = dec.new_draft_cache()
-            dec.drafter(dec.embed(block[:, :2]), self.feats[i][:, : ctx - pending],
-                        torch.arange(0, ctx - pending + 2, device=dec.device)[None], cache=dc)
-            crop_to(dc, ctx - pending)
-            dcaches.append(dc)
+        dcaches = [draft_cache_at(dec, block[:, :2], self.feats[i], ctx, pending) for i in range(len(sizes))]
 
         def run() -> None:
             hidden = self.forward.draft_hidden([block[:, :b] for b in sizes],
@@ -140,7 +127,7 @@ def measure_batch_costs(decoder, block_size: int = 8, context: int = 128, max_re
             points[("draft_pairs", pairs)] = bench.draft([2] * pairs)
             points[("draft_joint", pairs)] = bench.draft([2 * pairs])
 
-    def suspects() -> set:
+    def suspects(timings) -> set:
         out = set()
         for part in ("verify", "draft"):
             keys = sorted(k for k in points if k[0] == part)
@@ -148,13 +135,7 @@ def measure_batch_costs(decoder, block_size: int = 8, context: int = 128, max_re
             out |= {keys[i] for i, _ in suspect_points(table)}
         return out
 
-    from tqdm.auto import tqdm
-
-    sync = lambda: synchronize(decoder.device)  # noqa: E731
-    with tqdm(total=len(points) * repeats, desc="batched step costs of this machine", unit="timing") as bar:
-        timings = time_points(points, rounds=repeats, sync=sync, clock=step_timing.clock, progress=bar.update)
-        check = retime(points, timings, suspects, rounds=repeats, sync=sync, clock=step_timing.clock,
-                       progress=bar.update)
+    timings, check = measure_points(decoder, points, suspects, repeats, "batched step costs of this machine")
     ms = {k: t.ms for k, t in timings.items()}
     per_request = max(0.0, (ms[("verify_ones", q)] - ms[("verify_one", q)]) / (q - 1)) if q > 1 else 0.0
     verify_ms = monotone([max(1e-3, ms[("verify", r)] - per_request * (len(bench.split_rows(r)) - 1)) for r in rows])
@@ -187,13 +168,12 @@ def spot_check(decoder, costs: BatchCostModel, rounds: int = 3, tolerance: float
                             max(-(-r // max(1, block)) for r in picks))
     except ValueError as err:
         return str(err)
-    timings = time_points({r: bench.verify(bench.split_rows(r)) for r in picks}, rounds=rounds,
-                          sync=lambda: synchronize(decoder.device), clock=step_timing.clock)
-    for r, timing in timings.items():
-        if measured_under_load(raw[r], timing.ms, tolerance):
-            return (f"its step of {r} verified rows reads {raw[r]:.1f} ms, this machine takes {timing.ms:.1f} ms now "
-                    "(it was measured while other work shared the cores)")
-    return None
+    loaded = first_loaded(decoder, {r: bench.verify(bench.split_rows(r)) for r in picks}, raw, rounds, tolerance)
+    if loaded is None:
+        return None
+    r, then, now = loaded
+    return (f"its step of {r} verified rows reads {then:.1f} ms, this machine takes {now:.1f} ms now (it was measured "
+            "while other work shared the cores)")
 
 
 def batch_costs_of(decoder, settings, model, block_size: int, max_requests: int, seed: int = 0,
@@ -219,13 +199,13 @@ def batch_costs_of(decoder, settings, model, block_size: int, max_requests: int,
     cache_dir = settings.get("cache")
     if not cache_dir:
         return measure_batch_costs(decoder, **args)
-    key = {"identity": {"target": str(model.get("target")), "drafter": str(model.get("drafter"))},
-           "host": platform.node(), "threads": torch.get_num_threads(), "forward": decoder.forward_path(), **args}
+    key = store.key(PREFIX, identity={"target": str(model.get("target")), "drafter": str(model.get("drafter"))},
+                    forward=decoder.forward_path(), **args)
     if fresh:
         costs = measure_batch_costs(decoder, **args)
         log.info("batched step costs: measured again and stored in %s",
-                 store.put(cache_dir, PREFIX, key, "batch_costs", costs.to_dict()))
+                 store.put(cache_dir, key, "batch_costs", costs.to_dict()))
         return costs
     check = (lambda d: spot_check(decoder, BatchCostModel.from_dict(d))) if settings.get("spot_check", True) else None
     return BatchCostModel.from_dict(store.cached(
-        cache_dir, PREFIX, key, "batch_costs", lambda: measure_batch_costs(decoder, **args).to_dict(), check=check))
+        cache_dir, key, "batch_costs", lambda: measure_batch_costs(decoder, **args).to_dict(), check=check))

@@ -31,11 +31,8 @@ def measure_limits(read_mb: int = READ_MB, gemm_n: int = GEMM_N, rounds: int = 5
 
 def machine_limits() -> dict:
     """``measure_limits()`` for this machine, cached in the one per-machine store (``pipeline.costs.store``) under the
-    CPU model, torch's thread count and version."""
-    from pipeline.models.backend import _cpu_name
-
-    key = {"cpu": _cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-           "read_mb": READ_MB, "gemm_n": GEMM_N}
+    host (``store.key``: its CPU model, torch's thread count and version)."""
+    key = store.key("machine-limits", read_mb=READ_MB, gemm_n=GEMM_N)
 
     def measure() -> dict:
         log.info("measuring this machine's read bandwidth and FMA rate (once, a few seconds)")
@@ -46,7 +43,7 @@ def machine_limits() -> dict:
         return None if ok else "it holds no bandwidth and FMA rate"
 
     try:
-        return store.cached(store.default_dir(), "machine-limits", key, "limits", measure, check)
+        return store.cached(store.default_dir(), key, "limits", measure, check)
     except OSError as err:
         log.warning("could not cache the machine's limits (%s)", err)
         return measure()

@@ -17,38 +17,20 @@ from __future__ import annotations
 
 import logging
 import platform
-import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import torch
 
-from pipeline.costs import CACHE_PREFIX, FIT, CostModel, identity, load, retime, suspect_points, time_points
+from pipeline.costs import CACHE_PREFIX, FIT, CostModel, identity, load, suspect_points
 from pipeline.costs import store
 from pipeline.models.cache import crop_to
-from pipeline.models.clock import synchronize
+from pipeline.timing.fixture import (SPOT_FLOOR_MS, SPOT_TOLERANCE, draft_cache_at, first_loaded, measure_points,
+                                     prefill, random_ids, time_now)
 
 log = logging.getLogger(__name__)
 
 DEFAULTS = {"path": None, "cache": None, "context_buckets": [64, 256, 512], "repeats": 5, "spot_check": True}
-SPOT_TOLERANCE = 1.25  # a cached point this much slower than the machine now is refused (noise only adds time)
-SPOT_FLOOR_MS = 2.0  # ... and by at least this much (a timer's jitter on sub-millisecond points is not load)
-
-
-def clock() -> float:
-    """The clock every measurement and spot check of this harness reads (seconds; ``time.perf_counter``), here and in
-    ``pipeline.timing.batched``. It is looked up by name at each measurement, so a test swaps it for a deterministic one
-    (``monkeypatch.setattr(pipeline.timing.steps, "clock", fake)``): its verdicts (a cache reused or refused, a curve
-    measured again) then do not depend on the host's speed or load. Other users of the timer (the smallm kernel's
-    crossover, ``step_figures``) keep their own clock."""
-    return time.perf_counter()
-
-
-def measured_under_load(stored_ms: float, now_ms: float, tolerance: float = SPOT_TOLERANCE,
-                        floor_ms: float = SPOT_FLOOR_MS) -> bool:
-    """Whether a stored point reads slower than the machine runs it now by ``tolerance`` times and ``floor_ms`` (noise
-    only adds time, so such a point was measured while other work shared the cores): the spot checks' one test."""
-    return stored_ms > tolerance * now_ms and stored_ms - now_ms > floor_ms
 
 
 class StepPoints:
@@ -75,9 +57,7 @@ class StepPoints:
             raise ValueError(f"no context bucket of {list(context_buckets)} fits the target's {decoder.max_context} "
                              "positions; set label.latency.context_buckets to smaller lengths")
         self.vocab = decoder.lm_head.shape[0]
-        generator = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, min(self.vocab, len(decoder.target.tokenizer)), (1, max(self.buckets) + widest),
-                                 generator=generator).to(decoder.device)
+        self.ids = random_ids(decoder, max(self.buckets) + widest, torch.Generator().manual_seed(seed))
         self.sampler = PositionKeyedSampler(temperature, seed, self.vocab)
         if temperature > 0:  # noise is timed separately (noise_ms), not inside the steps
             for p in range(max(self.buckets) + widest + 1):
@@ -88,12 +68,7 @@ class StepPoints:
     def _state(self, length: int) -> tuple:
         """(target cache, features) after a prefill of ``length`` tokens, made once."""
         if length not in self._states:
-            from pipeline.models.target import new_cache
-
-            dec = self.decoder
-            cache = new_cache(dec.model, dec.kv_cache)
-            _, features = dec.target_forward(self.ids[:, :length], cache, 0, want_features=dec.drafter is not None,
-                                             last_only=True)
+            cache, _, features = prefill(self.decoder, self.ids[:, :length])
             self._states[length] = (cache, features)
         return self._states[length]
 
@@ -102,15 +77,11 @@ class StepPoints:
         dec, ids, sampler = self.decoder, self.ids, self.sampler
         device = dec.device
         if part == "prefill":
-            from pipeline.models.target import new_cache
-
-            def prefill() -> None:
-                cache = new_cache(dec.model, dec.kv_cache)
-                logits, _ = dec.target_forward(ids[:, :length], cache, 0, want_features=dec.drafter is not None,
-                                               last_only=True)
+            def prefill_point() -> None:
+                _, logits, _ = prefill(dec, ids[:, :length])
                 sampler.pick(logits, length)
 
-            return prefill
+            return prefill_point
         cache, features = self._state(length)
         block = ids[:, length: length + b]
         if part == "verify":
@@ -123,11 +94,7 @@ class StepPoints:
 
         new = min(b, length)  # context features not yet in the drafter's cache: about one step's tokens
         if (b, length) not in self._draft_caches:
-            draft_cache = dec.new_draft_cache()
-            dec.drafter(dec.embed(block), features[:, : length - new],
-                        torch.arange(0, length - new + b, device=device)[None], cache=draft_cache)
-            crop_to(draft_cache, length - new)
-            self._draft_caches[(b, length)] = draft_cache
+            self._draft_caches[(b, length)] = draft_cache_at(dec, block, features, length, new)
         draft_cache = self._draft_caches[(b, length)]
         positions = torch.arange(length - new, length + b, device=device)[None]
 
@@ -174,29 +141,19 @@ def measure(decoder, block_sizes: Sequence[int], context_buckets: Sequence[int],
     Raises:
         ValueError: when no bucket fits the target's context, or for ``repeats`` < 1.
     """
-    from tqdm.auto import tqdm
-
     if repeats < 1:
         raise ValueError(f"latency repeats must be >= 1, got {repeats}")
     widths = list(range(1, max([2, *[int(b) for b in block_sizes]]) + 1))
     bench = StepPoints(decoder, widths, context_buckets, temperature, seed)
-    points = bench.points()
-    sync = lambda: synchronize(decoder.device)  # noqa: E731
-    with tqdm(total=len(points) * repeats, desc="step costs of this machine", unit="timing") as bar:
-        timings = time_points(points, rounds=repeats, sync=sync, clock=clock, progress=bar.update)
-        check = retime(points, timings, lambda: _suspects(timings, bench.buckets), rounds=repeats,
-                       sync=sync, clock=clock, progress=bar.update)
-    if check["unresolved"]:
-        log.warning("step costs: %d points still break the cost's shape after timing them again (%s): the cores were "
-                    "busy, or the cost bends there; the curve's monotone fit pools them", len(check["unresolved"]), check["unresolved"][:4])
+    timings, check = measure_points(decoder, bench.points(), lambda t: _suspects(t, bench.buckets), repeats,
+                                    "step costs of this machine")
     noise_ms = 0.0
     if temperature > 0:
         from pipeline.decoding.sampling import PositionKeyedSampler
 
         fresh = PositionKeyedSampler(temperature, seed + 1, bench.vocab)
         next_position = iter(range(1 << 30))
-        noise = time_points({"noise": lambda: [fresh.gumbel(next(next_position)) for _ in range(8)]}, rounds=repeats,
-                            clock=clock)
+        noise = time_now(decoder, {"noise": lambda: [fresh.gumbel(next(next_position)) for _ in range(8)]}, repeats)
         noise_ms = noise["noise"].ms / 8
     tables = _tables(timings, bench.buckets)
     ms = {part: {b: [t.ms for t in row] for b, row in table.items()} for part, table in tables.items()}
@@ -226,14 +183,14 @@ def spot_check(decoder, model: CostModel, rounds: int = 3, tolerance: float = SP
     widest, middle = max(bench.widths), bench.buckets[len(bench.buckets) // 2]
     if widest > 1 and widest in model.draft_points:
         names.append(("draft", widest, middle))
-    timings = time_points(bench.points(names), rounds=rounds, sync=lambda: synchronize(decoder.device), clock=clock)
-    for (part, b, length), timing in timings.items():
-        table = model.verify_points if part == "verify" else model.draft_points
-        stored = table[b][model.context_buckets.index(length)]
-        if measured_under_load(stored, timing.ms, tolerance, floor_ms):
-            return (f"its {part} of {b} rows at context {length} reads {stored:.1f} ms, this machine takes "
-                    f"{timing.ms:.1f} ms now (it was measured while other work shared the cores)")
-    return None
+    stored = {(part, b, length): (model.verify_points if part == "verify" else model.draft_points)[b][
+        model.context_buckets.index(length)] for part, b, length in names}
+    loaded = first_loaded(decoder, bench.points(names), stored, rounds, tolerance, floor_ms)
+    if loaded is None:
+        return None
+    (part, b, length), then, now = loaded
+    return (f"its {part} of {b} rows at context {length} reads {then:.1f} ms, this machine takes {now:.1f} ms now (it "
+            "was measured while other work shared the cores)")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -241,12 +198,13 @@ def spot_check(decoder, model: CostModel, rounds: int = 3, tolerance: float = SP
 # ------------------------------------------------------------------------------------------------
 def cache_key(decoder, model_identity: Mapping, block_sizes: Sequence[int], context_buckets: Sequence[int],
               repeats: int, temperature: float, seed: int) -> dict:
-    """The key of a cached cost model: the models (``identity``), this host, torch's thread count, the decoder's
-    resolved forward path (``backend`` with its kernel's version, lean forwards, ``kv_cache``) and the arguments."""
-    return {"identity": dict(model_identity), "host": platform.node(), "threads": torch.get_num_threads(),
-            "forward": decoder.forward_path(),
-            "block_sizes": sorted({int(b) for b in block_sizes}), "context_buckets": sorted(int(c) for c in context_buckets),
-            "repeats": int(repeats), "temperature": float(temperature), "seed": int(seed)}
+    """The key of a cached cost model (``pipeline.costs.store.key``, which adds this host): the models (``identity``),
+    the decoder's resolved forward path (``backend`` with its kernel's version, lean forwards, ``kv_cache``) and the
+    arguments."""
+    return store.key(CACHE_PREFIX, identity=dict(model_identity), forward=decoder.forward_path(),
+                     block_sizes=sorted({int(b) for b in block_sizes}),
+                     context_buckets=sorted(int(c) for c in context_buckets), repeats=int(repeats),
+                     temperature=float(temperature), seed=int(seed))
 
 
 def _select(cfg, dotted: str):
@@ -318,7 +276,7 @@ def load_or_measure(decoder, cfg, widths: Sequence[int], section: str = "label.l
         return _measure_with(decoder, s)
     key = _key(decoder, cfg, s)
     check = (lambda d: spot_check(decoder, CostModel.from_dict(d))) if s["spot_check"] else None
-    data = store.cached(s["cache"], CACHE_PREFIX, key, "latency_model", lambda: _measure_with(decoder, s).to_dict(),
+    data = store.cached(s["cache"], key, "latency_model", lambda: _measure_with(decoder, s).to_dict(),
                         check=check)
     return CostModel.from_dict(data)
 
@@ -329,7 +287,7 @@ def remeasure(decoder, cfg, widths: Sequence[int], section: str, into: CostModel
     s = _settings(cfg, section, widths)
     fresh = _measure_with(decoder, s)
     if s["cache"]:
-        path = store.put(s["cache"], CACHE_PREFIX, _key(decoder, cfg, s), "latency_model", fresh.to_dict())
+        path = store.put(s["cache"], _key(decoder, cfg, s), "latency_model", fresh.to_dict())
         log.info("step costs: measured again and stored in %s", path)
     if into is not None:
         into.update(fresh)
@@ -350,7 +308,6 @@ def step_figures(decoder, length: int, widths, block_sizes, pending: int, repeat
 
     from pipeline.decoding.sampling import PositionKeyedSampler
     from pipeline.decoding.requests import DecodeState
-    from pipeline.models.target import new_cache
 
     if decoder.drafter is None:
         raise ValueError("bench_step needs a drafter (model.drafter=...)")
@@ -360,16 +317,10 @@ def step_figures(decoder, length: int, widths, block_sizes, pending: int, repeat
     for b in block_sizes:
         decoder.check_block_size(b)
     device = decoder.device
-    vocab = decoder.lm_head.shape[0]
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, min(vocab, len(decoder.target.tokenizer)), (1, length + widest), generator=generator).to(device)
-    sampler = PositionKeyedSampler(0.0, seed, vocab)
-    cache = new_cache(decoder.model, decoder.kv_cache)
-    _, features = decoder.target_forward(ids[:, :length], cache, 0, want_features=True, last_only=True)
-    draft_cache = decoder.new_draft_cache()
-    decoder.drafter(decoder.embed(ids[:, :1]), features[:, : length - pending],
-                    torch.arange(0, length - pending + 1, device=device)[None], cache=draft_cache)
-    crop_to(draft_cache, length - pending)
+    ids = random_ids(decoder, length + widest, torch.Generator().manual_seed(seed))
+    sampler = PositionKeyedSampler(0.0, seed, decoder.lm_head.shape[0])
+    cache, _, features = prefill(decoder, ids[:, :length])
+    draft_cache = draft_cache_at(decoder, ids[:, :1], features, length, pending)
     state = DecodeState(cache, draft_cache, features[:, length - pending:], int(ids[0, length]), length)
 
     def reset() -> None:
@@ -413,8 +364,7 @@ def step_figures(decoder, length: int, widths, block_sizes, pending: int, repeat
 
         points[("drafter", b)] = undone(draft, reset)
         points[("step", b)] = undone(lambda b=b: decoder.step(state, b, sampler), reset)
-    ms = {k: t.ms for k, t in time_points(points, rounds=repeats, warmup=warmup,
-                                          sync=lambda: synchronize(device)).items()}
+    ms = {k: t.ms for k, t in time_now(decoder, points, repeats, warmup).items()}
     out = {"ar_ms": ms[("ar",)], "forward_ms": {str(q): ms[("forward", q)] for q in widths},
            "drafter_ms": {str(b): ms[("drafter", b)] for b in block_sizes},
            "step_ms": {str(b): ms[("step", b)] for b in block_sizes}}

@@ -17,29 +17,28 @@ samples and reads as their median (robust to the other processes on a shared mac
 buckets' medians made non-decreasing in the bucket (``pipeline.costs.monotone``, isotonic regression) and read
 between buckets by linear interpolation (``pipeline.costs.interp``): more rows or requests never cost less.
 
-``StepCosts.load`` / ``save`` keep the learned tables in ``<cache>/step-costs-<key>.json`` (``cache_key``: the host, its
-CPUs, vLLM's version and the served models), so a restarted server starts from this machine's curve.
+``StepCosts.stored`` / ``store`` keep the learned tables in the one per-machine cache (``pipeline.costs.store``, the
+folder of every measured cost, ``data/cache/costs``) as ``step-costs-<key>.json`` (``cache_key``: the host, its CPUs,
+torch's threads, vLLM's version and the served models), so a restarted server starts from this machine's curve.
 
-Imports: the standard library and ``pipeline.costs`` (numpy/torch only).
+Imports: the standard library and ``pipeline.costs`` (no numpy or torch).
 """
 
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
-import os
-import platform
 import statistics
 from pathlib import Path
 from typing import Iterable
 
-from pipeline.costs import interp, monotone
+from pipeline.costs import interp, monotone, store
 
 TABLES = ("verify", "draft", "idle", "overhead")
 KEEP = 32  # samples kept per bucket
 NEAR = 0.2  # a bucket within this fraction of another supports the curve there (``StepCosts.known``)
-CACHE_PREFIX = "step-costs"
+CACHE_PREFIX = "step-costs"  # the cache files' kind: <cache>/step-costs-<key>.json
+FIELD = "step_costs"  # the tables' field in a cache file
 
 
 class StepCosts:
@@ -135,34 +134,35 @@ class StepCosts:
         out.added = 0
         return out
 
-    def save(self, path: str | Path) -> Path:
-        """Write the tables to ``path`` atomically (a temporary file renamed into place); returns the path."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(self.to_dict()) + "\n")
-        os.replace(tmp, path)
+    def store(self, cache_dir: str | Path, key: dict) -> Path:
+        """Write the tables to the one per-machine cache (``pipeline.costs.store.put``, atomic) under ``key``
+        (``cache_key``); returns the file."""
+        path = store.put(cache_dir, key, FIELD, self.to_dict())
         self.added = 0
         return path
 
     @classmethod
-    def load(cls, path: str | Path, info: dict | None = None) -> "StepCosts":
-        """The tables stored at ``path``, or empty ones (with ``info``) when there is no file or it cannot be read."""
-        path = Path(path)
+    def stored(cls, cache_dir: str | Path, key: dict) -> "StepCosts":
+        """The tables cached under ``key`` (``cache_key``) in ``cache_dir``, or empty ones (with the key as their
+        ``info``) when there are none or they cannot be read."""
+        data = store.get(cache_dir, key, FIELD)
         try:
-            return cls.from_dict(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            return cls(info=info)
+            return cls.from_dict(data) if data is not None else cls(info=key)
+        except ValueError:
+            return cls(info=key)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "StepCosts":
+        """The tables of one cache file (as ``store`` wrote it; an inspection's reader).
+
+        Raises:
+            OSError / ValueError: for a missing or unreadable file.
+        """
+        data = json.loads(Path(path).read_text())
+        return cls.from_dict(data.get(FIELD, data))
 
 
 def cache_key(**fields) -> dict:
-    """What a step-cost table depends on: the host (name, processor, CPUs) and the given fields (vLLM's version, the
-    models, dtype, K, eager...)."""
-    return {"host": platform.node(), "machine": platform.machine(), "processor": platform.processor(),
-            "cpus": os.cpu_count(), **{k: (str(v) if v is not None else None) for k, v in sorted(fields.items())}}
-
-
-def cache_path(cache_dir: str | Path, key: dict) -> Path:
-    """``<cache_dir>/step-costs-<sha1 of key>.json``."""
-    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return Path(cache_dir) / f"{CACHE_PREFIX}-{digest}.json"
+    """What a step-cost table depends on (``pipeline.costs.store.key``, which adds this host: its name, CPUs, torch's
+    threads): the given fields (vLLM's version, the models, dtype, K, eager...), as strings."""
+    return store.key(CACHE_PREFIX, **{k: (str(v) if v is not None else None) for k, v in sorted(fields.items())})

@@ -50,10 +50,11 @@ import time
 
 import torch
 
-from pipeline.integrations.vllm.costs import StepCosts, cache_key, cache_path
+from pipeline.costs import store
+from pipeline.integrations.vllm.costs import StepCosts, cache_key
 from pipeline.integrations.vllm.labels import LabelLog, step_row
 from pipeline.integrations.vllm.policy import StepPolicy
-from pipeline.peers.vllm_settings import Settings, check_vllm_version, default_cache_dir, speculates
+from pipeline.peers.vllm_settings import Settings, check_vllm_version, speculates
 
 log = logging.getLogger("vllm.blockpilot")
 
@@ -253,10 +254,10 @@ class Controller:
         drafter_dir = str(spec.model)
         calibration = calibration_of(settings, drafter_dir)
         key = cache_key(vllm=vllm.__version__, target=runner.model_config.model, drafter=drafter_dir,
-                        dtype=runner.model_config.dtype, k=self.num_spec, eager=runner.model_config.enforce_eager,
-                        threads=torch.get_num_threads())
-        self.cache_file = cache_path(settings.cache_dir or default_cache_dir(), key)
-        self.costs = StepCosts.load(self.cache_file, info=key)
+                        dtype=runner.model_config.dtype, k=self.num_spec, eager=runner.model_config.enforce_eager)
+        self.cache_dir, self.cache_key = settings.cache_dir or store.default_dir(), key
+        self.cache_file = store.path_of(self.cache_dir, key)
+        self.costs = StepCosts.stored(self.cache_dir, key)
         self.policy = StepPolicy(settings.policy, calibration, self.costs, self.num_spec, settings.margin,
                                  settings.max_skip, settings.explore)
         self.labels = LabelLog(settings.labels) if settings.labels else None
@@ -387,7 +388,7 @@ class Controller:
         if not self.costs.added and self.cache_file.exists():
             return False
         try:
-            self.costs.save(self.cache_file)
+            self.costs.store(self.cache_dir, self.cache_key)
         except OSError as err:
             log.warning("BlockPilot: could not write the step costs to %s: %s", self.cache_file, err)
             return False
