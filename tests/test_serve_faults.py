@@ -301,10 +301,14 @@ def test_every_64_bit_seed_is_accepted_and_reproducible_and_larger_ones_get_400(
 # -- /health ---------------------------------------------------------------------------------------------------------
 
 
-def test_health_names_the_forward_path(trained_decoder):
+def test_health_names_the_forward_path_read_once_on_the_engines_thread(trained_decoder, monkeypatch):
+    """/health answers the forward path read when the engine was built: on the event loop's thread it would run the
+    kernel's code there, and a torch parallel region on a second thread slows every later decode step (libgomp)."""
+    expected = json.loads(json.dumps(trained_decoder.forward_path()))
     with serving(trained_decoder) as (client, _):
+        monkeypatch.setattr(trained_decoder, "forward_path", lambda: pytest.fail("forward_path read per /health"))
         health = client.get("/health").json()
-    assert health["forward_path"] == json.loads(json.dumps(trained_decoder.forward_path()))
+    assert health["forward_path"] == expected
     assert "backend" in health["forward_path"] and health["aborted"] == 0
 
 

@@ -62,7 +62,7 @@ async def health(request: Request):
     running = engine.running
     return {"status": "ok", "in_flight": engine.in_flight, "running": running,
             "waiting": max(0, engine.in_flight - running), "served": engine.served, "failed": engine.failed,
-            "aborted": engine.aborted, "recorder": recorder, "forward_path": engine.decoder.forward_path()}
+            "aborted": engine.aborted, "recorder": recorder, "forward_path": engine.forward_path}
 
 
 @router.get("/metrics")
