@@ -13,7 +13,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeline import PROJECT_ROOT
-from pipeline.evaluation.batched import FIELDS, bootstrap_ci, check_bench_config
+from pipeline.evaluation.batched import FIELDS, bootstrap_ci
+from pipeline.evaluation.checks import check_bench_config
 from pipeline.policy.calibration import AcceptanceCalibration
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from pipeline.evaluation.checks import ARRIVALS, check_bench_config  # noqa: F401  (the bench's check, re-read here)
+from pipeline.evaluation.checks import check_bench_config
 from pipeline.evaluation.stats import bootstrap_interval
 
 log = logging.getLogger(__name__)
