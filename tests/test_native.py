@@ -24,6 +24,7 @@ from pipeline.decoding import DecodeConfig, SpeculativeDecoder
 from pipeline.models import kernel
 from pipeline.models.backend import set_backend, smallm_available
 from pipeline.models.cache import crop_to
+from pipeline.models.native import bf16_dot_available
 from pipeline.models.target import new_cache
 from pipeline.timing.limits import floor_ms
 
@@ -213,29 +214,119 @@ def test_int8_precision_is_refused_off_the_native_stack(tiny):
         SpeculativeDecoder(tiny.target("llama"), None, backend="eager", precision="fp8")
 
 
+needs_bf16 = pytest.mark.skipif(not (smallm_available() and bf16_dot_available()),
+                                reason="the drafter's bf16 products need AVX-512 BF16 and the kernel's avx512 build")
+
+
+def _bf16_reference(drafter):
+    """A copy of ``drafter`` on plain PyTorch whose every linear computes bf16(x) @ bf16(W).T in float32: what
+    ``model.draft_precision=bf16`` computes, summed in PyTorch's order."""
+    import copy
+
+    from torch import nn
+
+    ref = copy.deepcopy(drafter)
+    set_backend(ref, "eager")
+    with torch.no_grad():
+        for module in ref.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.copy_(module.weight.to(torch.bfloat16).float())
+                module.register_forward_pre_hook(lambda _, args: (args[0].to(torch.bfloat16).float(),))
+    return ref
+
+
 @needs_smallm
-def test_native_draft_matches_the_drafters_own_forward(smallm_decoder):
+@pytest.mark.parametrize("precision", ["exact", pytest.param("bf16", marks=needs_bf16)])
+def test_native_draft_matches_the_drafters_own_forward(tiny, arch, precision):
     """The drafter's forward as one ``DraftStack`` call: its block states and the context keys/values it leaves in the
-    (preallocated) draft cache match ``DFlashDraftModel.forward`` on the same kernel to rounding."""
+    (preallocated) draft cache match ``DFlashDraftModel.forward`` on the same kernel to rounding; on bf16 products,
+    the drafter's own forward with every linear on bf16 inputs and weights (PyTorch's products)."""
     from transformers import DynamicCache
 
     from pipeline.models.cache import PreallocatedCache
 
-    dec = smallm_decoder
-    fast = dec.fast_draft
-    assert fast is not None and fast.native_stack() is not None
-    assert isinstance(dec.new_draft_cache(), PreallocatedCache)
-    g = torch.Generator().manual_seed(4)
-    n_features = dec.drafter.fc.weight.shape[1]
-    for context, width in ((9, 4), (2, 8), (40, 3)):  # a first draft over a long prompt's features, then steps
-        block = torch.randint(3, dec.lm_head.shape[0], (1, width), generator=g)
-        features = torch.randn(1, context, n_features, generator=g)
-        positions = torch.arange(0, context + width)[None]
-        with torch.inference_mode():
-            native_cache, own_cache = PreallocatedCache(), DynamicCache()
-            got = fast(dec.embed(block), features, positions, cache=native_cache)
-            want = dec.drafter(dec.embed(block), features, positions, cache=own_cache, fused=fast.products())
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        for mine, theirs in zip(native_cache.layers, own_cache.layers):
-            torch.testing.assert_close(mine.keys, theirs.keys, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(mine.values, theirs.values, rtol=1e-4, atol=1e-4)
+    drafter = tiny.drafter(arch, "random")
+    dec = SpeculativeDecoder(tiny.target(arch), drafter, backend="smallm", draft_precision=precision)
+    try:
+        assert dec.draft_precision == precision and dec.forward_path()["draft_precision"] == precision
+        fast = dec.fast_draft
+        assert fast is not None and fast.native_stack() is not None
+        assert isinstance(dec.new_draft_cache(), PreallocatedCache)
+        reference = _bf16_reference(drafter) if precision == "bf16" else drafter
+        tolerance = 2e-2 if precision == "bf16" else 1e-4  # bf16: an activation near a rounding boundary may round apart
+        g = torch.Generator().manual_seed(4)
+        n_features = drafter.fc.weight.shape[1]
+        for context, width in ((9, 4), (2, 8), (40, 3)):  # a first draft over a long prompt's features, then steps
+            block = torch.randint(3, dec.lm_head.shape[0], (1, width), generator=g)
+            features = torch.randn(1, context, n_features, generator=g)
+            positions = torch.arange(0, context + width)[None]
+            with torch.inference_mode():
+                native_cache, own_cache = PreallocatedCache(), DynamicCache()
+                got = fast(dec.embed(block), features, positions, cache=native_cache)
+                want = reference(dec.embed(block), features, positions, cache=own_cache,
+                                 fused=None if precision == "bf16" else fast.products())
+            torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+            for mine, theirs in zip(native_cache.layers, own_cache.layers):
+                torch.testing.assert_close(mine.keys, theirs.keys, rtol=tolerance, atol=tolerance)
+                torch.testing.assert_close(mine.values, theirs.values, rtol=tolerance, atol=tolerance)
+    finally:
+        set_backend(tiny.target(arch).model, "eager")
+        set_backend(drafter, "eager")
+
+
+@needs_bf16
+def test_bf16_products_match_rounded_inputs_and_each_row_is_the_same_bits_alone():
+    """``linear_bf16`` (VDPBF16PS) computes bf16(x) @ bf16(W).T in float32 (PyTorch's product of the rounded inputs
+    to summation order), and a row's result is the same bits alone and in a call of up to 16 rows."""
+    from pipeline.models.kernel import smallm_kernel
+    from pipeline.models.native import Bf16Head, bf16_pairs
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(70, 96, generator=g)  # 70 columns: a partial last panel
+    x = torch.randn(16, 96, generator=g)
+    pairs = bf16_pairs(w)
+    got = smallm_kernel().linear_bf16(x, pairs, 70, None)
+    want = x.to(torch.bfloat16).float() @ w.to(torch.bfloat16).float().T
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for rows in (1, 2, 4, 5, 8, 9, 16):
+        part = smallm_kernel().linear_bf16(x[:rows], pairs, 70, None)
+        for r in range(rows):
+            alone = smallm_kernel().linear_bf16(x[r: r + 1], pairs, 70, None)
+            assert torch.equal(alone[0], part[r]) and torch.equal(alone[0], got[r]), (rows, r)
+    head = Bf16Head(w)
+    assert torch.equal(head(x[None])[0], got)
+
+
+@needs_smallm
+@pytest.mark.parametrize("precision", ["exact", pytest.param("bf16", marks=needs_bf16)])
+def test_every_block_size_is_lossless_on_either_draft_precision(tiny, precision):
+    """Drafts only propose: on exact or bf16 draft products every B decodes the autoregressive text."""
+    target, drafter = tiny.target("llama"), tiny.drafter("llama", "trained")
+    dec = SpeculativeDecoder(target, drafter, backend="smallm", draft_precision=precision)
+    try:
+        config = DecodeConfig(max_new_tokens=24)
+        for text in ("def add(a, b):", "Count to ten."):
+            ids = target.tokenizer(text, return_tensors="pt").input_ids
+            ar = dec.generate(ids, 1, config).output_ids
+            for B in (2, 4, 8):
+                assert dec.generate(ids, B, config).output_ids == ar, (text, B)
+    finally:
+        set_backend(target.model, "eager")
+        set_backend(drafter, "eager")
+
+
+def test_draft_precision_names_the_fix_when_it_cannot_run(tiny, monkeypatch):
+    from pipeline.models import native
+
+    assert native.resolve_draft_precision("exact") == "exact"
+    assert native.resolve_draft_precision("auto") == ("bf16" if native.bf16_dot_available() else "exact")
+    with pytest.raises(ValueError, match="must be one of"):
+        native.resolve_draft_precision("fp8")
+    if native.bf16_dot_available():  # off the native draft forward, an explicit bf16 is refused
+        with pytest.raises(ValueError, match="draft_precision=bf16 runs on the native draft"):
+            SpeculativeDecoder(tiny.target("llama"), tiny.drafter("llama", "random"), backend="eager",
+                               draft_precision="bf16")
+    monkeypatch.setattr(native, "bf16_dot_available", lambda: False)
+    assert native.resolve_draft_precision("auto") == "exact"
+    with pytest.raises(ValueError, match="AVX-512 BF16.*use model.draft_precision=auto or exact"):
+        native.resolve_draft_precision("bf16")

@@ -108,6 +108,10 @@ def check_model(model, loads_model: bool) -> None:
         from pipeline.models.native import check_precision
 
         check_precision(str(model.precision))
+    if model.get("draft_precision", "auto") not in (None, "auto"):
+        from pipeline.models.native import resolve_draft_precision
+
+        resolve_draft_precision(str(model.draft_precision))
     template_kwargs_of(model)  # a mapping or null
     if model.get("candidates") is not None:
         check_block_sizes(model.get("candidates"), "model.candidates")

@@ -23,7 +23,7 @@ from pipeline.models.cache import compact, crop_to, resolve_kv_cache
 from pipeline.models.clock import now
 from pipeline.models.drafter import DFlashDrafter, check_compatible
 from pipeline.models.fast_forward import fast_draft_for, fast_forward_for
-from pipeline.models.native import check_precision
+from pipeline.models.native import Bf16Head, check_precision, resolve_draft_precision
 from pipeline.models.target import Target, logit_head, new_cache
 
 
@@ -54,6 +54,10 @@ class SpeculativeDecoder:
             stack's 4-bit products on activations quantized to int8 per group of 32, AVX-512 VNNI; prefills of more
             than ``SMALLM_MAX_ROWS`` tokens stay exact). Every method of one decoder runs on the same one, so
             speculation stays lossless against that decoder's own autoregressive text.
+        draft_precision: the drafter's products on its native forward (``pipeline.models.native.resolve_draft_precision``):
+            ``auto`` (``bf16`` where the CPU has AVX-512 BF16, else ``exact``), ``exact`` or ``bf16`` (bf16 weights, the
+            drafter's stored form, times activations rounded to bf16: half the bytes and twice the multiply rate). It
+            changes which drafts are proposed, never the output; kept resolved in ``self.draft_precision``.
         prefill_chunk: the most prompt tokens one prefill forward takes (None or 0: the whole prompt in one forward);
             a longer prompt is prefilled chunk by chunk over its growing cache (``prefill_steps``), so that a batching
             server can run the other requests' steps between two chunks. The chunks are a function of the prompt
@@ -66,7 +70,7 @@ class SpeculativeDecoder:
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None, backend: str = "eager",
                  kv_cache: str = "auto", fast_forward: bool | str = "auto", prefill_chunk: int | None = None,
-                 precision: str = "exact"):
+                 precision: str = "exact", draft_precision: str | None = "auto"):
         if prefill_chunk is not None and int(prefill_chunk) < 0:
             raise ValueError(f"model.prefill_chunk must be >= 0 tokens (0: no chunking), got {prefill_chunk}")
         self.prefill_chunk = int(prefill_chunk) if prefill_chunk else None
@@ -96,8 +100,17 @@ class SpeculativeDecoder:
         if self.fast is not None and drafter is not None:
             self.fast.set_taps([i + 1 for i in drafter.target_layer_ids])
         self.kv_cache = resolve_kv_cache(kv_cache, self.fast.attention if self.fast is not None else "sdpa")
-        self.fast_draft = fast_draft_for(drafter, fast_forward, self.backend)
-        self.drafter_head = LMHead(self.draft_head, self.backend, float32=True) if drafter is not None else None
+        self.draft_precision = resolve_draft_precision(draft_precision) if drafter is not None else "exact"
+        self.fast_draft = fast_draft_for(drafter, fast_forward, self.backend, self.draft_precision)
+        if self.draft_precision != "exact" and (self.fast_draft is None or self.fast_draft.native_stack() is None):
+            if draft_precision not in (None, "auto"):
+                raise ValueError(f"model.draft_precision={draft_precision} runs on the native draft forward (the smallm "
+                                 "backend in float32, fast_forward on); use model.draft_precision=auto or exact")
+            self.draft_precision = "exact"
+            self.fast_draft = fast_draft_for(drafter, fast_forward, self.backend)
+        self.drafter_head = None if drafter is None else (
+            Bf16Head(self.draft_head) if self.draft_precision == "bf16"
+            else LMHead(self.draft_head, self.backend, float32=True))
         self.max_context = int(getattr(target.model.config, "max_position_embeddings", 1 << 30))
         self.stop_ids = set(target.stop_token_ids())
 
@@ -123,7 +136,7 @@ class SpeculativeDecoder:
                 "dtype": str(self.model.dtype).removeprefix("torch."), "device": str(self.device),
                 "native_stack": bool(self.fast is not None and self.fast.native and self.backend in SMALLM),
                 "native_draft": bool(self.fast_draft is not None and self.fast_draft.native_stack() is not None),
-                "precision": self.precision}
+                "precision": self.precision, "draft_precision": self.draft_precision}
         if self.backend in SMALLM:
             path["isa"] = kernel_isa()
         if kernel_failure() is not None:
@@ -203,14 +216,21 @@ class SpeculativeDecoder:
         block[0, 1:] = columns if self.draft_vocab is None else self.draft_vocab[columns]
         return draft_confidence(draft_logits, columns, sampler.temperature) if want_confidence else None
 
+    def draft_forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, cache
+                      ) -> torch.Tensor:
+        """The drafter's forward as this decoder runs it (``FastDraft`` where set, on its draft precision; else the
+        drafter's own): block embeddings [1, b, H] with pending context features [1, c, F] at ``positions``
+        [1, c + b], appended to the draft ``cache`` -> the final states [1, b, H]."""
+        forward = self.fast_draft if self.fast_draft is not None else self.drafter
+        return forward(embeds, features, positions, cache=cache)
+
     def draft_logits(self, state: DecodeState, block: torch.Tensor) -> torch.Tensor:
         """The drafter's forward over ``block`` [1, b] with the pending context features: its logits [b-1, V'] (float32)
         at positions start+1..start+b-1. The drafter's cache keeps the context keys/values and drops the block's."""
         b = block.shape[1]
         c = state.features.shape[1]
         positions = torch.arange(state.start - c, state.start + b, device=self.device)[None]
-        forward = self.fast_draft if self.fast_draft is not None else self.drafter
-        hidden = forward(self.embed(block), state.features, positions, cache=state.draft_cache)
+        hidden = self.draft_forward(self.embed(block), state.features, positions, state.draft_cache)
         crop_to(state.draft_cache, state.start)
         state.features = state.features[:, :0]
         return self.drafter_head(hidden[0, 1:]).float()

@@ -338,7 +338,7 @@ class FastDraft:
         ValueError: from the constructor when the drafter is not a ``DFlashDraftModel`` (``unsupported`` says why).
     """
 
-    def __init__(self, drafter: nn.Module, native: bool = True):
+    def __init__(self, drafter: nn.Module, native: bool = True, precision: str = "exact"):
         reason = self.unsupported(drafter)
         if reason:
             raise ValueError(f"FastDraft does not support this drafter: {reason}")
@@ -347,6 +347,7 @@ class FastDraft:
         # the whole draft forward as one kernel call (DraftStack) where every layer attends to all its keys
         self.native = native and drafter.fc.weight.dtype == torch.float32 and all(
             not layer.self_attn.is_causal and layer.self_attn.sliding_window is None for layer in drafter.layers)
+        self.precision = precision  # the native stack's products: exact, or bf16 (model.draft_precision)
         self._stack = None
         self._versions = None
         self._counted = [w for w in drafter.parameters() if not w.is_inference()]
@@ -363,7 +364,7 @@ class FastDraft:
             return None
         versions = [w._version for w in self._counted]
         if self._stack is None or versions != self._versions:
-            self._stack = build_draft_stack(self.drafter, kind)
+            self._stack = build_draft_stack(self.drafter, kind, self.precision)
             self._versions = versions
         return self._stack
 
@@ -432,7 +433,8 @@ class FastDraft:
         return self.drafter(noise_embedding, target_features, position_ids, cache=cache, fused=self.products())
 
 
-def fast_draft_for(drafter: nn.Module | None, setting: bool | str | None, backend: str) -> FastDraft | None:
+def fast_draft_for(drafter: nn.Module | None, setting: bool | str | None, backend: str, precision: str = "exact"
+                   ) -> FastDraft | None:
     """A decoder's ``FastDraft`` for ``model.fast_forward`` = ``setting`` (as ``fast_forward_for``), or None
     (no drafter, or one ``FastDraft`` does not support under ``auto``).
 
@@ -442,9 +444,10 @@ def fast_draft_for(drafter: nn.Module | None, setting: bool | str | None, backen
     if drafter is None:
         return None
     if setting in ("auto", None):
-        return FastDraft(drafter) if backend in PACKED and FastDraft.unsupported(drafter) is None else None
+        return (FastDraft(drafter, precision=precision) if backend in PACKED and FastDraft.unsupported(drafter) is None
+                else None)
     if setting is True or setting == "true":
-        return FastDraft(drafter)
+        return FastDraft(drafter, precision=precision)
     if setting is False or setting == "false":
         return None
     raise ValueError(f"model.fast_forward must be auto, true or false, got {setting!r}")

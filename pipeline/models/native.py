@@ -15,7 +15,70 @@ from pipeline.models.cache import reserve_rows
 from pipeline.models.kernel import smallm_kernel
 
 PRECISIONS = ("exact", "int8")
+DRAFT_PRECISIONS = ("auto", "exact", "bf16")  # model.draft_precision
 _Q4_INT8 = 4  # kernels/smallm.cpp's kQ4Int8: q4 weights in the VNNI layout times int8 activations
+_BF16_DOT = 5  # kernels/smallm.cpp's kBF16Dot: bf16 weights in pairs times bf16 activations (VDPBF16PS)
+_ALL_ROWS = 1 << 30  # a spec's exact_rows where no float32 panels are kept beside it
+
+
+def bf16_pairs(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] (K even) -> ``linear_bf16``'s layout [ceil(N / 16), K / 2, 32] int16: panel p's pair u holds, at
+    2c + b, column 16p + c's weight at k = 2u + b rounded to bf16 (nearest even; a bf16-stored weight is unchanged),
+    zero past N."""
+    n, k = w.shape
+    if k % 2:
+        raise ValueError(f"bf16 products need an even input width, got {k}")
+    p = (n + 15) // 16
+    padded = torch.zeros(p * 16, k, dtype=torch.bfloat16)
+    padded[:n] = w.detach().to(torch.bfloat16)
+    return padded.view(torch.int16).view(p, 16, k // 2, 2).permute(0, 2, 1, 3).reshape(p, k // 2, 32).contiguous()
+
+
+def bf16_dot_available() -> bool:
+    """Whether this CPU runs the drafter's bf16 products: the kernel's AVX-512 build and AVX-512 BF16."""
+    from pipeline.models.kernel import cpu_flags, cpu_isa
+
+    return cpu_isa() == "avx512" and "avx512_bf16" in cpu_flags()
+
+
+def resolve_draft_precision(setting: str | None) -> str:
+    """``model.draft_precision`` -> ``exact`` or ``bf16``: ``auto`` (None) is ``bf16`` where the CPU has AVX-512 BF16
+    (``bf16_dot_available``), else ``exact``. The drafter only proposes tokens the target verifies, so its precision
+    changes how many drafts are accepted, never the output.
+
+    Raises:
+        ValueError: for another name, or ``bf16`` on a CPU without AVX-512 BF16 (names the fix).
+    """
+    setting = "auto" if setting is None else str(setting)
+    if setting not in DRAFT_PRECISIONS:
+        raise ValueError(f"model.draft_precision must be one of {list(DRAFT_PRECISIONS)}, got {setting!r}")
+    if setting == "auto":
+        return "bf16" if bf16_dot_available() else "exact"
+    if setting == "bf16" and not bf16_dot_available():
+        raise ValueError("model.draft_precision=bf16 needs a CPU with AVX-512 BF16 (and the kernel's avx512 build); "
+                         "use model.draft_precision=auto or exact")
+    return setting
+
+
+def _bf16_spec(weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple:
+    """A weight as the native stack takes it for the drafter's bf16 products (``kBF16Dot``)."""
+    empty = torch.empty(0)
+    return (_BF16_DOT, bf16_pairs(weight), empty, empty, empty, weight.shape[0], _ALL_ROWS,
+            None if bias is None else bias.detach().float())
+
+
+class Bf16Head:
+    """The drafter's head on bf16 products: ``hidden [..., H] -> [..., N]`` float32 logits of ``weight`` [N, H] (its
+    rows rounded to bf16 once, the activations per call), each row's logits a fixed computation of its own row."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.n = weight.shape[0]
+        with torch.no_grad():
+            self.pairs = bf16_pairs(weight.float())
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        flat = hidden.reshape(-1, hidden.shape[-1]).float().contiguous()
+        return smallm_kernel().linear_bf16(flat, self.pairs, self.n, None).reshape(*hidden.shape[:-1], self.n)
 
 
 def vnni_layout(q: torch.Tensor) -> torch.Tensor:
@@ -49,13 +112,18 @@ def _layer_specs(layer: nn.Module, formats, precision: str = "exact") -> tuple:
     bias = None if all(b is None for b in biases) else torch.cat(
         [b.detach() if b is not None else torch.zeros(lin.weight.shape[0]) for b, lin in zip(biases, qkv)])
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    norms = (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+             None if q_norm is None else q_norm.weight.detach(), None if k_norm is None else k_norm.weight.detach())
+    if precision == "bf16":  # the drafter's bf16 products (model.draft_precision)
+        return (_bf16_spec(torch.cat([lin.weight.detach() for lin in qkv]), bias),
+                _bf16_spec(attn.o_proj.weight, attn.o_proj.bias),
+                _bf16_spec(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])),
+                _bf16_spec(mlp.down_proj.weight, mlp.down_proj.bias), *norms)
     return (_spec(pack_smallm(torch.cat([lin.weight.detach() for lin in qkv]), formats), bias, precision),
             _spec(attn.o_proj._bp_packed.get(), attn.o_proj.bias, precision),
             _spec(pack_smallm(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]), formats), None,
                   precision),
-            _spec(mlp.down_proj._bp_packed.get(), mlp.down_proj.bias, precision),
-            layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-            None if q_norm is None else q_norm.weight.detach(), None if k_norm is None else k_norm.weight.detach())
+            _spec(mlp.down_proj._bp_packed.get(), mlp.down_proj.bias, precision), *norms)
 
 
 def check_precision(precision: str) -> None:
@@ -136,16 +204,18 @@ class NativeStack:
         return out, tapped
 
 
-def build_draft_stack(drafter: nn.Module, kind: str):
-    """The ``DraftStack`` of a DFlash drafter on smallm backend ``kind`` (its fc, norms and layers packed once)."""
+def build_draft_stack(drafter: nn.Module, kind: str, precision: str = "exact"):
+    """The ``DraftStack`` of a DFlash drafter on smallm backend ``kind`` (its fc, norms and layers packed once);
+    ``precision`` ``bf16``: every product on bf16 weights and activations (``resolve_draft_precision``)."""
     d = drafter
     formats = () if kind == "smallm_f32" else EXACT_FORMATS
     attn0, mlp0 = d.layers[0].self_attn, d.layers[0].mlp
     with torch.no_grad():
+        fc = _bf16_spec(d.fc.weight) if precision == "bf16" else _spec(pack_smallm(d.fc.weight.detach(), formats))
         stack = smallm_kernel().DraftStack(
             d.config.hidden_size, attn0.num_heads, attn0.num_kv_heads, attn0.head_dim, mlp0.gate_proj.weight.shape[0],
-            float(d.norm.variance_epsilon), float(attn0.head_dim ** -0.5), _spec(pack_smallm(d.fc.weight.detach(), formats)),
+            float(d.norm.variance_epsilon), float(attn0.head_dim ** -0.5), fc,
             d.fc.weight.shape[1], d.hidden_norm.weight.detach(), d.norm.weight.detach())
         for layer in d.layers:
-            stack.add_layer(*_layer_specs(layer, formats))
+            stack.add_layer(*_layer_specs(layer, formats, precision))
     return stack

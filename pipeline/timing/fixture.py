@@ -72,8 +72,8 @@ def draft_cache_at(decoder, block: torch.Tensor, features: torch.Tensor, context
     of ids to run it with)."""
     cache = decoder.new_draft_cache()
     kept = context - pending
-    decoder.drafter(decoder.embed(block), features[:, :kept],
-                    torch.arange(0, kept + block.shape[1], device=decoder.device)[None], cache=cache)
+    decoder.draft_forward(decoder.embed(block), features[:, :kept],
+                          torch.arange(0, kept + block.shape[1], device=decoder.device)[None], cache)
     crop_to(cache, kept)
     return cache
 

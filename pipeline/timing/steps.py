@@ -99,7 +99,7 @@ class StepPoints:
         positions = torch.arange(length - new, length + b, device=device)[None]
 
         def draft() -> None:
-            hidden = dec.drafter(dec.embed(block), features[:, length - new: length], positions, cache=draft_cache)
+            hidden = dec.draft_forward(dec.embed(block), features[:, length - new: length], positions, draft_cache)
             crop_to(draft_cache, length - new)
             sampler.pick(dec.drafter_head(hidden[0, 1:]).float(), length + 1, dec.draft_vocab)
 

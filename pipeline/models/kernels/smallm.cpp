@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -877,6 +878,109 @@ void matmul_q4_int8(const uint8_t* wp, const float* dp, const float* mp, int64_t
   });
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// The drafter's bf16 product (model.draft_precision=bf16, AVX-512 BF16 CPUs): bf16 weights, activations rounded to
+// bf16 (nearest even), VDPBF16PS: each instruction adds two products per column to a float32 sum, twice the MACs of
+// a float32 FMA and half the bytes of a float32 weight. The drafter is trained and stored in bf16, so its weights
+// are its own values; only its activations are rounded. Drafts only propose tokens the target verifies, so this
+// changes what is proposed, never what is output. Weights: [P, K / 2, 32] uint16, pair u's element 2c + b = column
+// c's weight at k = 2u + b. Every output is one chain over the pairs in order, a fixed computation of its own row.
+// bf16 of a float32, round to nearest even (a NaN stays a NaN).
+inline uint16_t to_bf16(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((b >> 16) | 0x40);
+  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+}
+
+template <int MT, int NP>
+__attribute__((target("avx512bf16,avx512bw,avx512vl,avx512f")))
+void tile_bf16(const uint16_t* __restrict w, int64_t p0, int64_t K2, const uint32_t* __restrict xb, int64_t m0,
+               float* __restrict y, int64_t n) {
+  __m512 a[NP][MT];
+#pragma GCC unroll 16
+  for (int j = 0; j < NP; ++j)
+#pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i) a[j][i] = _mm512_setzero_ps();
+  const uint16_t* src[NP];
+#pragma GCC unroll 16
+  for (int j = 0; j < NP; ++j) src[j] = w + (p0 + j) * K2 * 32;
+  for (int64_t u = 0; u < K2; ++u) {
+#pragma GCC unroll 16
+    for (int j = 0; j < NP; ++j) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(src[j] + u * 32);
+#pragma GCC unroll 16
+      for (int i = 0; i < MT; ++i)
+        a[j][i] = _mm512_dpbf16_ps(a[j][i], wv, (__m512bh)_mm512_set1_epi32(static_cast<int>(xb[(m0 + i) * K2 + u])));
+    }
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < NP; ++j) {
+    const int64_t n0 = (p0 + j) * kPanel, ncols = std::min(kPanel, n - n0);
+    if (ncols <= 0) break;
+    const __mmask16 keep = ncols >= kPanel ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
+#pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i) _mm512_mask_storeu_ps(y + (m0 + i) * n + n0, keep, a[j][i]);
+  }
+}
+
+template <int MT, int NP>
+void unit_bf16(const uint16_t* w, int64_t p0, int64_t np, int64_t K2, const uint32_t* xb, int64_t m0, float* y,
+               int64_t n) {
+  if (np == NP) tile_bf16<MT, NP>(w, p0, K2, xb, m0, y, n);
+  else for (int64_t j = 0; j < np; ++j) tile_bf16<MT, 1>(w, p0 + j, K2, xb, m0, y, n);
+}
+
+void rows_bf16(const uint16_t* w, int64_t p0, int64_t np, int64_t K2, const uint32_t* xb, int64_t m0, int64_t mt,
+               float* y, int64_t n) {
+#define BP_T(MT, NP) case MT: unit_bf16<MT, NP>(w, p0, np, K2, xb, m0, y, n); break;
+  switch (mt) {
+    BP_T(16, 1) BP_T(15, 1) BP_T(14, 1) BP_T(13, 1) BP_T(12, 1) BP_T(11, 1) BP_T(10, 1) BP_T(9, 1)
+    BP_T(8, 2) BP_T(7, 2) BP_T(6, 2) BP_T(5, 2) BP_T(4, 4) BP_T(3, 4) BP_T(2, 4)
+    default: unit_bf16<1, 4>(w, p0, np, K2, xb, m0, y, n); break;
+  }
+#undef BP_T
+}
+
+// y [M, n] = bf16(x) [M, K] @ W^T for W in the layout above (P panels; K even).
+void matmul_bf16(const uint16_t* wp, int64_t P, int64_t K, const float* xp, int64_t M, float* yp, int64_t n) {
+  if (M <= 0) return;
+  const int64_t K2 = K / 2;
+  std::vector<uint32_t> xb(M * K2);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t u = 0; u < K2; ++u)
+      xb[r * K2 + u] = static_cast<uint32_t>(to_bf16(xp[r * K + 2 * u])) |
+                       (static_cast<uint32_t>(to_bf16(xp[r * K + 2 * u + 1])) << 16);
+  const int64_t tiles = (M + kTile16 - 1) / kTile16, base = M / tiles, extra = M % tiles;
+  const int64_t first = base + (extra > 0 ? 1 : 0);
+  const int64_t unit = first <= 4 ? 4 : first <= 8 ? 2 : 1;
+  const int64_t units = (P + unit - 1) / unit;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t p0 = u * unit, np = std::min<int64_t>(unit, P - p0);
+      int64_t r = 0;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t mt = base + (t < extra ? 1 : 0);
+        rows_bf16(wp, p0, np, K2, xb.data(), r, mt, yp, n);
+        r += mt;
+      }
+    }
+  });
+}
+
+// x [M, K] float32, w [P, K / 2, 32] (bf16 bits as int16) -> y [M, n] (+ bias).
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, int64_t n, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "linear_bf16: x must be float32 [M, K]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.element_size() == 2 && w.size(1) * 2 == K && w.size(2) == 32 &&
+              w.size(0) * kPanel >= n, "linear_bf16: weights do not match x");
+  auto y = torch::empty({M, n}, x.options());
+  matmul_bf16(static_cast<const uint16_t*>(w.data_ptr()), w.size(0), K, x.data_ptr<float>(), M, y.data_ptr<float>(), n);
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+}
+
 torch::Tensor linear_q4_int8(torch::Tensor x, torch::Tensor vnni, torch::Tensor d, torch::Tensor m, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && vnni.is_contiguous(), "linear_q4_int8: bad input");
   x = x.contiguous();
@@ -908,9 +1012,16 @@ struct Lin {
 // y [M, n] = x [M, K] @ W^T (+ bias); calls of more rows than exact_rows use the float32 panels kept beside an exact
 // form (the same bits).
 constexpr int64_t kQ4Int8 = 4;  // q4 weights in the VNNI layout, int8 activations (model.precision=int8)
+constexpr int64_t kBF16Dot = 5;  // bf16 weights in pairs, bf16 activations (the drafter's model.draft_precision=bf16)
 
 void apply(const Lin& w, const float* x, int64_t M, float* y) {
-  if (w.fmt == kQ4Int8) {
+  if (w.fmt == kBF16Dot) {
+#ifdef __AVX512F__
+    matmul_bf16(static_cast<const uint16_t*>(w.q.data_ptr()), w.P, w.K, x, M, y, w.n);
+#else
+    TORCH_CHECK(false, "bf16 products need the AVX-512 build of the kernel");
+#endif
+  } else if (w.fmt == kQ4Int8) {
 #ifdef __AVX512F__
     matmul_q4_int8(static_cast<const uint8_t*>(w.q.data_ptr()), w.d.data_ptr<float>(), w.m.data_ptr<float>(), w.P, w.K,
                    x, M, y, w.n);
@@ -990,9 +1101,10 @@ Lin to_lin(const std::tuple<int64_t, torch::Tensor, torch::Tensor, torch::Tensor
   if (std::get<7>(t).has_value() && std::get<7>(t)->defined()) w.bias = std::get<7>(t)->contiguous().to(torch::kFloat32);
   w.P = w.q.size(0);
   w.K = K;
-  TORCH_CHECK(w.fmt == 0 || w.fmt == kBF16 || w.fmt == kQ8 || w.fmt == kQ4 || w.fmt == kQ4Int8,
+  TORCH_CHECK(w.fmt == 0 || w.fmt == kBF16 || w.fmt == kQ8 || w.fmt == kQ4 || w.fmt == kQ4Int8 || w.fmt == kBF16Dot,
               "Stack: unknown weight format ", w.fmt);
-  TORCH_CHECK(w.fmt == kQ4Int8 ? w.q.numel() == w.P * (K / kGroup) * 256 : w.q.size(1) == K,
+  TORCH_CHECK(w.fmt == kQ4Int8 ? w.q.numel() == w.P * (K / kGroup) * 256
+              : w.fmt == kBF16Dot ? (w.q.dim() == 3 && w.q.size(1) * 2 == K && w.q.size(2) == 32) : w.q.size(1) == K,
               "Stack: a weight's K does not match its input");
   TORCH_CHECK(w.P * kPanel >= w.n, "Stack: a weight has fewer panels than columns");
   return w;
@@ -1281,6 +1393,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unpack_exact", &unpack_exact, "the float32 weight that linear_exact computes with");
 #ifdef __AVX512F__
   m.def("linear_q4_int8", &linear_q4_int8, "q4 weights (VNNI layout) x int8 activations (AVX-512 VNNI)");
+  m.def("linear_bf16", &linear_bf16, "bf16 weights (pairs) x bf16 activations (AVX-512 BF16)");
 #endif
   m.def("isa", &isa, "the instruction set this build's products use (avx512 | avx2)");
   pybind11::class_<Stack>(m, "Stack", pybind11::module_local())
