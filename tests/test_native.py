@@ -64,6 +64,43 @@ def test_native_stack_matches_the_per_layer_forward(smallm_decoder):
 
 
 @needs_smallm
+def test_a_long_prefill_runs_on_the_native_stack_and_matches_transformers_forward(smallm_decoder):
+    """A prefill chunk of more than ``SMALLM_MAX_ROWS`` tokens is one native call (exact products); its last logits
+    and every position's drafter features match transformers' own forward of the prompt to rounding, and it leaves
+    the keys/values the following steps read (the next step's logits match too)."""
+    from pipeline.models.backend import SMALLM_MAX_ROWS
+
+    dec = smallm_decoder
+    n = SMALLM_MAX_ROWS + 19
+    assert dec.fast.takes(n)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, dec.lm_head.shape[0], (1, n + 1), generator=g)
+    calls = []
+    stack = dec.fast.native_stack(dec.base.layers[0].self_attn.q_proj._bp_packed.kind)
+    original = stack.__call__
+    got = {}
+    for native in (True, False):
+        dec.fast.takes = (lambda rows: True) if native else (lambda rows: rows <= SMALLM_MAX_ROWS)
+        type(stack).__call__ = lambda self, *a, **k: (calls.append(a[0].shape[0]), original(*a, **k))[1]
+        try:
+            cache = new_cache(dec.model, dec.kv_cache)
+            with torch.inference_mode():
+                prefill = dec.target_forward(ids[:, :n], cache, 0, want_features=True, last_only=True)
+                step = dec.target_forward(ids[:, n:], cache, n, want_features=True)
+        finally:
+            type(stack).__call__ = original.__func__
+            del dec.fast.takes
+        got[native] = (prefill, step)
+    assert n in calls  # the native run prefilled in one call; the other took transformers' forward
+    (nl, nf), (ns, _) = got[True]
+    (pl, pf), (ps, _) = got[False]
+    torch.testing.assert_close(nl, pl, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(nf, pf, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ns, ps, rtol=1e-4, atol=1e-4)
+    assert torch.equal(nl.argmax(-1), pl.argmax(-1)) and torch.equal(ns.argmax(-1), ps.argmax(-1))
+
+
+@needs_smallm
 def test_native_rows_are_the_same_bits_alone_in_a_verify_and_beside_other_requests(smallm_decoder):
     dec = smallm_decoder
     from pipeline.models.batched_forward import BatchedForward

@@ -18,7 +18,7 @@ from pipeline.decoding.requests import DecodeConfig, DecodeState, PrefillResult,
 from pipeline.decoding.sampling import PositionKeyedSampler, draft_confidence
 from pipeline.decoding.schedules import Schedule
 from pipeline.decoding.trees import DraftTree, tree_mask
-from pipeline.models.backend import SMALLM_MAX_ROWS, LMHead, resolve_backend, set_backend
+from pipeline.models.backend import LMHead, resolve_backend, set_backend
 from pipeline.models.cache import compact, crop_to, resolve_kv_cache
 from pipeline.models.clock import now
 from pipeline.models.drafter import DFlashDrafter, check_compatible
@@ -48,7 +48,8 @@ class SpeculativeDecoder:
         fast_forward: run the target's decode steps (up to ``SMALLM_MAX_ROWS`` tokens) on
             ``pipeline.models.fast_forward.FastForward``, bit-identical to transformers' forward with less
             overhead: ``auto`` (on a packed backend when the target's architecture is supported), True (raises
-            when unsupported) or False. Prefills always take transformers' forward. ``self.fast`` holds it or None.
+            when unsupported) or False. Prefill chunks take its native stack where it runs on exact products
+            (``FastForward.takes``), else transformers' forward. ``self.fast`` holds it or None.
             The same setting puts the drafter's draft forward on ``FastDraft`` (``self.fast_draft``, or None).
         precision: ``exact`` (every product on the weights' exact float32 values; the reference) or ``int8`` (the native
             stack's 4-bit products on activations quantized to int8 per group of 32, AVX-512 VNNI; prefills of more
@@ -188,7 +189,7 @@ class SpeculativeDecoder:
         else:
             positions = (start + torch.tensor(tree.row_depths(), device=self.device))[None]
             parents = tree.row_parents()
-        if self.fast is not None and ids.shape[1] <= SMALLM_MAX_ROWS:
+        if self.fast is not None and self.fast.takes(ids.shape[1]):
             last, hidden_states = self.fast(ids, positions, cache, output_hidden_states=want_features, parents=parents)
         else:
             mask = None if parents is None else tree_mask(parents, cache.get_seq_length(), self.model.dtype, self.device)

@@ -35,7 +35,8 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask
 
-from pipeline.models.backend import EXACT_FORMATS, PACKED, SMALLM, PackedLinear, pack_smallm, weight_version
+from pipeline.models.backend import (EXACT_FORMATS, PACKED, SMALLM, SMALLM_MAX_ROWS, PackedLinear, pack_smallm,
+                                     weight_version)
 from pipeline.models.cache import reserve_rows
 from pipeline.models.kernel import smallm_kernel
 from pipeline.models.native import PRECISIONS, NativeStack, build_draft_stack
@@ -163,6 +164,16 @@ class FastForward:
         """Return only hidden states ``taps`` (indices of transformers' ``hidden_states``) from forwards with
         ``output_hidden_states``: the drafter's tapped layers (``[i + 1 for i in target_layer_ids]``)."""
         self.taps = sorted(set(int(t) for t in taps))
+
+    def takes(self, rows: int) -> bool:
+        """Whether a forward of ``rows`` rows runs here: any decode step or verify (up to ``SMALLM_MAX_ROWS`` rows), and
+        a prefill chunk of any length where the native stack runs on exact products (one kernel call per chunk; on
+        ``model.precision=int8`` prefills stay on transformers' forward and exact products)."""
+        if rows <= SMALLM_MAX_ROWS:
+            return True
+        first = self.base.layers[0].self_attn.q_proj
+        kind = first._bp_packed.kind if type(first) is PackedLinear else None
+        return self.precision == "exact" and self.native_stack(kind) is not None
 
     def native_stack(self, kind: str | None) -> NativeStack | None:
         """The ``NativeStack`` of the base model on smallm backend ``kind`` (None where the native path is off or the
