@@ -52,8 +52,8 @@ class SpeculativeDecoder:
             (``FastForward.takes``), else transformers' forward. ``self.fast`` holds it or None.
             The same setting puts the drafter's draft forward on ``FastDraft`` (``self.fast_draft``, or None).
         precision: ``exact`` (every product on the weights' exact float32 values; the reference) or ``int8`` (the native
-            stack's 4-bit products on activations quantized to int8 per group of 32, AVX-512 VNNI; prefills of more
-            than ``SMALLM_MAX_ROWS`` tokens stay exact). Every method of one decoder runs on the same one, so
+            stack's 4-bit products on activations quantized to int8 per group of 32, AVX-512 VNNI, prefills included;
+            the LM head stays exact). Every method of one decoder runs on the same one, so
             speculation stays lossless against that decoder's own autoregressive text.
         draft_precision: the drafter's products on its native forward (``pipeline.models.native.resolve_draft_precision``):
             ``auto`` (``bf16`` where the CPU has AVX-512 BF16, else ``exact``), ``exact`` or ``bf16`` (bf16 weights, the

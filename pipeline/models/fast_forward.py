@@ -167,13 +167,13 @@ class FastForward:
 
     def takes(self, rows: int) -> bool:
         """Whether a forward of ``rows`` rows runs here: any decode step or verify (up to ``SMALLM_MAX_ROWS`` rows), and
-        a prefill chunk of any length where the native stack runs on exact products (one kernel call per chunk; on
-        ``model.precision=int8`` prefills stay on transformers' forward and exact products)."""
+        a prefill chunk of any length where the native stack runs (one kernel call per chunk, on the decoder's
+        precision: a ``model.precision=int8`` prefill multiplies int8 activations too)."""
         if rows <= SMALLM_MAX_ROWS:
             return True
         first = self.base.layers[0].self_attn.q_proj
         kind = first._bp_packed.kind if type(first) is PackedLinear else None
-        return self.precision == "exact" and self.native_stack(kind) is not None
+        return self.native_stack(kind) is not None
 
     def native_stack(self, kind: str | None) -> NativeStack | None:
         """The ``NativeStack`` of the base model on smallm backend ``kind`` (None where the native path is off or the
