@@ -314,6 +314,19 @@ inline __m512 load_w16(const uint8_t* __restrict src, int64_t k, __m512 d, __m51
 
 constexpr int kF32 = 0;  // float32 panels [P, K, 16] (any K)
 
+// A tile's sums a[j][i] (panel p0 + j, row m0 + i) into y [M, n], the columns past n left out.
+template <int MT, int NP>
+inline void store_tile(const __m512 (&a)[NP][MT], int64_t p0, int64_t m0, float* __restrict y, int64_t n) {
+#pragma GCC unroll 16
+  for (int j = 0; j < NP; ++j) {
+    const int64_t n0 = (p0 + j) * kPanel, ncols = std::min(kPanel, n - n0);
+    if (ncols <= 0) break;
+    const __mmask16 keep = ncols >= kPanel ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
+#pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i) _mm512_mask_storeu_ps(y + (m0 + i) * n + n0, keep, a[j][i]);
+  }
+}
+
 // MT rows (<= 16) x NP consecutive panels from p0: y[m0 + i, panel columns] = x[m0 + i] . W.
 template <int FMT, int MT, int NP>
 void tile16(const uint8_t* qp, const float* dp, const float* mp, int64_t p0, int64_t pbytes, int64_t K,
@@ -370,14 +383,7 @@ void tile16(const uint8_t* qp, const float* dp, const float* mp, int64_t p0, int
       }
     }
   }
-#pragma GCC unroll 16
-  for (int j = 0; j < NP; ++j) {
-    const int64_t n0 = (p0 + j) * kPanel, ncols = std::min(kPanel, n - n0);
-    if (ncols <= 0) break;
-    const __mmask16 keep = ncols >= kPanel ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
-#pragma GCC unroll 16
-    for (int i = 0; i < MT; ++i) _mm512_mask_storeu_ps(y + (m0 + i) * n + n0, keep, a[j][i]);
-  }
+  store_tile<MT, NP>(a, p0, m0, y, n);
 }
 
 template <int FMT, int MT, int NP>
@@ -401,6 +407,28 @@ void rows16(const uint8_t* qp, const float* dp, const float* mp, int64_t p0, int
 #undef BP_T
 }
 constexpr int64_t kTile16 = 16;
+
+// An M-row call over P panels in the fewest balanced row tiles of at most 16 rows: fn(p0, np, r, mt) for every unit
+// of np panels from p0 (the panels one tile pass takes side by side, rows16's NP, so the threads' shares stay even)
+// and every tile of mt rows from r, the units shared by the threads.
+template <typename F>
+void tiles16(int64_t M, int64_t P, const F& fn) {
+  const int64_t tiles = (M + kTile16 - 1) / kTile16, base = M / tiles, extra = M % tiles;
+  const int64_t first = base + (extra > 0 ? 1 : 0);
+  const int64_t unit = first <= 4 ? 4 : first <= 8 ? 2 : 1;
+  const int64_t units = (P + unit - 1) / unit;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t p0 = u * unit, np = std::min<int64_t>(unit, P - p0);
+      int64_t r = 0;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t mt = base + (t < extra ? 1 : 0);
+        fn(p0, np, r, mt);
+        r += mt;
+      }
+    }
+  });
+}
 #endif
 
 // y [M, n] = x [M, K] @ W^T for W in fmt (0: float32 panels from pack(); kBF16 / kQ8 / kQ4: the exact forms), P
@@ -413,10 +441,6 @@ void matmul(int64_t fmt, const uint8_t* qp, const float* dp, const float* mp, in
   const int64_t pbytes = fmt == 0 ? K * kPanel * 4 : panel_bytes(fmt, K);
 #ifdef __AVX512F__
   const int64_t tiles = (M + kTile16 - 1) / kTile16, base = M / tiles, extra = M % tiles;
-  // a unit of work: the panels one tile pass takes side by side (rows16's NP), so the threads' shares stay even
-  const int64_t first = base + (extra > 0 ? 1 : 0);
-  const int64_t unit = first <= 4 ? 4 : first <= 8 ? 2 : 1;
-  const int64_t units = (P + unit - 1) / unit;
   // each tile's rows interleaved by k (xt + r * K: x[k * mt + i]), so a tile reads its rows' k-th values side by side
   std::vector<float> interleaved;
   const float* xt = xp;
@@ -432,20 +456,12 @@ void matmul(int64_t fmt, const uint8_t* qp, const float* dp, const float* mp, in
     }
     xt = interleaved.data();
   }
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t p0 = u * unit, np = std::min<int64_t>(unit, P - p0);
-      int64_t r = 0;
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t mt = base + (t < extra ? 1 : 0);
-        const float* xtile = xt + r * K;
-        if (fmt == kQ4) rows16<kQ4>(qp, dp, mp, p0, np, pbytes, K, xtile, r, mt, yp, n);
-        else if (fmt == kQ8) rows16<kQ8>(qp, dp, mp, p0, np, pbytes, K, xtile, r, mt, yp, n);
-        else if (fmt == kBF16) rows16<kBF16>(qp, dp, mp, p0, np, pbytes, K, xtile, r, mt, yp, n);
-        else rows16<kF32>(qp, dp, mp, p0, np, pbytes, K, xtile, r, mt, yp, n);
-        r += mt;
-      }
-    }
+  tiles16(M, P, [&](int64_t p0, int64_t np, int64_t r, int64_t mt) {
+    const float* xtile = xt + r * K;
+    if (fmt == kQ4) rows16<kQ4>(qp, dp, mp, p0, np, pbytes, K, xtile, r, mt, yp, n);
+    else if (fmt == kQ8) rows16<kQ8>(qp, dp, mp, p0, np, pbytes, K, xtile, r, mt, yp, n);
+    else if (fmt == kBF16) rows16<kBF16>(qp, dp, mp, p0, np, pbytes, K, xtile, r, mt, yp, n);
+    else rows16<kF32>(qp, dp, mp, p0, np, pbytes, K, xtile, r, mt, yp, n);
   });
 #else
   if (fmt == 0) {
@@ -914,14 +930,7 @@ void tile_bf16(const uint16_t* __restrict w, int64_t p0, int64_t K2, const uint3
         a[j][i] = _mm512_dpbf16_ps(a[j][i], wv, (__m512bh)_mm512_set1_epi32(static_cast<int>(xb[(m0 + i) * K2 + u])));
     }
   }
-#pragma GCC unroll 16
-  for (int j = 0; j < NP; ++j) {
-    const int64_t n0 = (p0 + j) * kPanel, ncols = std::min(kPanel, n - n0);
-    if (ncols <= 0) break;
-    const __mmask16 keep = ncols >= kPanel ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
-#pragma GCC unroll 16
-    for (int i = 0; i < MT; ++i) _mm512_mask_storeu_ps(y + (m0 + i) * n + n0, keep, a[j][i]);
-  }
+  store_tile<MT, NP>(a, p0, m0, y, n);
 }
 
 template <int MT, int NP>
@@ -951,21 +960,7 @@ void matmul_bf16(const uint16_t* wp, int64_t P, int64_t K, const float* xp, int6
     for (int64_t u = 0; u < K2; ++u)
       xb[r * K2 + u] = static_cast<uint32_t>(to_bf16(xp[r * K + 2 * u])) |
                        (static_cast<uint32_t>(to_bf16(xp[r * K + 2 * u + 1])) << 16);
-  const int64_t tiles = (M + kTile16 - 1) / kTile16, base = M / tiles, extra = M % tiles;
-  const int64_t first = base + (extra > 0 ? 1 : 0);
-  const int64_t unit = first <= 4 ? 4 : first <= 8 ? 2 : 1;
-  const int64_t units = (P + unit - 1) / unit;
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      const int64_t p0 = u * unit, np = std::min<int64_t>(unit, P - p0);
-      int64_t r = 0;
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t mt = base + (t < extra ? 1 : 0);
-        rows_bf16(wp, p0, np, K2, xb.data(), r, mt, yp, n);
-        r += mt;
-      }
-    }
-  });
+  tiles16(M, P, [&](int64_t p0, int64_t np, int64_t r, int64_t mt) { rows_bf16(wp, p0, np, K2, xb.data(), r, mt, yp, n); });
 }
 
 // x [M, K] float32, w [P, K / 2, 32] (bf16 bits as int16) -> y [M, n] (+ bias).
