@@ -387,7 +387,7 @@ def test_qwen3_target_label_path(tiny, tmp_path):
     assert replayed["label_tau"].tolist() == brute["label_tau"].tolist()
 
 
-def test_joblib_multirun_shards_equal_one_worker(label_setup, trained_decoder, tmp_path):
+def test_joblib_multirun_shards_equal_one_worker(label_setup, tmp_path):
     """``python -m pipeline.label -m label.shard=0,1 label.num_shards=2 hydra/launcher=joblib`` == one worker."""
     out = tmp_path / "multirun"
     args = label_setup(out)
@@ -398,7 +398,9 @@ def test_joblib_multirun_shards_equal_one_worker(label_setup, trained_decoder, t
     result = subprocess.run(cmd, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir()) == ["shard0-of-2", "shard1-of-2"]
-    run(label_setup(tmp_path / "one"), trained_decoder)
+    # the one worker decodes on the decoder its config builds, as each shard does (the same backend and draft
+    # precision: a fixture's eager decoder drafts on other products)
+    run(label_setup(tmp_path / "one"))
     sharded, one = read_labels(out), read_labels(tmp_path / "one")
     assert sorted(set(sharded["shard"])) == [0, 1]
     pd.testing.assert_frame_equal(comparable(sharded), comparable(one))
