@@ -64,34 +64,33 @@ def test_native_stack_matches_the_per_layer_forward(smallm_decoder):
 
 
 @needs_smallm
-def test_a_long_prefill_runs_on_the_native_stack_and_matches_transformers_forward(smallm_decoder):
+def test_a_long_prefill_runs_on_the_native_stack_and_matches_transformers_forward(smallm_decoder, monkeypatch):
     """A prefill chunk of more than ``SMALLM_MAX_ROWS`` tokens is one native call (exact products); its last logits
     and every position's drafter features match transformers' own forward of the prompt to rounding, and it leaves
     the keys/values the following steps read (the next step's logits match too)."""
-    from pipeline.models.backend import SMALLM_MAX_ROWS
+    from pipeline.models.backend import SMALLM_MAX_ROWS, packed_kind
+    from pipeline.models.native import NativeStack
 
     dec = smallm_decoder
     n = SMALLM_MAX_ROWS + 19
-    assert dec.fast.takes(n)
+    assert dec.fast.takes(n) and dec.fast.native_stack(packed_kind(dec.base)) is not None
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(3, dec.lm_head.shape[0], (1, n + 1), generator=g)
     calls = []
-    stack = dec.fast.native_stack(dec.base.layers[0].self_attn.q_proj._bp_packed.kind)
-    original = stack.__call__
+    native_call = NativeStack.__call__
+    monkeypatch.setattr(NativeStack, "__call__", lambda self, h, *a, **k: (calls.append(h.shape[0]),
+                                                                          native_call(self, h, *a, **k))[1])
     got = {}
     for native in (True, False):
-        dec.fast.takes = (lambda rows: True) if native else (lambda rows: rows <= SMALLM_MAX_ROWS)
-        type(stack).__call__ = lambda self, *a, **k: (calls.append(a[0].shape[0]), original(*a, **k))[1]
-        try:
-            cache = new_cache(dec.model, dec.kv_cache)
-            with torch.inference_mode():
-                prefill = dec.target_forward(ids[:, :n], cache, 0, want_features=True, last_only=True)
-                step = dec.target_forward(ids[:, n:], cache, n, want_features=True)
-        finally:
-            type(stack).__call__ = original.__func__
-            del dec.fast.takes
+        calls.clear()
+        if not native:  # the same prefill on transformers' forward
+            monkeypatch.setattr(dec.fast, "takes", lambda rows: rows <= SMALLM_MAX_ROWS)
+        cache = new_cache(dec.model, dec.kv_cache)
+        with torch.inference_mode():
+            prefill = dec.target_forward(ids[:, :n], cache, 0, want_features=True, last_only=True)
+            step = dec.target_forward(ids[:, n:], cache, n, want_features=True)
+        assert calls == ([n, 1] if native else [1])  # the prefill in one native call, or none
         got[native] = (prefill, step)
-    assert n in calls  # the native run prefilled in one call; the other took transformers' forward
     (nl, nf), (ns, _) = got[True]
     (pl, pf), (ps, _) = got[False]
     torch.testing.assert_close(nl, pl, rtol=1e-4, atol=1e-4)

@@ -438,6 +438,13 @@ class PackedLinear(nn.Linear):
         return packed_linear(x, self._bp_packed, self.bias)
 
 
+def packed_kind(model: nn.Module) -> str | None:
+    """The packed backend ``model``'s decoder layers run on (``set_backend`` puts every linear on one; read from the
+    first layer's q projection), or None off the packed backends. ``model``: a target's base model or a drafter."""
+    first = model.layers[0].self_attn.q_proj
+    return first._bp_packed.kind if type(first) is PackedLinear else None
+
+
 def set_backend(module: nn.Module, backend: str) -> nn.Module:
     """Put every ``nn.Linear`` inside ``module`` on ``backend`` (``eager`` or one of ``PACKED``), in place.
 

@@ -32,7 +32,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask
 
-from pipeline.models.backend import SMALLM, SMALLM_MAX_ROWS, PackedLinear
+from pipeline.models.backend import SMALLM, SMALLM_MAX_ROWS, packed_kind
 from pipeline.models.fast_forward import _rms_norm, kernel_attention
 
 ROW_LIMIT = SMALLM_MAX_ROWS  # the most rows one linear call of a batched forward takes (see the module doc)
@@ -128,8 +128,7 @@ class BatchedForward:
         if kernel:  # every request's cos/sin side by side: the rotation is element-wise, so per row as alone
             cos_all, sin_all = (torch.cat([r[0] for r in rope], dim=1), torch.cat([r[1] for r in rope], dim=1))
         keep = any(want_features[i] for i in batch)
-        first = base.layers[0].self_attn.q_proj
-        kind = first._bp_packed.kind if type(first) is PackedLinear else None
+        kind = packed_kind(base)
         done = fast.run_native(h, cos_all, sin_all, [caches[i] for i in batch], sizes, kind, keep) if kernel else None
         if done is not None:  # the whole stack in one native call over every request's rows
             h, tapped = done

@@ -35,7 +35,7 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask
 
-from pipeline.models.backend import (EXACT_FORMATS, PACKED, SMALLM, SMALLM_MAX_ROWS, PackedLinear, pack_smallm,
+from pipeline.models.backend import (EXACT_FORMATS, PACKED, SMALLM, SMALLM_MAX_ROWS, pack_smallm, packed_kind,
                                      weight_version)
 from pipeline.models.cache import reserve_rows
 from pipeline.models.kernel import smallm_kernel
@@ -171,9 +171,7 @@ class FastForward:
         precision: a ``model.precision=int8`` prefill multiplies int8 activations too)."""
         if rows <= SMALLM_MAX_ROWS:
             return True
-        first = self.base.layers[0].self_attn.q_proj
-        kind = first._bp_packed.kind if type(first) is PackedLinear else None
-        return self.native_stack(kind) is not None
+        return self.native_stack(packed_kind(self.base)) is not None
 
     def native_stack(self, kind: str | None) -> NativeStack | None:
         """The ``NativeStack`` of the base model on smallm backend ``kind`` (None where the native path is off or the
@@ -268,8 +266,7 @@ class FastForward:
             output, the last one after the final norm).
         """
         base = self.base
-        first = base.layers[0].self_attn.q_proj
-        kind = first._bp_packed.kind if type(first) is PackedLinear else None
+        kind = packed_kind(base)
         h = base.embed_tokens(ids)
         kernel = self.attention == "kernel"
         cos, sin = base.rotary_emb(h, position_ids=positions)
@@ -364,8 +361,7 @@ class FastDraft:
         self._counted = [w for w in drafter.parameters() if not w.is_inference()]
 
     def _kind(self) -> str | None:
-        first = self.drafter.layers[0].self_attn.q_proj
-        return first._bp_packed.kind if type(first) is PackedLinear else None
+        return packed_kind(self.drafter)
 
     def native_stack(self):
         """The drafter's ``DraftStack`` on the smallm kernel (built once, again when a weight changes), or None where the
@@ -427,8 +423,7 @@ class FastDraft:
     def products(self) -> list[tuple] | None:
         """Per draft layer, the (qkv, gate_up) one-product callables on the drafter's current backend (the ``fused``
         option of its forward), or None off the smallm kernels."""
-        first = self.drafter.layers[0].self_attn.q_proj
-        kind = first._bp_packed.kind if type(first) is PackedLinear else None
+        kind = self._kind()
         if kind not in SMALLM:
             return None
         return [_fused_linears(self._fused, i, layer, kind) for i, layer in enumerate(self.drafter.layers)]
