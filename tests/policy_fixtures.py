@@ -19,7 +19,7 @@ TOPK = 24
 COLUMNS = ["id", "source_set", "prompt_tokens", "candidates", "tau", "new_tokens", "decode_ms", "tokens_per_s", "label_tau",
            "label_speed", "topk_ids", "topk_logprobs", "full_logits", "vocab_size", "entropy", "prefill_ms", "shard",
            "num_shards"]
-CONF_COLUMNS = ["conf_block", "conf_column", "conf_p", "conf_ok"]
+CONF_COLUMNS = ["conf_block", "conf_column", "conf_p", "conf_ok", "conf_top_p", "conf_rank"]
 
 
 def label_row(prompt_id: str, source_set: str, logits: torch.Tensor, candidates: list[int], tau: list[float],
@@ -123,8 +123,8 @@ def measured_labels(directory: Path, decoder, prompt_sets: list[dict], candidate
                         prompt_tokens=ids.shape[1], store_full=True, prefill_ms=prefill.prefill_ms)
         replayed = replay(decoder, target_trace(decoder, decoder.prefill(ids, cfg), cfg), candidates, cfg,
                           record_confidence=True)
-        samples = [(b, j, p, ok) for b in candidates for step in replayed[b].confidence for j, p, ok in step]
-        for name, values in zip(CONF_COLUMNS, zip(*samples) if samples else ([], [], [], [])):
+        samples = [(b, *sample) for b in candidates for step in replayed[b].confidence for sample in step]
+        for name, values in zip(CONF_COLUMNS, zip(*samples) if samples else [[]] * len(CONF_COLUMNS)):
             row[name] = list(values)
         rows.append(row)
     meta = {"target": target_name, "drafter": drafter_name, "training_block_size": decoder.drafter.block_size,

@@ -279,6 +279,25 @@ def test_a_tree_never_verifies_more_rows_than_the_cost_curve_pays_for(trained_de
     assert len(chosen) == max(range(len(rates)), key=lambda n: (rates[n], -n))
 
 
+def test_the_tree_reads_each_ranks_own_model_when_the_calibration_has_one():
+    """A calibration with rank models estimates a lower-ranked candidate with its rank's model (first choices keep the
+    column's), so a second choice the labels show is often right can lead the tree; without them every rank reads the
+    column's model."""
+    probs, tokens = torch.tensor([[0.3, 0.2], [0.5, 0.1]]), torch.tensor([[11, 12], [13, 14]])
+    plain = TreeSchedule(calibration(), flat_costs(), block_size=3, top_k=2)
+    assert torch.allclose(plain.acceptance(probs), probs.double())
+    ranked_calibration = AcceptanceCalibration([0.0] * 16, [1.0] * 16, rank_bias=[1.0], rank_slope=[1.0], rank_first=[0.5])
+    ranked = TreeSchedule(ranked_calibration, flat_costs(), block_size=3, top_k=2)
+    a = ranked.acceptance(probs)
+    expected = torch.sigmoid(1.0 + torch.logit(torch.tensor([0.2, 0.1], dtype=torch.float64))
+                             + 0.5 * torch.logit(torch.tensor([0.3, 0.5], dtype=torch.float64)))  # 0.357, 0.232
+    assert torch.allclose(a[:, 0], probs[:, 0].double())
+    assert torch.allclose(a[:, 1], torch.minimum(expected, a[:, 0]))  # never above the better rank: 0.3, 0.232
+    tree, before = grow(tokens, a, 4), grow(tokens, plain.acceptance(probs), 4)
+    assert tree.tokens[:2] == before.tokens[:2] == [11, 12]
+    assert tree.values[1] == pytest.approx(0.3) and before.values[1] == pytest.approx(0.2)  # the sibling's worth more
+
+
 def test_tree_summary_counts_shapes_and_the_rank_table():
     from pipeline.decoding.trees import step_record, tree_summary
 

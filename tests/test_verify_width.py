@@ -14,6 +14,7 @@ import torch
 
 from pipeline.decoding import DecodeConfig, SpeculativeDecoder
 from pipeline.decoding.sampling import PositionKeyedSampler
+from pipeline.decoding.trees import grow
 from pipeline.labeling.replay import replay, target_trace
 from pipeline.labeling.store import LabelStore, read_labels
 from pipeline import PROJECT_ROOT
@@ -42,8 +43,10 @@ def linear_latency(verify_slope: float = 5.0, draft_ms: float = 10.0, base: floa
                      {q: [draft_ms] * 2 for q in range(2, widths + 1)}, [100.0, 400.0])
 
 
-def manual_decode(decoder: SpeculativeDecoder, ids: torch.Tensor, block_size: int, config: DecodeConfig):
-    """``decode``'s loop with a fixed B, keeping every step's draft probabilities and accepted count."""
+def manual_decode(decoder: SpeculativeDecoder, ids: torch.Tensor, block_size: int, config: DecodeConfig, top_k: int = 4):
+    """``decode``'s loop with a fixed B, keeping every step's draft probabilities and accepted count, and the step's
+    top ``top_k`` draft candidates and their probabilities (the step verifies the whole chain of first choices, drafted
+    by ``tree_step``) and its new tokens: ``(b, confidence, accepted, candidates, candidate probabilities, new)``."""
     sampler = PositionKeyedSampler(config.temperature, config.seed, decoder.lm_head.shape[0])
     with torch.inference_mode():
         state = decoder.new_state(decoder.prefill(ids, config), use_drafter=True)
@@ -51,8 +54,18 @@ def manual_decode(decoder: SpeculativeDecoder, ids: torch.Tensor, block_size: in
         stopped = state.pending in decoder.stop_ids
         while not stopped and produced < config.max_new_tokens:
             b = min(block_size, config.max_new_tokens - produced)
-            new, accepted = decoder.step(state, b, sampler, lambda confidence, start: len(confidence))  # verify all
-            steps.append((b, state.last_confidence, accepted))
+            drafted = []
+
+            def chain(tokens, probs, start):
+                drafted.append((tokens, probs))
+                return grow(tokens[:, :1], torch.ones(len(tokens), 1), len(tokens))  # every first choice
+
+            if b > 1:
+                new, accepted = decoder.tree_step(state, b, sampler, chain, top_k)
+                steps.append((b, state.last_confidence, accepted, *drafted[0], list(new)))
+            else:
+                new, accepted = decoder.step(state, b, sampler, lambda confidence, start: len(confidence))
+                steps.append((b, state.last_confidence, accepted, None, None, list(new)))
             for i, token in enumerate(new):
                 if token in decoder.stop_ids:
                     new, stopped = new[: i + 1], True
@@ -65,15 +78,16 @@ def manual_decode(decoder: SpeculativeDecoder, ids: torch.Tensor, block_size: in
                                                             (1.0, 3, "lazy", False), (0.0, 0, "lazy", True),
                                                             (0.8, 1, "lazy", True)])
 def test_replay_confidence_samples_are_the_decoders(trained_decoder, temperature, seed, lm_head, vocab):
-    """Each replayed step records (j, the drafter's probability, accepted) for columns 1..first rejection, equal to
-    what the decoder computes in the same step of a real decode."""
+    """Each replayed step records (j, the drafter's probability, accepted, its top 4 candidates' probabilities, the
+    rank among them of the target's token) for columns 1..first rejection, equal to what the decoder computes in the
+    same step of a real decode (its ``draft_candidates``, and the token the target emitted there)."""
     decoder = trained_decoder
     if vocab:  # a draft vocabulary: the lazy path decides each chunk with the draft head
         drafter = copy.deepcopy(decoder.drafter)
         drafter.set_draft_vocab(torch.arange(0, decoder.lm_head.shape[0], 2))
         decoder = SpeculativeDecoder(decoder.target, drafter)
     config = DecodeConfig(28, temperature, seed)
-    checked = rejected = 0
+    checked = rejected = lower = 0
     for text in PROMPTS:
         ids = chat_input_ids(decoder.target.tokenizer, [text])
         trace = target_trace(decoder, decoder.prefill(ids, config), config)
@@ -81,18 +95,22 @@ def test_replay_confidence_samples_are_the_decoders(trained_decoder, temperature
             result = replay(decoder, trace, [B], config, lm_head=lm_head, record_confidence=True)[B]
             steps = manual_decode(decoder, ids, B, config)
             assert len(steps) == len(result.confidence) == len(result.taus)
-            for (b, confidence, accepted), samples in zip(steps, result.confidence):
+            for (b, confidence, accepted, tokens, probs, new), samples in zip(steps, result.confidence):
                 if b == 1:
                     assert samples == []
                     continue
-                assert [j for j, _, _ in samples] == list(range(1, len(samples) + 1))
+                assert [sample[0] for sample in samples] == list(range(1, len(samples) + 1))
                 assert len(samples) in (min(accepted + 1, b - 1), accepted)  # the last column may lie past the trace
-                for j, p, ok in samples:
+                for j, p, ok, top_p, rank in samples:
                     assert ok == (j <= accepted)
                     assert math.isclose(p, float(confidence[j - 1]), rel_tol=1e-4, abs_tol=1e-6)
+                    assert np.allclose(top_p, probs[j - 1].tolist(), rtol=1e-4, atol=1e-6)
+                    candidates = tokens[j - 1].tolist()
+                    assert rank == (candidates.index(new[j - 1]) if new[j - 1] in candidates else -1)
                     checked += 1
                     rejected += not ok
-    assert checked > 50 and 0 < rejected < checked
+                    lower += rank > 0
+    assert checked > 50 and 0 < rejected < checked and (lower > 0 or vocab)  # half a vocabulary: rarely a lower rank
 
 
 def test_step_acceptances_read_back_the_decoders_steps(trained_decoder):
@@ -105,9 +123,9 @@ def test_step_acceptances_read_back_the_decoders_steps(trained_decoder):
         trace = target_trace(trained_decoder, trained_decoder.prefill(ids, config), config)
         for B in (4, 8):
             result = replay(trained_decoder, trace, [B], config, record_confidence=True)[B]
-            flat = [(j, ok) for step in result.confidence for j, _, ok in step]
+            flat = [(j, ok) for step in result.confidence for j, _, ok, _, _ in step]
             steps = manual_decode(trained_decoder, ids, B, config)
-            expected = [accepted for b, _, accepted in steps if b > 1]
+            expected = [accepted for b, _, accepted, *_ in steps if b > 1]
             got = step_acceptances([j for j, _ in flat], [ok for _, ok in flat])
             assert got[:-1] == expected[:-1] and got[-1] in (expected[-1], expected[-1] - 1)  # the trace's end
             compared += len(got)
@@ -165,6 +183,55 @@ def test_calibration_fit_recovers_a_planted_relation():
         AcceptanceCalibration.fit([0.5, 0.6], [1, 2], [True, True])
     with pytest.raises(ValueError, match="record_confidence"):
         AcceptanceCalibration.fit([], [], [])
+
+
+def test_rank_calibration_recovers_a_planted_relation_and_falls_back_without_one():
+    """Candidates of rank 1 and 2 taken with planted per-rank logistic relations on their own probability and the first
+    choice's: ``with_ranks`` recovers them, a rank-0 candidate still reads its column's model, ranks past the fitted
+    ones share the last, and a calibration without rank models reads every rank with the column's."""
+    rng = np.random.default_rng(1)
+    n = 80000
+    top_p = np.sort(rng.dirichlet([1.0, 0.6, 0.4, 0.3, 2.0], n)[:, :4], axis=1)[:, ::-1].clip(1e-4, None)
+    logit = lambda q: np.log(q / (1 - q))
+    planted = {1: (-1.0, 1.0, 0.3), 2: (-1.5, 0.8, 0.2)}  # rank: (bias, slope on logit(p_r), slope on logit(p_0))
+    rank = np.full(n, -1)
+    u = rng.random(n)
+    lo = 0.0
+    for r, (b, s, f) in planted.items():  # one uniform draw splits [0, 1) into disjoint events: at most one rank
+        a = 1 / (1 + np.exp(-(b + s * logit(top_p[:, r]) + f * logit(top_p[:, 0]))))
+        rank[(u >= lo) & (u < lo + a)] = r
+        lo = lo + a
+    base = AcceptanceCalibration([0.1, -0.2], [1.0, 2.0])
+    ranked = base.with_ranks(top_p, rank)
+    assert ranked.max_rank == 3 and ranked.bias == base.bias and ranked.slope == base.slope
+    for r, (b, s, f) in planted.items():  # the fitted probabilities are the planted ones (not each weight: bias and
+        # slope trade off over the narrow range of logit(p_r))
+        truth = 1 / (1 + np.exp(-(b + s * logit(top_p[:, r]) + f * logit(top_p[:, 0]))))
+        got = ranked.predict(torch.as_tensor(top_p[:, r]), torch.ones(n, dtype=torch.long), torch.full((n,), r),
+                             torch.as_tensor(top_p[:, 0])).numpy()
+        assert np.abs(got - truth).max() < 0.04 and np.abs(got - truth).mean() < 0.003, r
+        assert ranked.rank_first[r - 1] == pytest.approx(f, abs=0.1)
+    info = {row["rank"]: row for row in ranked.info["ranks"]}
+    assert info[1]["samples"] == n and abs(info[1]["taken"] - (rank == 1).mean()) < 1e-12
+    assert abs(info[1]["predicted"] - info[1]["taken"]) < 0.005
+    p, column, first = torch.tensor([0.3] * 4), torch.tensor([2] * 4), torch.tensor([0.5] * 4)
+    a = ranked.predict(p, column, torch.tensor([0, 1, 3, 7]), first)
+    assert float(a[0]) == float(base.predict(p[:1], column[:1])[0])  # rank 0: the column's model
+    assert float(a[2]) == float(a[3]) and float(a[1]) != float(a[0])  # rank 7 shares rank 3's
+    never = ranked.predict(torch.tensor([0.2, 0.2]), torch.tensor([1, 1]), torch.tensor([3, 2]), torch.tensor([0.4, 0.4]))
+    assert float(never[0]) < 0.05 and float(never[0]) < float(never[1])  # rank 3 was never taken
+    assert torch.equal(base.predict(p, column, torch.tensor([0, 1, 3, 7]), first), base.predict(p, column))
+    with pytest.raises(ValueError, match="first="):
+        ranked.predict(p, column, torch.tensor([0, 1, 3, 7]))
+    loaded = AcceptanceCalibration.from_dict(json.loads(json.dumps(ranked.to_dict())))
+    assert (loaded.rank_bias, loaded.rank_slope, loaded.rank_first) == (ranked.rank_bias, ranked.rank_slope, ranked.rank_first)
+    assert "rank_bias" not in base.to_dict()
+    with pytest.raises(ValueError, match="tree_top_k"):
+        base.with_ranks(top_p[:, :1], rank)
+    with pytest.raises(ValueError, match="no candidate of rank >= 1"):
+        base.with_ranks(top_p, np.zeros(n, dtype=int))
+    with pytest.raises(ValueError, match="equal lengths"):
+        AcceptanceCalibration.from_dict({**ranked.to_dict(), "rank_first": [0.0]})
 
 
 def test_calibration_round_trips_and_names_the_fix(tmp_path):
@@ -228,7 +295,7 @@ def test_verify_width_decoding_is_lossless(trained_decoder, temperature, seed):
         ids = chat_input_ids(decoder.target.tokenizer, [text])
         trace = target_trace(decoder, decoder.prefill(ids, config), config)
         for step in replay(decoder, trace, [8], config, record_confidence=True)[8].confidence:
-            for j, p, ok in step:
+            for j, p, ok, _, _ in step:
                 samples["p"].append(p), samples["column"].append(j), samples["accepted"].append(ok)
     fitted = AcceptanceCalibration.fit(samples["p"], samples["column"], samples["accepted"])
     widths = set()
@@ -303,8 +370,12 @@ def test_the_train_stage_fits_on_the_train_split_and_checks_on_the_test_split(tm
         p = rng.uniform(0.05, 0.95, 30)
         ok = (rng.random(30) < p).tolist()
         samples[f"p{i}"] = len(p)
+        # the drafter's 3 best candidates and the target's token's rank among them (p0 on an older shard: none)
+        top_p = np.stack([p, (1 - p) * 0.6, (1 - p) * 0.2], axis=1)
+        rank = np.where(ok, 0, np.where(rng.random(30) < 0.4, 1 + (rng.random(30) < 0.3), -1))
         rows.append(dict(row, id=f"p{i}", conf_block=[4] * 30, conf_column=[1 + j % 3 for j in range(30)],
-                         conf_p=p.tolist(), conf_ok=ok))
+                         conf_p=p.tolist(), conf_ok=ok,
+                         conf_top_p=None if i == 0 else top_p.tolist(), conf_rank=None if i == 0 else rank.tolist()))
     LabelStore(tmp_path / "labels").write(rows)
     (tmp_path / "labels" / "meta.json").write_text(json.dumps({"candidates": [4], "mode": "replay"}))
     splits = {"train": [f"p{i}" for i in range(5)], "test": [f"p{i}" for i in range(5, 8)]}
@@ -317,6 +388,16 @@ def test_the_train_stage_fits_on_the_train_split_and_checks_on_the_test_split(tm
     assert stored["info"]["samples"] == sum(samples[i] for i in splits["train"])
     assert stored["info"]["test_samples"] == sum(samples[i] for i in splits["test"])
     assert load_calibration(tmp_path / "vw").info["samples"] == stored["info"]["samples"]
+    # the rank models: fitted on the train split's candidate records (p0 has none), tabulated on the test split's
+    assert len(stored["rank_bias"]) == 2 and stored["info"]["rank_table_split"] == "test"
+    assert {r["rank"]: r["samples"] for r in stored["info"]["ranks"]} == {1: 4 * 30, 2: 4 * 30}
+    table = stored["info"]["rank_table"]
+    assert {(r["column"], r["rank"]) for r in table} == {(j, r) for j in (1, 2, 3) for r in (0, 1, 2)}
+    assert sum(r["offered"] for r in table if r["rank"] == 0) == 3 * 30
+    taken = {(r["column"], r["rank"]): r["taken"] for r in table}
+    test_rows = [r for r in rows if r["id"] in splits["test"]]
+    col1 = np.concatenate([np.asarray(r["conf_rank"])[np.asarray(r["conf_column"]) == 1] for r in test_rows])
+    assert taken[(1, 1)] == pytest.approx((col1 == 1).mean())
 
 
 def test_the_loaded_calibration_is_logged(tmp_path, caplog):

@@ -25,6 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+TOP_K = 4
+"""Candidates per drafted position a tree draws from by default (``policy.tree.top_k``; the label stage records as many
+with each calibration sample, ``label.tree_top_k``)."""
+
 
 @dataclass
 class DraftTree:

@@ -21,9 +21,11 @@ import torch
 from pipeline.costs import CostModel, steps_of
 from pipeline.decoding.requests import DecodeConfig
 from pipeline.decoding.speculative import SpeculativeDecoder
+from pipeline.decoding.trees import TOP_K as TREE_TOP_K
 from pipeline.labeling.brute import brute_force, reseed
 from pipeline.labeling.checks import LM_HEAD_MODES, MODES  # noqa: F401  (the label settings' names, re-exported)
 from pipeline.labeling.replay import replay, target_trace
+from pipeline.labeling.store import CONFIDENCE_COLUMNS
 
 
 
@@ -116,6 +118,8 @@ class LabelSettings:
         topk, store_full_logits: what to keep of the prefill distribution.
         lm_head: replay's LM-head mode (``auto`` | ``lazy`` | ``full``).
         record_confidence: (replay) keep the verify-width calibration's samples of the first seed (``conf_*`` columns).
+        tree_top_k: with ``record_confidence``, the drafter's candidates kept per sample (``conf_top_p``/``conf_rank``:
+            what a draft tree's rank-aware calibration is fitted on).
     """
 
     candidates: list[int]
@@ -128,6 +132,7 @@ class LabelSettings:
     store_full_logits: bool = False
     lm_head: str = "auto"
     record_confidence: bool = True
+    tree_top_k: int = TREE_TOP_K
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -186,7 +191,7 @@ def label_prompt(decoder: SpeculativeDecoder, input_ids: torch.Tensor, settings:
     row = {"prompt_tokens": n, "candidates": list(candidates), "prefill_ms": prefill.prefill_ms,
            **distribution_features(prefill.last_logits, settings.topk, settings.store_full_logits)}
     per_b = {b: {"tau": [], "new_tokens": [], "decode_ms": []} for b in candidates}
-    samples: dict[str, list] = {"conf_block": [], "conf_column": [], "conf_p": [], "conf_ok": []}
+    samples: dict[str, list] = {k: [] for k in CONFIDENCE_COLUMNS}
     runs = []
     reply_ids: list[int] = []
     seeds = settings.seeds
@@ -206,14 +211,12 @@ def label_prompt(decoder: SpeculativeDecoder, input_ids: torch.Tensor, settings:
             if r == 0:
                 reply_ids = list(trace.tokens)
             record = settings.record_confidence and r == 0
-            result = replay(decoder, trace, candidates, config, settings.lm_head, record_gaps, record)
+            result = replay(decoder, trace, candidates, config, settings.lm_head, record_gaps, record, settings.tree_top_k)
             for b, res in result.items():
                 for step in res.confidence if record else []:
-                    for column, p, ok in step:
-                        samples["conf_block"].append(b)
-                        samples["conf_column"].append(column)
-                        samples["conf_p"].append(p)
-                        samples["conf_ok"].append(ok)
+                    for sample in step:
+                        for key, value in zip(CONFIDENCE_COLUMNS, (b, *sample)):
+                            samples[key].append(value)
                 per_b[b]["tau"].append(res.tau)
                 per_b[b]["new_tokens"].append(res.new_tokens)
                 per_b[b]["decode_ms"].append(latency.decode_ms(res.block_sizes, res.starts, res.new_tokens,

@@ -35,28 +35,17 @@ import torch
 from pipeline.decoding.sampling import PositionKeyedSampler, draft_confidence
 from pipeline.decoding.requests import DecodeConfig, PrefillResult
 from pipeline.decoding.speculative import SpeculativeDecoder
+from pipeline.decoding.trees import TOP_K as TREE_CANDIDATES
 from pipeline.labeling.checks import LM_HEAD_MODES
 from pipeline.models.clock import now
 from pipeline.models.drafter import DFlashDrafter, lm_head_logits
 
 
 
-def pick_scores(sampler: PositionKeyedSampler, logits: torch.Tensor, positions: list[int],
-                vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """The scores whose argmax ``sampler.pick`` takes: logits at T=0, ``logits/T + Gumbel(position)`` at T>0.
-
-    Args:
-        logits: [R, V'] float32; row r scores the token at absolute position ``positions[r]``.
-        vocab_ids: [V'] target ids of the columns when they cover a draft vocabulary (None: V' = V).
-    Returns:
-        [R, V'] float32 (same device).
-    """
-    if sampler.temperature == 0:
-        return logits
-    noise = sampler.noise(positions, logits.device)  # made on logits' device (no per-step host copy)
-    if vocab_ids is not None:
-        noise = noise[:, vocab_ids]
-    return logits.float() / sampler.temperature + noise
+def _sample(column: int, confidence: tuple[float, list[float], int], ok) -> tuple[int, float, bool, list[float], int]:
+    """One calibration sample: ``(column, p, accepted, top_p, rank)`` (``ReplayResult.confidence``)."""
+    p, top_p, rank = confidence
+    return column, p, bool(ok), top_p, rank
 
 
 def top2_gap(scores: torch.Tensor) -> list[float]:
@@ -113,7 +102,7 @@ def target_trace(decoder: SpeculativeDecoder, prefill: PrefillResult, config: De
     n = prefill.input_ids.shape[1]
     tokens = [prefill.first_token]
     features = [prefill.features]
-    first_scores = pick_scores(sampler, prefill.last_logits[None], [n])
+    first_scores = sampler.scores(prefill.last_logits[None], [n])
     gaps = top2_gap(first_scores) if record_gaps else None
     k = min(shortlist, first_scores.shape[-1])
     short = [first_scores.topk(k, dim=-1).indices] if k > 0 else None
@@ -123,7 +112,7 @@ def target_trace(decoder: SpeculativeDecoder, prefill: PrefillResult, config: De
     while not stopped and len(tokens) < config.max_new_tokens:
         block = torch.tensor([[tokens[-1]]], dtype=torch.long, device=decoder.device)
         logits, new_features = decoder.target_forward(block, prefill.cache, start, want_features=True)
-        scores = pick_scores(sampler, logits, [start + 1])
+        scores = sampler.scores(logits, [start + 1])
         token = int(scores.argmax(dim=-1)[0])
         if record_gaps:
             gaps += top2_gap(scores)
@@ -173,7 +162,7 @@ def trace_from_output(decoder: SpeculativeDecoder, prefill: PrefillResult, token
         logits = torch.cat([logits, rest])
         features.append(new_features)
     k = min(shortlist, logits.shape[-1])
-    short = pick_scores(sampler, logits, list(range(n, n + m))).topk(k, dim=-1).indices if k > 0 else None
+    short = sampler.scores(logits, list(range(n, n + m))).topk(k, dim=-1).indices if k > 0 else None
     return Trace(list(tokens), torch.cat(features, dim=1), n, tokens[-1] in decoder.stop_ids, decode_ms, sampler, short)
 
 
@@ -288,9 +277,11 @@ class ReplayResult:
         new_tokens: tokens emitted (equals the trace's length).
         gaps: per step, {draft column: the drafter's top-2 score gap} for the columns computed
             (only with ``record_gaps``).
-        confidence: per step, ``(column j, the drafter's probability of its draft there, accepted)`` for the
-            columns 1..first rejection (the draws of ``P(draft j accepted | drafts < j accepted)``: the
-            verify-width calibration's samples; only with ``record_confidence``).
+        confidence: per step, ``(column j, the drafter's probability of its draft there, accepted, the probabilities
+            of its top_k candidates there (best first), the rank among them of the target's token or -1)`` for the
+            columns 1..first rejection (the draws of ``P(draft j accepted | drafts < j accepted)`` and, per rank, of
+            ``P(candidate r is the target's token | drafts < j accepted)``: the verify-width calibration's and the
+            draft tree's samples; only with ``record_confidence``).
     """
 
     block_size: int
@@ -299,7 +290,7 @@ class ReplayResult:
     starts: list[int] = field(default_factory=list)
     new_tokens: int = 0
     gaps: list[dict[int, float]] = field(default_factory=list)
-    confidence: list[list[tuple[int, float, bool]]] = field(default_factory=list)
+    confidence: list[list[tuple[int, float, bool, list[float], int]]] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -341,7 +332,7 @@ def _shortlist_rejects(h: torch.Tensor, y_index: list[int], trace: Trace, y: tor
 
 def _drafts_match(h: torch.Tensor, positions: list[int], trace: Trace, y: torch.Tensor, head: torch.Tensor,
                   draft_vocab: torch.Tensor | None, record_gaps: bool, record_confidence: bool = False,
-                  scorer=None) -> tuple[list[bool], list[float], list[float]]:
+                  scorer=None, top_k: int = TREE_CANDIDATES) -> tuple[list[bool], list[float], list[tuple]]:
     """Whether the drafter's token (argmax over its whole head, as in the decoder) equals y, per row.
 
     Args:
@@ -349,22 +340,32 @@ def _drafts_match(h: torch.Tensor, positions: list[int], trace: Trace, y: torch.
         head: the decoder's draft head ([V, H], or [N, H] over ``draft_vocab`` [N]).
         scorer: hidden [R, H] -> logits [R, V | N] on the decoder's path (``decoder.drafter_head``, the one its drafts
             are scored with); None: ``lm_head_logits(h, head)``.
+        top_k: candidates per row kept with ``record_confidence`` (a draft tree's, ``SpeculativeDecoder.draft_candidates``).
     Returns:
-        (matches, top-2 score gaps or [] without ``record_gaps``, the drafter's probability of each proposed
-        token (``draft_confidence``) or [] without ``record_confidence``).
+        (matches, top-2 score gaps or [] without ``record_gaps``, per row ``(p, top_p, rank)`` or [] without
+        ``record_confidence``: the drafter's probability of its draft (``draft_confidence``), of its ``top_k`` best
+        candidates (best first, by the score the pick maximises), and the rank among them of the target's token
+        (-1: none of them)).
     """
     logits = (scorer(h) if scorer is not None else lm_head_logits(h, head)).float()
-    scores = pick_scores(trace.sampler, logits, positions, draft_vocab)
+    scores = trace.sampler.scores(logits, positions, draft_vocab)
     columns = scores.argmax(dim=-1)
     proposed = draft_vocab[columns] if draft_vocab is not None else columns
     targets = y[torch.tensor(positions, device=y.device) - trace.prompt_tokens]
-    confidence = draft_confidence(logits, columns, trace.sampler.temperature).tolist() if record_confidence else []
+    confidence = []
+    if record_confidence:
+        p = draft_confidence(logits, columns, trace.sampler.temperature)
+        top = scores.topk(max(1, min(int(top_k), scores.shape[-1])), dim=-1).indices  # as sampler.top_columns
+        top_p = draft_confidence(logits, top, trace.sampler.temperature)
+        hit = (draft_vocab[top] if draft_vocab is not None else top) == targets[:, None]
+        rank = torch.where(hit.any(dim=1), hit.long().argmax(dim=1), torch.full_like(hit[:, 0], -1, dtype=torch.long))
+        confidence = list(zip(p.tolist(), top_p.tolist(), rank.tolist()))
     return (proposed == targets).tolist(), (top2_gap(scores) if record_gaps else []), confidence
 
 
 def _accept(states: list[_State], packed: PackedBlocks, trace: Trace, y: torch.Tensor, head: torch.Tensor,
             lazy: bool, record_gaps: bool, draft_vocab: torch.Tensor | None = None, record_confidence: bool = False,
-            scorer=None) -> None:
+            scorer=None, top_k: int = TREE_CANDIDATES) -> None:
     """Set ``state.accepted`` (leading draft tokens equal to y) for every drafting state.
 
     Draft column j (1..b-1) of the block of ``states[i]`` (packed row ``packed.offsets[i] + j``) proposes
@@ -376,8 +377,9 @@ def _accept(states: list[_State], packed: PackedBlocks, trace: Trace, y: torch.T
     Lazy mode: columns in growing chunks (1, 2, 4, ...), only for blocks not yet decided. With a full
     vocabulary head each chunk is screened by the shortlist (proven rejections end a block) and the
     surviving columns go through the full head once at the end; with a (small) draft head each chunk
-    is decided exactly right away. ``record_confidence`` keeps ``(column, probability, accepted)`` of the
-    columns up to each block's first rejection in ``state.step_conf`` (a full-vocabulary head then takes
+    is decided exactly right away. ``record_confidence`` keeps ``(column, probability, accepted, top_k candidates'
+    probabilities, the target token's rank among them)`` of the columns up to each block's first rejection in
+    ``state.step_conf`` (a full-vocabulary head then takes
     the full path: the shortlist proves rejections without the probabilities).
     """
     for s in states:
@@ -388,14 +390,14 @@ def _accept(states: list[_State], packed: PackedBlocks, trace: Trace, y: torch.T
         spans = [(i, 1, s.columns) for i, s in enumerate(states) if s.columns > 0]
         h, positions = _rows(packed, states, spans)
         matches, gaps, confidence = _drafts_match(h, positions, trace, y, head, draft_vocab, record_gaps, record_confidence,
-                                                    scorer)
+                                                    scorer, top_k)
         offset = 0
         for i, lo, hi in spans:
             for j in range(hi):
                 if record_gaps:
                     states[i].step_gaps[j + 1] = gaps[offset + j]
                 if record_confidence:
-                    states[i].step_conf.append((j + 1, confidence[offset + j], bool(matches[offset + j])))
+                    states[i].step_conf.append(_sample(j + 1, confidence[offset + j], matches[offset + j]))
                 if not matches[offset + j]:
                     break
                 states[i].accepted += 1
@@ -413,7 +415,7 @@ def _accept(states: list[_State], packed: PackedBlocks, trace: Trace, y: torch.T
             passed = [not r for r in _shortlist_rejects(h, y_index, trace, y, head)]
         else:
             passed, _, confidence = _drafts_match(h, positions, trace, y, head, draft_vocab, False, record_confidence,
-                                                        scorer)
+                                                        scorer, top_k)
         offset, still_open = 0, []
         for i, lo, hi in spans:
             width = hi - lo + 1
@@ -421,7 +423,7 @@ def _accept(states: list[_State], packed: PackedBlocks, trace: Trace, y: torch.T
             while ok < width and passed[offset + ok]:
                 ok += 1
             if record_confidence:  # not screen: the columns lo..first rejection
-                states[i].step_conf += [(lo + c, confidence[offset + c], bool(passed[offset + c]))
+                states[i].step_conf += [_sample(lo + c, confidence[offset + c], passed[offset + c])
                                         for c in range(min(ok + 1, width))]
             if screen:
                 kept[i].extend(h[offset : offset + ok])
@@ -452,7 +454,8 @@ def _rows(packed: PackedBlocks, states: list[_State], spans: list[tuple[int, int
 
 @torch.inference_mode()
 def replay(decoder: SpeculativeDecoder, trace: Trace, candidates: list[int], config: DecodeConfig,
-           lm_head: str = "auto", record_gaps: bool = False, record_confidence: bool = False) -> dict[int, ReplayResult]:
+           lm_head: str = "auto", record_gaps: bool = False, record_confidence: bool = False,
+           top_k: int = TREE_CANDIDATES) -> dict[int, ReplayResult]:
     """tau(B) of every candidate B from one trace, all candidates batched per step.
 
     Args:
@@ -464,6 +467,7 @@ def replay(decoder: SpeculativeDecoder, trace: Trace, candidates: list[int], con
             product: best on GPU), ``auto`` (lazy on CPU, full elsewhere).
         record_gaps: keep the drafter's top-2 score gap of every computed draft column.
         record_confidence: keep the verify-width calibration's samples (``ReplayResult.confidence``).
+        top_k: with ``record_confidence``, the drafter's candidates kept per sample (a draft tree's top_k).
     Returns:
         {B: ReplayResult}; ``taus`` and ``block_sizes`` equal those of
         ``decoder.decode(prefill, B, config)`` (up to floating-point ties between the top-2 logits).
@@ -494,7 +498,7 @@ def replay(decoder: SpeculativeDecoder, trace: Trace, candidates: list[int], con
             packed = context.blocks(decoder.embed, [trace.tokens[s.start - n] for s in drafting],
                                     [s.start for s in drafting], [s.width for s in drafting])
             _accept(drafting, packed, trace, y, decoder.draft_head, lazy, record_gaps, decoder.draft_vocab,
-                    record_confidence, decoder.drafter_head)
+                    record_confidence, decoder.drafter_head, top_k)
         for s in active:
             index = s.start - n  # index in y of the step's first block token
             tau = s.accepted + 1

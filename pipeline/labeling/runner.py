@@ -32,6 +32,7 @@ from pipeline import costs
 from pipeline.timing.steps import load_or_measure
 from pipeline.decoding.requests import DecodeConfig
 from pipeline.decoding.speculative import PromptTooLongError, SpeculativeDecoder
+from pipeline.decoding.trees import TOP_K as TREE_TOP_K
 from pipeline.labeling.checks import check_label_config
 from pipeline.labeling.oracle import LabelSettings, check_candidates, label_prompt
 from pipeline.labeling.store import LabelStore
@@ -88,6 +89,7 @@ def settings_from_cfg(cfg: DictConfig, decoder: SpeculativeDecoder) -> LabelSett
         store_full_logits=bool(cfg.label.store_full_logits),
         lm_head=str(cfg.label.lm_head),
         record_confidence=bool(cfg.label.get("record_confidence", True)),
+        tree_top_k=int(cfg.label.get("tree_top_k", TREE_TOP_K)),
     )
 
 

@@ -81,16 +81,23 @@ LABEL_SCHEMA = pa.schema([
     ("conf_column", pa.list_(pa.int64())),
     ("conf_p", pa.list_(pa.float64())),
     ("conf_ok", pa.list_(pa.bool_())),
+    ("conf_top_p", pa.list_(pa.list_(pa.float64()))),
+    ("conf_rank", pa.list_(pa.int64())),
 ])
 """One row per request (``id``: ``pipeline.prompts.request_id``). Per candidate B (lists in ``candidates`` order):
 ``tau`` (mean acceptance length, tokens), ``new_tokens``, ``decode_ms``, ``tokens_per_s``; the labels ``label_tau`` /
 ``label_speed`` (block sizes); the prefill's last-token distribution (``topk_ids``/``topk_logprobs``, ``full_logits``
 as float16 bytes when kept, ``entropy`` in nats); ``prompt_tokens``, ``prefill_ms`` (ms) and the writing shard; the
 verify-width calibration's samples from the replays (``conf_*``, one entry per sample: the step's block size, the
-draft column j, the drafter's probability of its draft there, whether it was accepted; columns 1..first rejection of
-every step; empty in brute mode, null in shards written before they existed)."""
+draft column j, the drafter's probability of its draft there, whether it was accepted, the probabilities of its
+``label.tree_top_k`` best candidates there and the rank among them of the target's token, -1 for none: a draft
+tree's samples; columns 1..first rejection of every step; empty in brute mode, null in shards written before they
+existed)."""
 
-OPTIONAL_COLUMNS = ("conf_block", "conf_column", "conf_p", "conf_ok")
+CONFIDENCE_COLUMNS = ("conf_block", "conf_column", "conf_p", "conf_ok", "conf_top_p", "conf_rank")
+"""The replay samples' columns, in the order of a sample (the step's B, then ``ReplayResult.confidence``'s tuple)."""
+
+OPTIONAL_COLUMNS = CONFIDENCE_COLUMNS
 """Columns a shard may lack (written by an earlier version of the label stage); read as nulls."""
 
 # meta.json keys that must agree between workers writing the same directory

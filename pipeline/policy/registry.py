@@ -274,10 +274,11 @@ def _verify_width(hybrid: bool):
 
 
 def _tree(ctx: Context):
+    from pipeline.decoding.trees import TOP_K
     from pipeline.policy.trees import TreeSchedule
 
     b = _drafted_block_size(ctx)
-    options = {**_step_options(ctx), "top_k": int(ctx.option("tree", "top_k", 4)),
+    options = {**_step_options(ctx), "top_k": int(ctx.option("tree", "top_k", TOP_K)),
                "max_nodes": tree_max_nodes(ctx.options, ctx.decoder)}
     calibration, latency = ctx.inputs.calibration, ctx.inputs.latency
     TreeSchedule(calibration, latency, b, **options)  # raises for B < 2 or a bad option

@@ -209,16 +209,19 @@ def export_verify_width_calibration(ccfg: DictConfig, dd, info: dict) -> Path | 
     """Fit the verify-width policy's acceptance calibration on the train split's label samples and export it.
 
     Reads the label rows of ``ccfg.labels_dir`` (their ``conf_*`` replay samples), fits on the requests of the
-    feature dataset's train split, tabulates reliability on its test split, writes ``ccfg.out/calibration.json``
+    feature dataset's train split (without the prompt sets of ``ccfg.exclude_sets``), with a model per candidate rank
+    where the rows hold candidate records, tabulates reliability on its test split, writes ``ccfg.out/calibration.json``
     (``pipeline.policy.calibration``). Labels without samples are skipped with a warning (returns None).
     """
     from pipeline.policy.calibration import export_calibration, fit_from_labels
 
     try:
         labels, _ = read_label_table(ccfg.labels_dir)
+        exclude = [str(s) for s in (ccfg.get("exclude_sets") or [])]
         fitted = fit_from_labels(labels, set(dd["train"]["id"]), set(dd["test"]["id"]) if "test" in dd else None,
+                                 exclude_sets=exclude,
                                  info={"labels_dir": str(ccfg.labels_dir), "target": info.get("target"),
-                                       "drafter": info.get("drafter")})
+                                       "drafter": info.get("drafter"), **({"exclude_sets": exclude} if exclude else {})})
     except (FileNotFoundError, ValueError) as err:
         log.warning("no verify-width calibration exported: %s", err)
         return None

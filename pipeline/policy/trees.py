@@ -5,8 +5,10 @@ its probability of each (``SpeculativeDecoder.draft_candidates``). ``TreeSchedul
 
 1. estimates each candidate's conditional acceptance (the probability that the target's token at that position is
    this candidate, given that its parent was accepted) with the drafts' calibration (``pipeline.policy.calibration``:
-   the drafter's probability and the position's column; the same model the chain's verify width reads), capped so that
-   one position's candidates share at most probability 1 (``pipeline.decoding.trees.depth_exclusive``);
+   for a first choice, the drafter's probability and the position's column, the model the chain's verify width reads;
+   for a lower rank, its rank's model when the calibration has one (its probability and the first choice's there),
+   never above a better rank's), capped so that one
+   position's candidates share at most probability 1 (``pipeline.decoding.trees.depth_exclusive``);
 2. grows the best-first tree of up to ``max_nodes`` nodes (``pipeline.decoding.trees.grow``): its first n nodes are
    the n-node subtree with the most expected accepted tokens, ``1 + sum of their path acceptances``;
 3. keeps the n that maximises expected tokens per ms, ``(1 + sum_{i<=n} v_i) / (draft_ms(B) + verify_ms(n + 1))`` on the
@@ -24,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.costs import CostModel
-from pipeline.decoding.trees import DraftTree, depth_exclusive, grow
+from pipeline.decoding.trees import TOP_K, DraftTree, depth_exclusive, grow
 from pipeline.policy.calibration import AcceptanceCalibration
 from pipeline.policy.verify_width import VerifyWidthSchedule
 
@@ -46,7 +48,7 @@ class TreeSchedule(VerifyWidthSchedule):
     chooses_trees = True
 
     def __init__(self, calibration: AcceptanceCalibration, costs: CostModel, block_size: int, predictor=None,
-                 skip_drafts: bool = True, max_skip: int = 8, objective: str = "rate", top_k: int = 4,
+                 skip_drafts: bool = True, max_skip: int = 8, objective: str = "rate", top_k: int = TOP_K,
                  max_nodes: int = 15):
         super().__init__(calibration, costs, block_size, predictor, skip_drafts, max_skip, objective)
         if int(top_k) < 1 or int(max_nodes) < 1:
@@ -57,8 +59,10 @@ class TreeSchedule(VerifyWidthSchedule):
         """[D, K] conditional acceptance estimates of the candidates whose drafter probabilities are ``probs`` [D, K]."""
         depth, k = probs.shape
         columns = torch.arange(1, depth + 1).repeat_interleave(k)
-        a = self.calibration.predict(probs.reshape(-1), columns).reshape(depth, k)
-        return depth_exclusive(a)
+        ranks = torch.arange(k).repeat(depth)
+        first = probs[:, :1].expand(depth, k).reshape(-1)
+        a = self.calibration.predict(probs.reshape(-1), columns, ranks, first).reshape(depth, k)
+        return depth_exclusive(torch.cummin(a, dim=1).values)  # a rank never above a better one (``grow``'s order)
 
     def choose_tree(self, tokens: torch.Tensor, probs: torch.Tensor, start: int) -> DraftTree:
         b = tokens.shape[0] + 1
