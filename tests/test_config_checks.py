@@ -80,6 +80,7 @@ def test_eval_config_is_checked_before_any_model_loads(override, message, compos
     ("label.block_sizes=[4,0]", r"label.block_sizes entry=0"),
     ("decode.temperature=nan", r"decode.temperature=nan"),
     ("label.mode=oracle", r"label.mode='oracle': choose one of"),
+    ("label.tree_top_k=0", r"label.tree_top_k=0: the drafter's candidates"),
 ])
 def test_label_config_is_checked_before_the_model_loads(override, message, compose_config, tiny, tmp_path, no_model_load):
     from pipeline.labeling.runner import run_label
