@@ -22,9 +22,9 @@ import torch
 from pipeline import PROJECT_ROOT
 from pipeline.decoding import DecodeConfig, SpeculativeDecoder
 from pipeline.models import kernel
-from pipeline.models.backend import set_backend, smallm_available
+from pipeline.models.backend import pack_smallm, set_backend, smallm_available
 from pipeline.models.cache import crop_to
-from pipeline.models.native import bf16_dot_available
+from pipeline.models.native import Int8Head, bf16_dot_available
 from pipeline.models.target import new_cache
 from pipeline.timing.limits import floor_ms
 
@@ -204,6 +204,11 @@ def _q4_exact_target(tiny, arch: str):
                 q = torch.randint(0, 16, blocks.shape, generator=g).float()
                 q[..., 0], q[..., 1] = 0, 15
                 lin.weight.copy_(((d * q) + m).view(n, k))
+        head = target.model.get_output_embeddings().weight  # GGUF Q8_0 values (d * q per block of 32), as SmolLM2's
+        n, k = head.shape
+        q = torch.randint(-126, 127, (n, k // 32, 32), generator=g).float()
+        q[..., 0] = 127
+        head.copy_((q * (torch.rand(n, k // 32, 1, generator=g) * 0.02 + 1e-3).half().float()).view(n, k))
     return target
 
 
@@ -220,7 +225,8 @@ def test_int8_precision_is_lossless_against_its_own_ar_and_close_to_exact(tiny):
         exact = SpeculativeDecoder(target, drafter, backend="smallm")
         int8 = SpeculativeDecoder(target, drafter, backend="smallm", precision="int8")
         assert int8.forward_path()["precision"] == "int8" and exact.forward_path()["precision"] == "exact"
-        # the q4 layers do run on the int8 products: logits close to the exact ones, not equal
+        assert (int8.forward_path()["head_precision"], exact.forward_path()["head_precision"]) == ("int8", "exact")
+        # the q4 layers and the q8 head do run on the int8 products: logits close to the exact ones, not equal
         block = torch.randint(3, exact.lm_head.shape[0], (1, 6), generator=torch.Generator().manual_seed(0))
         got = {}
         for name, dec in (("exact", exact), ("int8", int8)):
@@ -232,7 +238,8 @@ def test_int8_precision_is_lossless_against_its_own_ar_and_close_to_exact(tiny):
                     alone = dec.target_forward(block[:, j: j + 1], cache, 17 + j, want_features=False)[0]
                     assert torch.equal(alone[0], got[name][j]), (name, j)
         assert not torch.equal(got["exact"], got["int8"])
-        torch.testing.assert_close(got["int8"], got["exact"], rtol=0.1, atol=0.1)
+        scale = float(got["exact"].abs().max())  # the int8 head's rounding scales with the logits' size
+        torch.testing.assert_close(got["int8"], got["exact"], rtol=0.1, atol=0.05 * scale)
         config = DecodeConfig(max_new_tokens=24)
         for text in ("def add(a, b):", "Count to ten.", "The quick brown fox"):
             ids = target.tokenizer(text, return_tensors="pt").input_ids
@@ -241,6 +248,33 @@ def test_int8_precision_is_lossless_against_its_own_ar_and_close_to_exact(tiny):
                 assert int8.generate(ids, B, config).output_ids == ar, (text, B)
     finally:
         set_backend(drafter, "eager")
+
+
+@needs_vnni
+def test_the_int8_head_is_the_integer_product_of_its_quantized_rows_and_each_row_the_same_bits_alone():
+    """``linear_q8_int8`` against the exact integer arithmetic it stands for: each row quantized per group of 32 to
+    round(x * 127 / max|x|), times the q8 weights, scaled by both scales, in float64 (float32 rounding apart); each row
+    the same bits alone and in calls of 1-16 rows."""
+    g = torch.Generator().manual_seed(0)
+    n, k = 1000, 576
+    q = torch.randint(-126, 127, (n, k // 32, 32), generator=g).float()
+    q[..., 0] = 127  # a block's absmax at 127: GGUF Q8_0's d = absmax / 127
+    d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half().float()
+    packed = pack_smallm((q * d[..., None]).view(n, k), ("q8",))
+    assert packed.fmt == "q8"
+    head = Int8Head(packed)
+    x = torch.randn(16, k, generator=g) * 3
+    y = head(x)
+    groups = x.view(16, k // 32, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    qx = torch.round(groups * (127.0 / amax))
+    exact = torch.einsum("rgk,ngk->rng", qx.double(), q.double())
+    reference = (exact * d.double()[None] * (amax[..., 0].double() / 127.0)[:, None, :]).sum(-1)
+    torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-4)
+    for rows in (1, 3, 7, 16):
+        assert torch.equal(head(x[:rows]), y[:rows]), rows
+    with pytest.raises(ValueError, match="q8 form"):
+        Int8Head(pack_smallm(torch.randn(32, 64), ()))
 
 
 def test_int8_precision_is_refused_off_the_native_stack(tiny):

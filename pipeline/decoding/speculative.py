@@ -97,6 +97,8 @@ class SpeculativeDecoder:
         if precision != "exact":
             check_precision(precision)
         self.precision = precision
+        if precision == "int8":
+            self.head = self.head.on_int8()  # a q8 LM head (SmolLM2's) on int8 products too
         self.fast = fast_forward_for(self.base, fast_forward, self.backend, precision)
         if self.fast is not None and drafter is not None:
             self.fast.set_taps([i + 1 for i in drafter.target_layer_ids])
@@ -137,7 +139,7 @@ class SpeculativeDecoder:
                 "dtype": str(self.model.dtype).removeprefix("torch."), "device": str(self.device),
                 "native_stack": bool(self.fast is not None and self.fast.native and self.backend in SMALLM),
                 "native_draft": bool(self.fast_draft is not None and self.fast_draft.native_stack() is not None),
-                "precision": self.precision, "draft_precision": self.draft_precision}
+                "precision": self.precision, "head_precision": self.head.precision, "draft_precision": self.draft_precision}
         if self.backend in SMALLM:
             path["isa"] = kernel_isa()
         if kernel_failure() is not None:

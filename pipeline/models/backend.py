@@ -518,6 +518,10 @@ class LMHead:
             return (self._weight32 @ flat.T).T
         return flat @ self._weight32.T
 
+    def packed(self):
+        """The packed weight (a ``SmallmWeight`` on the smallm backends), or None on ``eager``."""
+        return self._packed.get() if self._packed is not None else None
+
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
             return packed_linear(hidden, self._packed, None)

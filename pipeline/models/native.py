@@ -81,6 +81,42 @@ class Bf16Head:
         return smallm_kernel().linear_bf16(flat, self.pairs, self.n, None).reshape(*hidden.shape[:-1], self.n)
 
 
+class Int8Head:
+    """The target's LM head on int8 products (``model.precision=int8``): its q8 rows (GGUF Q8_0, ``w = d q``) times the
+    final states quantized to int8 per row and group of 32, as the q4 products of that precision quantize theirs
+    (``linear_q8_int8``, AVX-512 VNNI); each row's logits a fixed computation of its own row.
+
+    Raises:
+        ValueError: for a head whose packed weight is not q8.
+    """
+
+    def __init__(self, packed):
+        if packed is None or packed.fmt != "q8":
+            raise ValueError("an int8 LM head needs the head's q8 form (GGUF Q8_0); this one is "
+                             f"{getattr(packed, 'fmt', 'not packed')}")
+        self.n = packed.n
+        self.vnni = q8_vnni_layout(packed.q)
+        self.d = packed.d.contiguous()
+        self.c8 = q8_corrections(packed.q)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        flat = hidden.reshape(-1, hidden.shape[-1]).float().contiguous()
+        return smallm_kernel().linear_q8_int8(flat, self.vnni, self.d, self.c8, self.n).reshape(*hidden.shape[:-1], self.n)
+
+
+def q8_vnni_layout(q: torch.Tensor) -> torch.Tensor:
+    """q8 panels [P, K, 16] int8 -> the VNNI layout [P, K / 32, 8, 64] of ``linear_q8_int8``: chunk u's byte 4c + b is
+    column c's q at k = 32g + 4u + b."""
+    P, K, _ = q.shape
+    return q.view(P, K // 32, 8, 4, 16).permute(0, 1, 2, 4, 3).contiguous().view(P, K // 32, 8, 64)
+
+
+def q8_corrections(q: torch.Tensor) -> torch.Tensor:
+    """[P, K / 32, 16] int32: 128 x each column's sum of q over each group of 32 (the unsigned activations' offset)."""
+    P, K, _ = q.shape
+    return (q.view(P, K // 32, 32, 16).sum(dim=2, dtype=torch.int32) * 128).contiguous()
+
+
 def vnni_layout(q: torch.Tensor) -> torch.Tensor:
     """q4 panels [P, K, 8] (byte j: column j's nibble low, column j + 8's high) -> the VNNI layout [P, K / 32, 4, 64]
     of ``linear_q4_int8``: chunk u's byte 4c + b holds k = 4u + b of column c (low nibble) and k = 4(u + 4) + b (high)."""

@@ -216,6 +216,23 @@ class LogitHead:
         float32 logits when ``float32`` (None keeps the setting)."""
         return dataclasses.replace(self, backend=backend, float32=self.float32 if float32 is None else float32)
 
+    def on_int8(self) -> "LogitHead":
+        """The same head with its product on int8 activations (``model.precision=int8``: ``native.Int8Head``) where
+        its weight is packed as q8 (GGUF Q8_0, as SmolLM2's), else this head unchanged."""
+        from pipeline.models.native import Int8Head
+
+        packed = self._product.packed() if isinstance(self._product, LMHead) else None
+        if packed is None or packed.fmt != "q8":
+            return self
+        out = dataclasses.replace(self)
+        out._product = Int8Head(packed)
+        return out
+
+    @property
+    def precision(self) -> str:
+        """``int8`` when the product runs on int8 activations (``on_int8``), else ``exact``."""
+        return "exact" if isinstance(self._product, LMHead) else "int8"
+
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [..., V] (``hidden``'s dtype) of hidden states [..., H], as the model's forward computes them."""
         logits = self._product(hidden)

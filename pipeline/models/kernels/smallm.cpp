@@ -720,6 +720,7 @@ void attend_row_fixed(const float* __restrict q, const float* __restrict k, int6
   for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(o[j], iv));
 }
 
+
 }  // namespace
 
 // causal = false: every row of request i sees all lengths[i] keys (the drafter's full attention over its context and
@@ -826,39 +827,73 @@ torch::Tensor attend(torch::Tensor q, c10::optional<torch::Tensor> k_new, c10::o
 // products, as llama.cpp computes Q4_1 x Q8_1: y[r, c] = sum_g d_w[c,g] d_x[r,g] sum_k q_w q_x + m_w[c,g] d_x[r,g] sum_k q_x.
 // Weights: vnni [P, G, 4, 64] bytes, chunk u's byte 4c + b = q[4u + b][c] | q[4(u + 4) + b][c] << 4.
 #ifdef __AVX512F__
+// One panel's rows r0 .. r0 + MT - 1: per group, each row's integer sum in two chains (k 0-15 and 16-31, added
+// exactly) and the rows side by side, so the VPDPBUSD latency overlaps; per row the same arithmetic at any MT.
+template <int MT>
 __attribute__((target("avx512vnni,avx512bw,avx512f")))
-void q4_int8_panels(int64_t begin, int64_t end, const uint8_t* wp, const float* dp, const float* mp, const int8_t* xqp,
-                    const float* dxp, const float* sxp, int64_t M, int64_t K, int64_t G, float* yp, int64_t n) {
-  constexpr int64_t kRows = 16;
+void q4_int8_tile(int64_t p, int64_t r0, const uint8_t* wp, const float* dp, const float* mp, const int8_t* xqp,
+                  const float* dxp, const float* sxp, int64_t K, int64_t G, float* yp, int64_t n) {
   const __m512i low = _mm512_set1_epi8(0x0F);
-  for (int64_t p = begin; p < end; ++p) {
-    for (int64_t r0 = 0; r0 < M; r0 += kRows) {
-      const int64_t mt = std::min(kRows, M - r0);
-      __m512 acc[kRows];
-      for (int i = 0; i < kRows; ++i) acc[i] = _mm512_setzero_ps();
-      for (int64_t g = 0; g < G; ++g) {
-        const uint8_t* src = wp + (p * G + g) * 256;
-        __m512i w[8];
-        for (int u = 0; u < 4; ++u) {
-          const __m512i v = _mm512_loadu_si512(src + u * 64);
-          w[u] = _mm512_and_si512(v, low);
-          w[u + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        }
-        const __m512 dw = _mm512_loadu_ps(dp + (p * G + g) * kPanel), mw = _mm512_loadu_ps(mp + (p * G + g) * kPanel);
-        for (int64_t i = 0; i < mt; ++i) {
-          const int32_t* xq4 = reinterpret_cast<const int32_t*>(xqp + (r0 + i) * K + g * kGroup);
-          __m512i s = _mm512_setzero_si512();
-          for (int t = 0; t < 8; ++t) s = _mm512_dpbusd_epi32(s, w[t], _mm512_set1_epi32(xq4[t]));
-          const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dxp[(r0 + i) * G + g]));
-          acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale,
-                                   _mm512_fmadd_ps(mw, _mm512_set1_ps(sxp[(r0 + i) * G + g]), acc[i]));
-        }
+  __m512 acc[MT];
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* src = wp + (p * G + g) * 256;
+    __m512i w[8];
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) {
+      const __m512i v = _mm512_loadu_si512(src + u * 64);
+      w[u] = _mm512_and_si512(v, low);
+      w[u + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    const __m512 dw = _mm512_loadu_ps(dp + (p * G + g) * kPanel), mw = _mm512_loadu_ps(mp + (p * G + g) * kPanel);
+    __m512i s[MT], t[MT];
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) s[i] = t[i] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u)
+#pragma GCC unroll 8
+      for (int i = 0; i < MT; ++i) {
+        const int32_t* xq4 = reinterpret_cast<const int32_t*>(xqp + (r0 + i) * K + g * kGroup);
+        s[i] = _mm512_dpbusd_epi32(s[i], w[u], _mm512_set1_epi32(xq4[u]));
+        t[i] = _mm512_dpbusd_epi32(t[i], w[u + 4], _mm512_set1_epi32(xq4[u + 4]));
       }
-      const int64_t n0 = p * kPanel, ncols = std::min(kPanel, n - n0);
-      const __mmask16 keep = ncols >= kPanel ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
-      for (int64_t i = 0; i < mt; ++i) _mm512_mask_storeu_ps(yp + (r0 + i) * n + n0, keep, acc[i]);
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) {
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dxp[(r0 + i) * G + g]));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[i], t[i])), scale,
+                               _mm512_fmadd_ps(mw, _mm512_set1_ps(sxp[(r0 + i) * G + g]), acc[i]));
     }
   }
+  const int64_t n0 = p * kPanel, ncols = std::min(kPanel, n - n0);
+  const __mmask16 keep = ncols >= kPanel ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i) _mm512_mask_storeu_ps(yp + (r0 + i) * n + n0, keep, acc[i]);
+}
+
+// The rows in tiles of at most 4 (balanced: 6 rows = 3 + 3), each panel's groups re-read from L1 per tile.
+template <typename Tile>
+inline void int8_tiles(int64_t M, const Tile& tile) {
+  const int64_t tiles = (M + 3) / 4, base = M / tiles, extra = M % tiles;
+  int64_t r = 0;
+  for (int64_t j = 0; j < tiles; ++j) {
+    const int64_t mt = base + (j < extra ? 1 : 0);
+    tile(r, mt);
+    r += mt;
+  }
+}
+
+void q4_int8_panels(int64_t begin, int64_t end, const uint8_t* wp, const float* dp, const float* mp, const int8_t* xqp,
+                    const float* dxp, const float* sxp, int64_t M, int64_t K, int64_t G, float* yp, int64_t n) {
+  for (int64_t p = begin; p < end; ++p)
+    int8_tiles(M, [&](int64_t r0, int64_t mt) {
+      switch (mt) {
+        case 4: q4_int8_tile<4>(p, r0, wp, dp, mp, xqp, dxp, sxp, K, G, yp, n); break;
+        case 3: q4_int8_tile<3>(p, r0, wp, dp, mp, xqp, dxp, sxp, K, G, yp, n); break;
+        case 2: q4_int8_tile<2>(p, r0, wp, dp, mp, xqp, dxp, sxp, K, G, yp, n); break;
+        default: q4_int8_tile<1>(p, r0, wp, dp, mp, xqp, dxp, sxp, K, G, yp, n); break;
+      }
+    });
 }
 
 // Activations [M, K] -> int8 per row and group of 32: q = round-to-nearest-even(x * 127 / max|x|), d_x = max|x| / 127,
@@ -891,6 +926,74 @@ void matmul_q4_int8(const uint8_t* wp, const float* dp, const float* mp, int64_t
   quantize_rows(xp, M, K, xq.data(), dx.data(), sx.data());
   at::parallel_for(0, P, 4, [&](int64_t begin, int64_t end) {
     q4_int8_panels(begin, end, wp, dp, mp, xq.data(), dx.data(), sx.data(), M, K, G, yp, n);
+  });
+}
+
+// q8 weights (GGUF Q8_0: w = d q, q int8) times int8 activations: model.precision=int8's LM head. VPDPBUSD multiplies
+// unsigned by signed bytes, so the activations go in shifted to unsigned (q_x + 128) and each group's integer sum
+// drops 128 * sum_k q_w, kept per column and group (c8, int32): y[r, c] = sum_g d_w[c,g] d_x[r,g] (sum_k (q_x + 128)
+// q_w - c8[c,g]), the integer part exact, the groups added in order (a fixed computation of the row's own values).
+// Weights: vnni [P, G, 8, 64] int8, chunk u's bytes 4c + b = column c's q at k = 32 g + 4u + b.
+template <int MT>
+__attribute__((target("avx512vnni,avx512bw,avx512f")))
+void q8_int8_tile(int64_t p, int64_t r0, const int8_t* wp, const float* dp, const int32_t* cp, const uint8_t* xu,
+                  const float* dxp, int64_t K, int64_t G, float* yp, int64_t n) {
+  __m512 acc[MT];
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const int8_t* src = wp + (p * G + g) * 512;
+    __m512i w[8];
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) w[u] = _mm512_loadu_si512(src + u * 64);
+    const __m512 dw = _mm512_loadu_ps(dp + (p * G + g) * kPanel);
+    const __m512i c8 = _mm512_loadu_si512(cp + (p * G + g) * kPanel);
+    __m512i s[MT], t[MT];
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) s[i] = t[i] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u)
+#pragma GCC unroll 8
+      for (int i = 0; i < MT; ++i) {
+        const int32_t* x4 = reinterpret_cast<const int32_t*>(xu + (r0 + i) * K + g * kGroup);
+        s[i] = _mm512_dpbusd_epi32(s[i], _mm512_set1_epi32(x4[u]), w[u]);
+        t[i] = _mm512_dpbusd_epi32(t[i], _mm512_set1_epi32(x4[u + 4]), w[u + 4]);
+      }
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) {
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dxp[(r0 + i) * G + g]));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(s[i], t[i]), c8)), scale, acc[i]);
+    }
+  }
+  const int64_t n0 = p * kPanel, ncols = std::min(kPanel, n - n0);
+  const __mmask16 keep = ncols >= kPanel ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i) _mm512_mask_storeu_ps(yp + (r0 + i) * n + n0, keep, acc[i]);
+}
+
+void q8_int8_panels(int64_t begin, int64_t end, const int8_t* wp, const float* dp, const int32_t* cp, const uint8_t* xu,
+                    const float* dxp, int64_t M, int64_t K, int64_t G, float* yp, int64_t n) {
+  for (int64_t p = begin; p < end; ++p)
+    int8_tiles(M, [&](int64_t r0, int64_t mt) {
+      switch (mt) {
+        case 4: q8_int8_tile<4>(p, r0, wp, dp, cp, xu, dxp, K, G, yp, n); break;
+        case 3: q8_int8_tile<3>(p, r0, wp, dp, cp, xu, dxp, K, G, yp, n); break;
+        case 2: q8_int8_tile<2>(p, r0, wp, dp, cp, xu, dxp, K, G, yp, n); break;
+        default: q8_int8_tile<1>(p, r0, wp, dp, cp, xu, dxp, K, G, yp, n); break;
+      }
+    });
+}
+
+void matmul_q8_int8(const int8_t* wp, const float* dp, const int32_t* cp, int64_t P, int64_t K, const float* xp,
+                    int64_t M, float* yp, int64_t n) {
+  const int64_t G = K / kGroup;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * G), sx(M * G);
+  quantize_rows(xp, M, K, xq.data(), dx.data(), sx.data());
+  std::vector<uint8_t> xu(M * K);
+  for (int64_t e = 0; e < M * K; ++e) xu[e] = static_cast<uint8_t>(static_cast<int32_t>(xq[e]) + 128);
+  at::parallel_for(0, P, 4, [&](int64_t begin, int64_t end) {
+    q8_int8_panels(begin, end, wp, dp, cp, xu.data(), dx.data(), M, K, G, yp, n);
   });
 }
 
@@ -973,6 +1076,21 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, int64_t n, c10::opti
   auto y = torch::empty({M, n}, x.options());
   matmul_bf16(static_cast<const uint16_t*>(w.data_ptr()), w.size(0), K, x.data_ptr<float>(), M, y.data_ptr<float>(), n);
   if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+}
+
+// x [M, K] float32, vnni [P, G, 8, 64] int8, d [P, G, 16] float32, c8 [P, G, 16] int32 -> y [M, n].
+torch::Tensor linear_q8_int8(torch::Tensor x, torch::Tensor vnni, torch::Tensor d, torch::Tensor c8, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && vnni.is_contiguous() && d.is_contiguous() &&
+              c8.is_contiguous() && c8.scalar_type() == torch::kInt32 && vnni.scalar_type() == torch::kInt8,
+              "linear_q8_int8: bad input");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup, P = vnni.size(0);
+  TORCH_CHECK(K % kGroup == 0 && vnni.numel() == P * G * 512 && d.numel() == P * G * kPanel && c8.numel() == P * G * kPanel &&
+              P * kPanel >= n, "linear_q8_int8: bad weights");
+  auto y = torch::empty({M, n}, x.options());
+  matmul_q8_int8(vnni.data_ptr<int8_t>(), d.data_ptr<float>(), c8.data_ptr<int32_t>(), P, K, x.data_ptr<float>(), M,
+                 y.data_ptr<float>(), n);
   return y;
 }
 
@@ -1388,6 +1506,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unpack_exact", &unpack_exact, "the float32 weight that linear_exact computes with");
 #ifdef __AVX512F__
   m.def("linear_q4_int8", &linear_q4_int8, "q4 weights (VNNI layout) x int8 activations (AVX-512 VNNI)");
+  m.def("linear_q8_int8", &linear_q8_int8, "q8 weights (VNNI layout) x int8 activations (AVX-512 VNNI)");
   m.def("linear_bf16", &linear_bf16, "bf16 weights (pairs) x bf16 activations (AVX-512 BF16)");
 #endif
   m.def("isa", &isa, "the instruction set this build's products use (avx512 | avx2)");
