@@ -827,8 +827,30 @@ torch::Tensor attend(torch::Tensor q, c10::optional<torch::Tensor> k_new, c10::o
 // products, as llama.cpp computes Q4_1 x Q8_1: y[r, c] = sum_g d_w[c,g] d_x[r,g] sum_k q_w q_x + m_w[c,g] d_x[r,g] sum_k q_x.
 // Weights: vnni [P, G, 4, 64] bytes, chunk u's byte 4c + b = q[4u + b][c] | q[4(u + 4) + b][c] << 4.
 #ifdef __AVX512F__
-// One panel's rows r0 .. r0 + MT - 1: per group, each row's integer sum in two chains (k 0-15 and 16-31, added
-// exactly) and the rows side by side, so the VPDPBUSD latency overlaps; per row the same arithmetic at any MT.
+// sum[i] = row i's integer dot product with one group's 8 weight chunks (x: the rows' int8 bytes from the group's
+// first, K apart), in two chains (k 0-15 and 16-31, added exactly) with the rows side by side, so the VPDPBUSD latency
+// overlaps; per row the same sum at any MT. UW: the weights are VPDPBUSD's unsigned operand (q4 nibbles), else the
+// activations are (q8's, shifted).
+template <int MT, bool UW>
+__attribute__((target("avx512vnni,avx512bw,avx512f")))
+inline void group_dots(const __m512i* w, const uint8_t* x, int64_t K, __m512i* sum) {
+  __m512i s[MT], t[MT];
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i) s[i] = t[i] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+  for (int u = 0; u < 4; ++u)
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i) {
+      const int32_t* x4 = reinterpret_cast<const int32_t*>(x + i * K);
+      const __m512i a = _mm512_set1_epi32(x4[u]), b = _mm512_set1_epi32(x4[u + 4]);
+      s[i] = UW ? _mm512_dpbusd_epi32(s[i], w[u], a) : _mm512_dpbusd_epi32(s[i], a, w[u]);
+      t[i] = UW ? _mm512_dpbusd_epi32(t[i], w[u + 4], b) : _mm512_dpbusd_epi32(t[i], b, w[u + 4]);
+    }
+#pragma GCC unroll 8
+  for (int i = 0; i < MT; ++i) sum[i] = _mm512_add_epi32(s[i], t[i]);
+}
+
+// One panel's rows r0 .. r0 + MT - 1 (group_dots per group, then each row's scales).
 template <int MT>
 __attribute__((target("avx512vnni,avx512bw,avx512f")))
 void q4_int8_tile(int64_t p, int64_t r0, const uint8_t* wp, const float* dp, const float* mp, const int8_t* xqp,
@@ -847,21 +869,12 @@ void q4_int8_tile(int64_t p, int64_t r0, const uint8_t* wp, const float* dp, con
       w[u + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
     const __m512 dw = _mm512_loadu_ps(dp + (p * G + g) * kPanel), mw = _mm512_loadu_ps(mp + (p * G + g) * kPanel);
-    __m512i s[MT], t[MT];
-#pragma GCC unroll 8
-    for (int i = 0; i < MT; ++i) s[i] = t[i] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-    for (int u = 0; u < 4; ++u)
-#pragma GCC unroll 8
-      for (int i = 0; i < MT; ++i) {
-        const int32_t* xq4 = reinterpret_cast<const int32_t*>(xqp + (r0 + i) * K + g * kGroup);
-        s[i] = _mm512_dpbusd_epi32(s[i], w[u], _mm512_set1_epi32(xq4[u]));
-        t[i] = _mm512_dpbusd_epi32(t[i], w[u + 4], _mm512_set1_epi32(xq4[u + 4]));
-      }
+    __m512i sum[MT];
+    group_dots<MT, true>(w, reinterpret_cast<const uint8_t*>(xqp) + r0 * K + g * kGroup, K, sum);
 #pragma GCC unroll 8
     for (int i = 0; i < MT; ++i) {
       const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dxp[(r0 + i) * G + g]));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[i], t[i])), scale,
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[i]), scale,
                                _mm512_fmadd_ps(mw, _mm512_set1_ps(sxp[(r0 + i) * G + g]), acc[i]));
     }
   }
@@ -948,21 +961,12 @@ void q8_int8_tile(int64_t p, int64_t r0, const int8_t* wp, const float* dp, cons
     for (int u = 0; u < 8; ++u) w[u] = _mm512_loadu_si512(src + u * 64);
     const __m512 dw = _mm512_loadu_ps(dp + (p * G + g) * kPanel);
     const __m512i c8 = _mm512_loadu_si512(cp + (p * G + g) * kPanel);
-    __m512i s[MT], t[MT];
-#pragma GCC unroll 8
-    for (int i = 0; i < MT; ++i) s[i] = t[i] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-    for (int u = 0; u < 4; ++u)
-#pragma GCC unroll 8
-      for (int i = 0; i < MT; ++i) {
-        const int32_t* x4 = reinterpret_cast<const int32_t*>(xu + (r0 + i) * K + g * kGroup);
-        s[i] = _mm512_dpbusd_epi32(s[i], _mm512_set1_epi32(x4[u]), w[u]);
-        t[i] = _mm512_dpbusd_epi32(t[i], _mm512_set1_epi32(x4[u + 4]), w[u + 4]);
-      }
+    __m512i sum[MT];
+    group_dots<MT, false>(w, xu + r0 * K + g * kGroup, K, sum);
 #pragma GCC unroll 8
     for (int i = 0; i < MT; ++i) {
       const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dxp[(r0 + i) * G + g]));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(s[i], t[i]), c8)), scale, acc[i]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[i], c8)), scale, acc[i]);
     }
   }
   const int64_t n0 = p * kPanel, ncols = std::min(kPanel, n - n0);
