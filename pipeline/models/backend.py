@@ -522,6 +522,12 @@ class LMHead:
         """The packed weight (a ``SmallmWeight`` on the smallm backends), or None on ``eager``."""
         return self._packed.get() if self._packed is not None else None
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes one call streams: the packed form's on smallm, else the weight's own."""
+        packed = self.packed()
+        return int(getattr(packed, "nbytes", self.weight.numel() * self.weight.element_size()))
+
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
             return packed_linear(hidden, self._packed, None)

@@ -99,6 +99,11 @@ class Int8Head:
         self.d = packed.d.contiguous()
         self.c8 = q8_corrections(packed.q)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes one call streams: the int8 rows, their scales and their corrections."""
+        return sum(t.numel() * t.element_size() for t in (self.vnni, self.d, self.c8))
+
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1]).float().contiguous()
         return smallm_kernel().linear_q8_int8(flat, self.vnni, self.d, self.c8, self.n).reshape(*hidden.shape[:-1], self.n)

@@ -229,6 +229,11 @@ class LogitHead:
         return out
 
     @property
+    def nbytes(self) -> int:
+        """Bytes one call of the product streams (``LMHead.nbytes`` / ``Int8Head.nbytes``)."""
+        return self._product.nbytes
+
+    @property
     def precision(self) -> str:
         """``int8`` when the product runs on int8 activations (``on_int8``), else ``exact``."""
         return "exact" if isinstance(self._product, LMHead) else "int8"

@@ -68,9 +68,7 @@ def weight_footprint(decoder) -> tuple[float, float]:
         params += lin.weight.numel()
         packed = lin._bp_packed.get() if type(lin) is PackedLinear else None
         total_bytes += getattr(packed, "nbytes", lin.weight.numel() * lin.weight.element_size())
-    head = decoder.head  # a LogitHead: its product is an LMHead (a packed copy on packed backends)
-    product = getattr(head, "_product", None)
-    packed = product._packed.get() if getattr(product, "_packed", None) is not None else None
+    head = decoder.head  # a LogitHead: its product an LMHead (a packed copy on packed backends) or an int8 head
     params += head.weight.numel()
-    total_bytes += getattr(packed, "nbytes", head.weight.numel() * head.weight.element_size())
+    total_bytes += head.nbytes
     return total_bytes, params
