@@ -224,7 +224,7 @@ class LogitHead:
         packed = self._product.packed() if isinstance(self._product, LMHead) else None
         if packed is None or packed.fmt != "q8":
             return self
-        out = dataclasses.replace(self)
+        out = self.with_backend(self.backend)  # a copy: this head keeps its exact product
         out._product = Int8Head(packed)
         return out
 
