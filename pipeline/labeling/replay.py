@@ -354,12 +354,11 @@ def _drafts_match(h: torch.Tensor, positions: list[int], trace: Trace, y: torch.
     targets = y[torch.tensor(positions, device=y.device) - trace.prompt_tokens]
     confidence = []
     if record_confidence:
-        p = draft_confidence(logits, columns, trace.sampler.temperature)
         top = scores.topk(max(1, min(int(top_k), scores.shape[-1])), dim=-1).indices  # as sampler.top_columns
-        top_p = draft_confidence(logits, top, trace.sampler.temperature)
+        probs = draft_confidence(logits, torch.cat([columns[:, None], top], dim=1), trace.sampler.temperature)
         hit = (draft_vocab[top] if draft_vocab is not None else top) == targets[:, None]
         rank = torch.where(hit.any(dim=1), hit.long().argmax(dim=1), torch.full_like(hit[:, 0], -1, dtype=torch.long))
-        confidence = list(zip(p.tolist(), top_p.tolist(), rank.tolist()))
+        confidence = list(zip(probs[:, 0].tolist(), probs[:, 1:].tolist(), rank.tolist()))
     return (proposed == targets).tolist(), (top2_gap(scores) if record_gaps else []), confidence
 
 

@@ -7,8 +7,8 @@ its probability of each (``SpeculativeDecoder.draft_candidates``). ``TreeSchedul
    this candidate, given that its parent was accepted) with the drafts' calibration (``pipeline.policy.calibration``:
    for a first choice, the drafter's probability and the position's column, the model the chain's verify width reads;
    for a lower rank, its rank's model when the calibration has one (its probability and the first choice's there),
-   never above a better rank's), capped so that one
-   position's candidates share at most probability 1 (``pipeline.decoding.trees.depth_exclusive``);
+   never above a better rank's), capped so that one position's candidates share at most probability 1
+   (``pipeline.decoding.trees.depth_exclusive``);
 2. grows the best-first tree of up to ``max_nodes`` nodes (``pipeline.decoding.trees.grow``): its first n nodes are
    the n-node subtree with the most expected accepted tokens, ``1 + sum of their path acceptances``;
 3. keeps the n that maximises expected tokens per ms, ``(1 + sum_{i<=n} v_i) / (draft_ms(B) + verify_ms(n + 1))`` on the
