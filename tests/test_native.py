@@ -279,6 +279,34 @@ def test_the_int8_head_is_the_integer_product_of_its_quantized_rows_and_each_row
         Int8Head(pack_smallm(torch.randn(32, 64), ()))
 
 
+@needs_vnni
+def test_a_drafters_weights_round_to_q8_by_gguf_rule_and_its_int8_head_multiplies_them():
+    """``q8_quantize`` (the drafter's int8 products): per row and group of 32, d = absmax / 127 and q = round(w / d), so
+    the weight it stands for is within d / 2 of each value and a group's largest value is +-127 d; a weight already
+    of Q8_0's form comes back as its own values. ``Int8Head.quantized`` multiplies those rows (the int8 head above)."""
+    from pipeline.models.native import q8_quantize
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(70, 96, generator=g).bfloat16().float()  # a bf16 drafter's weight; 70 rows: a partial panel
+    w[3, :32] = 0  # an all-zero group: d = 0, q = 0
+    packed = q8_quantize(w)
+    dense = packed.dense()
+    d = w.view(70, 3, 32).abs().amax(-1) / 127
+    assert packed.fmt == "q8" and packed.nbytes == 80 * 96 + 80 * 3 * 4  # a byte a weight, a float32 d a group (5 panels)
+    assert bool(((dense - w).abs().view(70, 3, 32) <= d[..., None] / 2 * (1 + 1e-5)).all())
+    assert torch.equal(dense[3, :32], torch.zeros(32))
+    assert torch.equal(dense.view(70, 3, 32).abs().amax(-1), 127 * d)
+    q = torch.randint(-127, 128, (70, 3, 32), generator=g).float()
+    q[..., 0] = 127
+    scales = 2.0 ** -torch.randint(4, 10, (70, 3, 1), generator=g).float()  # powers of two: absmax / 127 = d exactly
+    exact = (q * scales).view(70, 96)
+    assert torch.equal(q8_quantize(exact).dense(), exact)
+    x = torch.randn(5, 96, generator=g)
+    assert torch.equal(Int8Head.quantized(w)(x), Int8Head(packed)(x))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        q8_quantize(torch.randn(4, 40))
+
+
 def test_int8_precision_is_refused_off_the_native_stack(tiny):
     with pytest.raises(ValueError, match="model.precision"):
         SpeculativeDecoder(tiny.target("llama"), None, backend="eager", precision="int8")
@@ -307,12 +335,41 @@ def _bf16_reference(drafter):
     return ref
 
 
+def _int8_reference(drafter):
+    """A copy of ``drafter`` on plain PyTorch whose every linear computes x' @ W'.T in float32, W' its weight rounded
+    to q8 (``q8_quantize``) and x' its input rounded to int8 per row and group of 32 (round(x * 127 / max|x|), scaled
+    back): what ``model.draft_precision=int8`` computes, summed in PyTorch's order."""
+    import copy
+
+    from torch import nn
+
+    from pipeline.models.native import q8_quantize
+
+    def rounded(x):
+        groups = x.reshape(*x.shape[:-1], -1, 32)
+        amax = groups.abs().amax(-1, keepdim=True)
+        scale = torch.where(amax > 0, 127.0 / amax, 0.0)
+        return (torch.round(groups * scale) * (amax / 127.0)).reshape(x.shape)
+
+    ref = copy.deepcopy(drafter)
+    set_backend(ref, "eager")
+    with torch.no_grad():
+        for module in ref.modules():
+            if isinstance(module, nn.Linear):
+                packed = q8_quantize(module.weight.float())
+                module.weight.copy_((packed.q.float() * packed.d.repeat_interleave(32, 1)).transpose(1, 2)
+                                    .reshape(-1, module.weight.shape[1])[: module.weight.shape[0]])
+                module.register_forward_pre_hook(lambda _, args: (rounded(args[0]),))
+    return ref
+
+
 @needs_smallm
-@pytest.mark.parametrize("precision", ["exact", pytest.param("bf16", marks=needs_bf16)])
+@pytest.mark.parametrize("precision", ["exact", pytest.param("bf16", marks=needs_bf16),
+                                       pytest.param("int8", marks=needs_vnni)])
 def test_native_draft_matches_the_drafters_own_forward(tiny, arch, precision):
     """The drafter's forward as one ``DraftStack`` call: its block states and the context keys/values it leaves in the
-    (preallocated) draft cache match ``DFlashDraftModel.forward`` on the same kernel to rounding; on bf16 products,
-    the drafter's own forward with every linear on bf16 inputs and weights (PyTorch's products)."""
+    (preallocated) draft cache match ``DFlashDraftModel.forward`` on the same kernel to rounding; on bf16 / int8
+    products, the drafter's own forward with every linear on rounded inputs and weights (PyTorch's products)."""
     from transformers import DynamicCache
 
     from pipeline.models.cache import PreallocatedCache
@@ -324,8 +381,9 @@ def test_native_draft_matches_the_drafters_own_forward(tiny, arch, precision):
         fast = dec.fast_draft
         assert fast is not None and fast.native_stack() is not None
         assert isinstance(dec.new_draft_cache(), PreallocatedCache)
-        reference = _bf16_reference(drafter) if precision == "bf16" else drafter
-        tolerance = 2e-2 if precision == "bf16" else 1e-4  # bf16: an activation near a rounding boundary may round apart
+        reference = {"bf16": _bf16_reference, "int8": _int8_reference}.get(precision, lambda d: d)(drafter)
+        # bf16 / int8: an activation near a rounding boundary may round apart
+        tolerance = {"bf16": 2e-2, "int8": 3e-2}.get(precision, 1e-4)
         g = torch.Generator().manual_seed(4)
         n_features = drafter.fc.weight.shape[1]
         for context, width in ((9, 4), (2, 8), (40, 3)):  # a first draft over a long prompt's features, then steps
@@ -336,7 +394,7 @@ def test_native_draft_matches_the_drafters_own_forward(tiny, arch, precision):
                 native_cache, own_cache = PreallocatedCache(), DynamicCache()
                 got = fast(dec.embed(block), features, positions, cache=native_cache)
                 want = reference(dec.embed(block), features, positions, cache=own_cache,
-                                 fused=None if precision == "bf16" else fast.products())
+                                 fused=None if precision != "exact" else fast.products())
             torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
             for mine, theirs in zip(native_cache.layers, own_cache.layers):
                 torch.testing.assert_close(mine.keys, theirs.keys, rtol=tolerance, atol=tolerance)
@@ -370,9 +428,10 @@ def test_bf16_products_match_rounded_inputs_and_each_row_is_the_same_bits_alone(
 
 
 @needs_smallm
-@pytest.mark.parametrize("precision", ["exact", pytest.param("bf16", marks=needs_bf16)])
-def test_every_block_size_is_lossless_on_either_draft_precision(tiny, precision):
-    """Drafts only propose: on exact or bf16 draft products every B decodes the autoregressive text."""
+@pytest.mark.parametrize("precision", ["exact", pytest.param("bf16", marks=needs_bf16),
+                                       pytest.param("int8", marks=needs_vnni)])
+def test_every_block_size_is_lossless_on_every_draft_precision(tiny, precision):
+    """Drafts only propose: on exact, bf16 or int8 draft products every B decodes the autoregressive text."""
     target, drafter = tiny.target("llama"), tiny.drafter("llama", "trained")
     dec = SpeculativeDecoder(target, drafter, backend="smallm", draft_precision=precision)
     try:
@@ -391,13 +450,18 @@ def test_draft_precision_names_the_fix_when_it_cannot_run(tiny, monkeypatch):
     from pipeline.models import native
 
     assert native.resolve_draft_precision("exact") == "exact"
-    assert native.resolve_draft_precision("auto") == ("bf16" if native.bf16_dot_available() else "exact")
+    assert native.resolve_draft_precision("auto") == ("int8" if native.int8_dot_available() else "bf16"
+                                                      if native.bf16_dot_available() else "exact")
     with pytest.raises(ValueError, match="must be one of"):
         native.resolve_draft_precision("fp8")
     if native.bf16_dot_available():  # off the native draft forward, an explicit bf16 is refused
         with pytest.raises(ValueError, match="draft_precision=bf16 runs on the native draft"):
             SpeculativeDecoder(tiny.target("llama"), tiny.drafter("llama", "random"), backend="eager",
                                draft_precision="bf16")
+    monkeypatch.setattr(native, "int8_dot_available", lambda: False)
+    assert native.resolve_draft_precision("auto") == ("bf16" if native.bf16_dot_available() else "exact")
+    with pytest.raises(ValueError, match="AVX-512 VNNI.*use model.draft_precision=auto or exact"):
+        native.resolve_draft_precision("int8")
     monkeypatch.setattr(native, "bf16_dot_available", lambda: False)
     assert native.resolve_draft_precision("auto") == "exact"
     with pytest.raises(ValueError, match="AVX-512 BF16.*use model.draft_precision=auto or exact"):

@@ -23,7 +23,7 @@ from pipeline.models.cache import compact, crop_to, resolve_kv_cache
 from pipeline.models.clock import now
 from pipeline.models.drafter import DFlashDrafter, check_compatible
 from pipeline.models.fast_forward import fast_draft_for, fast_forward_for
-from pipeline.models.native import Bf16Head, check_precision, resolve_draft_precision
+from pipeline.models.native import Bf16Head, Int8Head, check_precision, resolve_draft_precision
 from pipeline.models.target import Target, logit_head, new_cache
 
 
@@ -53,12 +53,14 @@ class SpeculativeDecoder:
             The same setting puts the drafter's draft forward on ``FastDraft`` (``self.fast_draft``, or None).
         precision: ``exact`` (every product on the weights' exact float32 values; the reference) or ``int8`` (the native
             stack's 4-bit products on activations quantized to int8 per group of 32, AVX-512 VNNI, prefills included;
-            the LM head stays exact). Every method of one decoder runs on the same one, so
+            the q8 LM head on int8 products too). Every method of one decoder runs on the same one, so
             speculation stays lossless against that decoder's own autoregressive text.
         draft_precision: the drafter's products on its native forward (``pipeline.models.native.resolve_draft_precision``):
-            ``auto`` (``bf16`` where the CPU has AVX-512 BF16, else ``exact``), ``exact`` or ``bf16`` (bf16 weights, the
-            drafter's stored form, times activations rounded to bf16: half the bytes and twice the multiply rate). It
-            changes which drafts are proposed, never the output; kept resolved in ``self.draft_precision``.
+            ``auto`` (``int8`` where the CPU has AVX-512 VNNI, else ``bf16`` where it has AVX-512 BF16, else ``exact``),
+            ``exact``, ``bf16`` (bf16 weights, the drafter's stored form, times activations rounded to bf16: half the
+            bytes and twice the multiply rate) or ``int8`` (weights rounded to q8 per group of 32, activations to int8,
+            VNNI; the draft head too). It changes which drafts are proposed, never the output; kept resolved in
+            ``self.draft_precision``.
         prefill_chunk: the most prompt tokens one prefill forward takes (None or 0: the whole prompt in one forward);
             a longer prompt is prefilled chunk by chunk over its growing cache (``prefill_steps``), so that a batching
             server can run the other requests' steps between two chunks. The chunks are a function of the prompt
@@ -113,6 +115,7 @@ class SpeculativeDecoder:
             self.fast_draft = fast_draft_for(drafter, fast_forward, self.backend)
         self.drafter_head = None if drafter is None else (
             Bf16Head(self.draft_head) if self.draft_precision == "bf16"
+            else Int8Head.quantized(self.draft_head) if self.draft_precision == "int8"
             else LMHead(self.draft_head, self.backend, float32=True))
         self.max_context = int(getattr(target.model.config, "max_position_embeddings", 1 << 30))
         self.stop_ids = set(target.stop_token_ids())

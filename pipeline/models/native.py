@@ -10,14 +10,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeline.models.backend import _FORMAT_CODE, EXACT_FORMATS, SmallmWeight, pack_smallm
+from pipeline.models.backend import _FORMAT_CODE, _GROUP, EXACT_FORMATS, SmallmWeight, _panels, pack_smallm
 from pipeline.models.cache import reserve_rows
 from pipeline.models.kernel import smallm_kernel
 
 PRECISIONS = ("exact", "int8")
-DRAFT_PRECISIONS = ("auto", "exact", "bf16")  # model.draft_precision
+DRAFT_PRECISIONS = ("auto", "exact", "bf16", "int8")  # model.draft_precision
 _Q4_INT8 = 4  # kernels/smallm.cpp's kQ4Int8: q4 weights in the VNNI layout times int8 activations
 _BF16_DOT = 5  # kernels/smallm.cpp's kBF16Dot: bf16 weights in pairs times bf16 activations (VDPBF16PS)
+_Q8_INT8 = 6  # kernels/smallm.cpp's kQ8Int8: q8 weights in the VNNI layout times int8 activations (VPDPBUSD)
 _ALL_ROWS = 1 << 30  # a spec's exact_rows where no float32 panels are kept beside it
 
 
@@ -41,21 +42,34 @@ def bf16_dot_available() -> bool:
     return cpu_isa() == "avx512" and "avx512_bf16" in cpu_flags()
 
 
+def int8_dot_available() -> bool:
+    """Whether this CPU runs int8 products (``model.precision=int8``, ``model.draft_precision=int8``): the kernel's
+    AVX-512 build and AVX-512 VNNI."""
+    from pipeline.models.kernel import cpu_flags, cpu_isa
+
+    return cpu_isa() == "avx512" and "avx512_vnni" in cpu_flags()
+
+
 def resolve_draft_precision(setting: str | None) -> str:
-    """``model.draft_precision`` -> ``exact`` or ``bf16``: ``auto`` (None) is ``bf16`` where the CPU has AVX-512 BF16
-    (``bf16_dot_available``), else ``exact``. The drafter only proposes tokens the target verifies, so its precision
-    changes how many drafts are accepted, never the output.
+    """``model.draft_precision`` -> ``exact``, ``bf16`` or ``int8``: ``auto`` (None) is ``int8`` where the CPU has
+    AVX-512 VNNI (``int8_dot_available``), else ``bf16`` where it has AVX-512 BF16 (``bf16_dot_available``), else
+    ``exact``. The drafter only proposes tokens the target verifies, so its precision changes how many drafts are
+    accepted, never the output (int8 drafts were accepted as often as bf16 ones: docs/results.md, 2026-12-05).
 
     Raises:
-        ValueError: for another name, or ``bf16`` on a CPU without AVX-512 BF16 (names the fix).
+        ValueError: for another name, ``bf16`` on a CPU without AVX-512 BF16 or ``int8`` on one without AVX-512 VNNI
+            (names the fix).
     """
     setting = "auto" if setting is None else str(setting)
     if setting not in DRAFT_PRECISIONS:
         raise ValueError(f"model.draft_precision must be one of {list(DRAFT_PRECISIONS)}, got {setting!r}")
     if setting == "auto":
-        return "bf16" if bf16_dot_available() else "exact"
+        return "int8" if int8_dot_available() else "bf16" if bf16_dot_available() else "exact"
     if setting == "bf16" and not bf16_dot_available():
         raise ValueError("model.draft_precision=bf16 needs a CPU with AVX-512 BF16 (and the kernel's avx512 build); "
+                         "use model.draft_precision=auto or exact")
+    if setting == "int8" and not int8_dot_available():
+        raise ValueError("model.draft_precision=int8 needs a CPU with AVX-512 VNNI (and the kernel's avx512 build); "
                          "use model.draft_precision=auto or exact")
     return setting
 
@@ -65,6 +79,19 @@ def _bf16_spec(weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple:
     empty = torch.empty(0)
     return (_BF16_DOT, bf16_pairs(weight), empty, empty, empty, weight.shape[0], _ALL_ROWS,
             None if bias is None else bias.detach().float())
+
+
+def q8_quantize(w: torch.Tensor) -> SmallmWeight:
+    """``w`` [N, K] (K a multiple of 32) rounded to q8 by GGUF Q8_0's rule, per row and group of 32: ``d = absmax /
+    127``, ``q = round(w / d)`` (d kept in float32): a lossy q8 ``SmallmWeight`` (the drafter's int8 products; its
+    weights are not of that form)."""
+    n, k = w.shape
+    if k % _GROUP:
+        raise ValueError(f"q8 needs an input width that is a multiple of {_GROUP}, got {k}")
+    blocks = w.detach().float().view(n, k // _GROUP, _GROUP)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, torch.round(blocks / torch.where(d > 0, d, 1.0)), 0.0).clamp_(-127, 127)
+    return SmallmWeight("q8", _panels(q.view(n, k).to(torch.int8)), _panels(d.view(n, -1)), torch.empty(0), n)
 
 
 class Bf16Head:
@@ -82,9 +109,10 @@ class Bf16Head:
 
 
 class Int8Head:
-    """The target's LM head on int8 products (``model.precision=int8``): its q8 rows (GGUF Q8_0, ``w = d q``) times the
-    final states quantized to int8 per row and group of 32, as the q4 products of that precision quantize theirs
-    (``linear_q8_int8``, AVX-512 VNNI); each row's logits a fixed computation of its own row.
+    """An LM head on int8 products: q8 rows (GGUF Q8_0, ``w = d q``) times the final states quantized to int8 per row
+    and group of 32, as the q4 products of ``model.precision=int8`` quantize theirs (``linear_q8_int8``, AVX-512 VNNI);
+    each row's logits a fixed computation of its own row. The target's head on ``model.precision=int8`` (its own q8
+    rows), the drafter's on ``model.draft_precision=int8`` (``quantized``: its rows rounded to q8).
 
     Raises:
         ValueError: for a head whose packed weight is not q8.
@@ -98,6 +126,11 @@ class Int8Head:
         self.vnni = q8_vnni_layout(packed.q)
         self.d = packed.d.contiguous()
         self.c8 = q8_corrections(packed.q)
+
+    @classmethod
+    def quantized(cls, weight: torch.Tensor) -> "Int8Head":
+        """The head of ``weight`` [N, H] rounded to q8 (``q8_quantize``)."""
+        return cls(q8_quantize(weight))
 
     @property
     def nbytes(self) -> int:
@@ -143,10 +176,22 @@ def _spec(weight: SmallmWeight, bias: torch.Tensor | None = None, precision: str
             weight.exact_rows, bias)
 
 
-def _layer_specs(layer: nn.Module, formats, precision: str = "exact") -> tuple:
+def _q8_int8_spec(weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple:
+    """A weight as the native stack takes it for the drafter's int8 products (``kQ8Int8``): rounded to q8
+    (``q8_quantize``), in the VNNI layout with its corrections."""
+    packed = q8_quantize(weight)
+    return (_Q8_INT8, q8_vnni_layout(packed.q), packed.d, q8_corrections(packed.q), torch.empty(0), packed.n, _ALL_ROWS,
+            None if bias is None else bias.detach().float())
+
+
+_DRAFT_SPECS = {"bf16": _bf16_spec, "int8": _q8_int8_spec}  # the drafter's products per model.draft_precision
+
+
+def _layer_specs(layer: nn.Module, formats, precision: str = "exact", draft: bool = False) -> tuple:
     """A pre-norm layer (a target's decoder layer or a DFlash draft layer) as ``Stack.add_layer`` / ``DraftStack.add_layer``
     take it: the fused q/k/v (with its biases) and gate/up products packed once, o and down as their ``PackedLinear``
-    already holds them, the norms' weights (q/k norms where the family has them, else None)."""
+    already holds them, the norms' weights (q/k norms where the family has them, else None). A draft layer
+    (``draft``) on ``bf16`` or ``int8`` takes every product in that form (``_DRAFT_SPECS``)."""
     attn, mlp = layer.self_attn, layer.mlp
     qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
     biases = [lin.bias for lin in qkv]
@@ -155,11 +200,11 @@ def _layer_specs(layer: nn.Module, formats, precision: str = "exact") -> tuple:
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     norms = (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
              None if q_norm is None else q_norm.weight.detach(), None if k_norm is None else k_norm.weight.detach())
-    if precision == "bf16":  # the drafter's bf16 products (model.draft_precision)
-        return (_bf16_spec(torch.cat([lin.weight.detach() for lin in qkv]), bias),
-                _bf16_spec(attn.o_proj.weight, attn.o_proj.bias),
-                _bf16_spec(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])),
-                _bf16_spec(mlp.down_proj.weight, mlp.down_proj.bias), *norms)
+    if draft and precision in _DRAFT_SPECS:  # the drafter's reduced-precision products (model.draft_precision)
+        spec = _DRAFT_SPECS[precision]
+        return (spec(torch.cat([lin.weight.detach() for lin in qkv]), bias), spec(attn.o_proj.weight, attn.o_proj.bias),
+                spec(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()])),
+                spec(mlp.down_proj.weight, mlp.down_proj.bias), *norms)
     return (_spec(pack_smallm(torch.cat([lin.weight.detach() for lin in qkv]), formats), bias, precision),
             _spec(attn.o_proj._bp_packed.get(), attn.o_proj.bias, precision),
             _spec(pack_smallm(torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]), formats), None,
@@ -170,11 +215,11 @@ def _layer_specs(layer: nn.Module, formats, precision: str = "exact") -> tuple:
 def check_precision(precision: str) -> None:
     """Raise ``ValueError`` unless ``precision`` (``model.precision``) can run here: ``exact`` anywhere; ``int8`` needs
     the kernel's AVX-512 build on a CPU with AVX-512 VNNI."""
-    from pipeline.models.kernel import cpu_flags, cpu_isa
+    from pipeline.models.kernel import cpu_isa
 
     if precision not in PRECISIONS:
         raise ValueError(f"model.precision must be one of {list(PRECISIONS)}, got {precision!r}")
-    if precision == "int8" and (cpu_isa() != "avx512" or "avx512_vnni" not in cpu_flags()):
+    if precision == "int8" and not int8_dot_available():
         raise ValueError("model.precision=int8 needs a CPU with AVX-512 VNNI (and the kernel's avx512 build); this one "
                          f"runs {cpu_isa()} without it: use model.precision=exact")
 
@@ -247,16 +292,18 @@ class NativeStack:
 
 def build_draft_stack(drafter: nn.Module, kind: str, precision: str = "exact"):
     """The ``DraftStack`` of a DFlash drafter on smallm backend ``kind`` (its fc, norms and layers packed once);
-    ``precision`` ``bf16``: every product on bf16 weights and activations (``resolve_draft_precision``)."""
+    ``precision`` ``bf16`` / ``int8``: every product on bf16 weights and activations, or on q8 weights and int8
+    activations (``resolve_draft_precision``)."""
     d = drafter
     formats = () if kind == "smallm_f32" else EXACT_FORMATS
     attn0, mlp0 = d.layers[0].self_attn, d.layers[0].mlp
     with torch.no_grad():
-        fc = _bf16_spec(d.fc.weight) if precision == "bf16" else _spec(pack_smallm(d.fc.weight.detach(), formats))
+        fc = (_DRAFT_SPECS[precision](d.fc.weight) if precision in _DRAFT_SPECS
+              else _spec(pack_smallm(d.fc.weight.detach(), formats)))
         stack = smallm_kernel().DraftStack(
             d.config.hidden_size, attn0.num_heads, attn0.num_kv_heads, attn0.head_dim, mlp0.gate_proj.weight.shape[0],
             float(d.norm.variance_epsilon), float(attn0.head_dim ** -0.5), fc,
             d.fc.weight.shape[1], d.hidden_norm.weight.detach(), d.norm.weight.detach())
         for layer in d.layers:
-            stack.add_layer(*_layer_specs(layer, formats, precision))
+            stack.add_layer(*_layer_specs(layer, formats, precision, draft=True))
     return stack

@@ -1130,6 +1130,7 @@ struct Lin {
 // form (the same bits).
 constexpr int64_t kQ4Int8 = 4;  // q4 weights in the VNNI layout, int8 activations (model.precision=int8)
 constexpr int64_t kBF16Dot = 5;  // bf16 weights in pairs, bf16 activations (the drafter's model.draft_precision=bf16)
+constexpr int64_t kQ8Int8 = 6;  // q8 weights in the VNNI layout (m: their corrections c8), int8 activations (int8 drafts)
 
 void apply(const Lin& w, const float* x, int64_t M, float* y) {
   if (w.fmt == kBF16Dot) {
@@ -1137,6 +1138,12 @@ void apply(const Lin& w, const float* x, int64_t M, float* y) {
     matmul_bf16(static_cast<const uint16_t*>(w.q.data_ptr()), w.P, w.K, x, M, y, w.n);
 #else
     TORCH_CHECK(false, "bf16 products need the AVX-512 build of the kernel");
+#endif
+  } else if (w.fmt == kQ8Int8) {
+#ifdef __AVX512F__
+    matmul_q8_int8(w.q.data_ptr<int8_t>(), w.d.data_ptr<float>(), w.m.data_ptr<int32_t>(), w.P, w.K, x, M, y, w.n);
+#else
+    TORCH_CHECK(false, "int8 products need the AVX-512 build of the kernel");
 #endif
   } else if (w.fmt == kQ4Int8) {
 #ifdef __AVX512F__
@@ -1218,9 +1225,12 @@ Lin to_lin(const std::tuple<int64_t, torch::Tensor, torch::Tensor, torch::Tensor
   if (std::get<7>(t).has_value() && std::get<7>(t)->defined()) w.bias = std::get<7>(t)->contiguous().to(torch::kFloat32);
   w.P = w.q.size(0);
   w.K = K;
-  TORCH_CHECK(w.fmt == 0 || w.fmt == kBF16 || w.fmt == kQ8 || w.fmt == kQ4 || w.fmt == kQ4Int8 || w.fmt == kBF16Dot,
-              "Stack: unknown weight format ", w.fmt);
-  TORCH_CHECK(w.fmt == kQ4Int8 ? w.q.numel() == w.P * (K / kGroup) * 256
+  TORCH_CHECK(w.fmt == 0 || w.fmt == kBF16 || w.fmt == kQ8 || w.fmt == kQ4 || w.fmt == kQ4Int8 || w.fmt == kBF16Dot ||
+              w.fmt == kQ8Int8, "Stack: unknown weight format ", w.fmt);
+  TORCH_CHECK(w.fmt == kQ8Int8 ? (K % kGroup == 0 && w.q.numel() == w.P * (K / kGroup) * 512 &&
+                                  w.d.numel() == w.q.numel() / 32 && w.m.numel() == w.d.numel() &&
+                                  w.q.scalar_type() == torch::kInt8 && w.m.scalar_type() == torch::kInt32)
+              : w.fmt == kQ4Int8 ? w.q.numel() == w.P * (K / kGroup) * 256
               : w.fmt == kBF16Dot ? (w.q.dim() == 3 && w.q.size(1) * 2 == K && w.q.size(2) == 32) : w.q.size(1) == K,
               "Stack: a weight's K does not match its input");
   TORCH_CHECK(w.P * kPanel >= w.n, "Stack: a weight has fewer panels than columns");
