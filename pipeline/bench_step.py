@@ -80,7 +80,9 @@ def bench_step(cfg: DictConfig) -> dict:
         for name in names:
             decoder = SpeculativeDecoder(target, drafter, backend=name, kv_cache=kind,
                                          fast_forward=cfg.model.get("fast_forward", "auto"),
-                                         precision=cfg.model.get("precision", "exact") if name == "smallm" else "exact")
+                                         precision=cfg.model.get("precision", "exact") if name == "smallm" else "exact",
+                                         draft_precision=cfg.model.get("draft_precision", "auto") if name == "smallm"
+                                         else "auto")
             by_context = {}
             for length in cfg.contexts:
                 log.info("bench_step: backend %s, kv cache %s, context %d", name, decoder.kv_cache, int(length))

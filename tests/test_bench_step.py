@@ -19,7 +19,7 @@ def test_bench_step_cli_writes_the_documented_keys(tiny, tmp_path):
     cmd = [sys.executable, "-m", "pipeline.bench_step", f"model.target={tiny.target_dir('llama')}",
            f"model.drafter={tiny.drafter_dir('llama', 'trained')}", "contexts=[16,40]", "widths=[1,2,8]",
            "block_sizes=[2,8]", "repeats=2", "warmup=1", "num_threads=1", "'backends=[auto,eager]'",
-           "'kv_caches=[dynamic,preallocated]'",
+           "'kv_caches=[dynamic,preallocated]'", "model.draft_precision=exact",
            f"out={out}", f"hydra.run.dir={tmp_path / 'run'}"]
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
     result = subprocess.run(" ".join(cmd), shell=True, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True,
@@ -32,6 +32,7 @@ def test_bench_step_cli_writes_the_documented_keys(tiny, tmp_path):
     for name, fig in data["by_backend"].items():  # the forward path that ran, and whether it is batch-invariant
         assert fig["forward_path"]["backend"].split(":")[0] == name
         assert fig["forward_path"]["batch_invariant"] is batch_invariant(name)
+        assert fig["forward_path"]["draft_precision"] == "exact"  # the model's draft_precision, not auto's choice
     assert data["kv_cache"] == "dynamic" and set(data["by_kv_cache"]) == {"dynamic", "preallocated"}
     assert data["by_kv_cache"]["dynamic"] == data["by_backend"]  # by_backend: the first KV cache's
     assert all(set(per) == {auto, "eager"} for per in data["by_kv_cache"].values())
