@@ -12,7 +12,7 @@ For the configured target and drafter, at each context length L, the least of ``
   the q rows (a verify of width q-1), q in ``widths``;
 - ``drafter_ms[B]``: one drafter forward over a block of B (``pending_features`` new context features)
   with its head over the B-1 draft rows and sampling;
-- ``step_ms[B]``: one full draft+verify step at B, exactly ``SpeculativeDecoder.step``;
+- ``step_ms[B]``: one full draft+verify step at B, exactly the one decode step's (``pipeline.decoding.step.chain_step``);
 - ``step_over_ar[B]`` = step_ms[B] / ar_ms.
 
 Each backend (``pipeline.models.backend``) is measured on the same loaded weights, one after the other,

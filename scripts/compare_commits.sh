@@ -2,7 +2,7 @@
 # Old commit and new in one run: bench_step, the HumanEval eval and bench_batch on OLD (a git worktree) and on this
 # checkout, back to back, with this checkout's .venv. Run it alone on the machine; figures land in OUT.
 #   [OUT=data/bench/compare] [EXTRA="model.precision=int8"] bash scripts/compare_commits.sh e37a086
-# EXTRA: overrides for an extra run of this checkout (e.g. model.precision=int8), after the exact one.
+# EXTRA: overrides for an extra run of both commits (e.g. model.precision=int8), after the exact ones.
 set -euo pipefail
 old="${1:?usage: scripts/compare_commits.sh OLD_COMMIT}"
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,8 +16,8 @@ mkdir -p "$out"
 [ -d "$tree" ] || git -C "$here" worktree add --detach "$tree" "$old"
 date -u; grep -m1 'model name' /proc/cpuinfo; grep -o -w 'avx512f\|avx512_vnni\|avx2' /proc/cpuinfo | sort -u | tr '\n' ' '; echo
 runs=("old:$tree:" "new:$here:")
-ext_of() { if [ "$1" = old ]; then echo "TORCH_EXTENSIONS_DIR=$old_ext"; fi; }
-[ -n "${EXTRA:-}" ] && runs+=("new-extra:$here:$EXTRA")
+ext_of() { if [[ "$1" == old* ]]; then echo "TORCH_EXTENSIONS_DIR=$old_ext"; fi; }
+[ -n "${EXTRA:-}" ] && runs+=("old-extra:$tree:$EXTRA" "new-extra:$here:$EXTRA")
 for run in "${runs[@]}"; do
   IFS=: read -r name dir extra <<<"$run"
   (cd "$dir" && env $(ext_of "$name") $py -m pipeline.bench_step 'contexts=[128,512]' 'backends=[auto]' $extra out="$out/step-$name.json")

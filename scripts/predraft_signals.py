@@ -24,7 +24,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from pipeline import PROJECT_ROOT
-from pipeline.decoding.sampling import PositionKeyedSampler
+from pipeline.decoding.sampling import PositionKeyedSampler, draft_confidence
+from pipeline.decoding.step import draft, verify
+from pipeline.decoding.trees import DraftTree
 from pipeline.decoding.requests import DecodeConfig
 from pipeline.decoding.build import build_decoder
 from pipeline.prompts import chat_input_ids, load_prompt_set
@@ -52,15 +54,16 @@ def main() -> None:
     with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="evaluate")
     decoder = build_decoder(cfg.model)
-    verifies = []  # the logits [q, V] of every target forward, seen through the decoder's own step
-    target_forward = decoder.target_forward
+    verifies = []  # the logits [q, V] of every verify, seen through the decoder's own step
+    forward = decoder.forward
+    target = forward.target
 
-    def recording_forward(*args, **kwargs):
-        logits, features = target_forward(*args, **kwargs)
-        verifies.append(logits)
-        return logits, features
+    def recording_target(*args, **kwargs):
+        outs = target(*args, **kwargs)
+        verifies.append(outs[0][0])
+        return outs
 
-    decoder.target_forward = recording_forward
+    forward.target = recording_target
     config = DecodeConfig(args.max_new_tokens)
     rows = []  # (target p of pending, previous accepted, drafter p of draft 1, accepted)
     for name in SETS:
@@ -76,8 +79,13 @@ def main() -> None:
                 b = min(args.block_size, args.max_new_tokens - produced + 1)
                 if b < 2:
                     break
-                new, accepted = decoder.step(state, b, sampler, lambda confidence, start: len(confidence))  # verify all
-                rows.append((target_p, previous, float(state.last_confidence[0]), accepted))
+                logits = draft(forward, [state], [b])[0]
+                columns = sampler.pick_columns(logits, state.start + 1, decoder.draft_vocab)
+                first_p = float(draft_confidence(logits, columns, 0.0)[0])
+                tokens = columns if decoder.draft_vocab is None else decoder.draft_vocab[columns]
+                (new, path, _), = verify(forward, [state], [sampler], [DraftTree.chain(tokens.tolist())])  # verify all
+                accepted = len(path)
+                rows.append((target_p, previous, first_p, accepted))
                 target_p = float(torch.softmax(verifies[-1][accepted].float(), -1).max())  # p of the new pending token
                 previous = accepted
                 produced += len(new)

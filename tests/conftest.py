@@ -219,3 +219,17 @@ def pytest_runtest_makereport(item, call):
         if reason is not None:
             report.outcome = "skipped"
             report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: the smallm kernel is unavailable: {reason}")
+
+
+@pytest.fixture
+def restore_eager(tiny):
+    """Puts the tiny targets and drafters back on the eager backend after a test that moved them."""
+    from pipeline.models.backend import set_backend
+
+    yield
+    for arch in ("llama", "qwen3"):
+        set_backend(tiny.target(arch).model, "eager")
+        for kind in ("random", "trained"):
+            key = (arch, kind, None)
+            if key in tiny._drafters:
+                set_backend(tiny._drafters[key], "eager")

@@ -137,8 +137,8 @@ def measured_labels(directory: Path, decoder, prompt_sets: list[dict], candidate
 CANDIDATES = [2, 4, 8, 12, 16]  # the trained tiny drafter's training block size (8) included
 MAX_NEW_TOKENS = 24
 RUN = "tiny"
-ALL_METHODS = ["ar", "fixed", "best_fixed", "blockpilot", "full_vocab", "ema", "oracle", "verify_width", "hybrid", "tree", "hf_generate",
-               "hf_prompt_lookup"]
+ALL_METHODS = ["ar", "fixed", "best_fixed", "blockpilot", "full_vocab", "ema", "oracle", "verify_width", "hybrid", "tree", "mixed",
+               "hf_generate", "hf_prompt_lookup"]
 
 
 def tiny_overrides(run: dict) -> list[str]:

@@ -271,6 +271,7 @@ def test_packed_backends_are_lossless_for_every_block_size(tiny, backend, eager_
 def test_verify_width_is_lossless(trained_decoder):
     """``step(..., verify_width=k)``: the target checks only the first k drafts (0 = a plain step)."""
     from pipeline.decoding.sampling import PositionKeyedSampler
+    from pipeline.decoding.step import chain_step
 
     decoder, config = trained_decoder, DecodeConfig(max_new_tokens=30)
     ids = chat_input_ids(decoder.target.tokenizer, [PROMPTS[0]])
@@ -281,7 +282,7 @@ def test_verify_width_is_lossless(trained_decoder):
             state = decoder.new_state(decoder.prefill(ids, config), use_drafter=True)
             out = [state.pending]
             while len(out) < config.max_new_tokens:
-                new, accepted = decoder.step(state, B, sampler, verify_width=k)
+                new, accepted = chain_step(decoder, state, sampler, B, k)
                 assert len(new) == accepted + 1 <= min(k, B - 1) + 1
                 out.extend(new)
         assert out[: config.max_new_tokens] == reference, f"B={B}, k={k}"

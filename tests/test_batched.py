@@ -37,17 +37,6 @@ from pipeline.models.target import new_cache
 needs_smallm = pytest.mark.skipif(not smallm_available(), reason="the smallm kernel does not build on this CPU")
 
 
-@pytest.fixture
-def restore_eager(tiny):
-    yield
-    for arch in ("llama", "qwen3"):
-        set_backend(tiny.target(arch).model, "eager")
-        for kind in ("random", "trained"):
-            key = (arch, kind, None)
-            if key in tiny._drafters:
-                set_backend(tiny._drafters[key], "eager")
-
-
 def _exact_weight(fmt: str, n: int = 80, k: int = 64) -> torch.Tensor:
     """A weight whose values a smallm form ``fmt`` holds exactly (f32: any)."""
     g = torch.Generator().manual_seed(1)

@@ -17,6 +17,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 import pipeline.models.cache as cache_module
 from pipeline.decoding import DecodeConfig, SpeculativeDecoder
 from pipeline.decoding.sampling import PositionKeyedSampler
+from pipeline.decoding.step import chain_step
 from pipeline.models.cache import crop_to
 from pipeline.models.cache import PreallocatedCache, PreallocatedLayer, resolve_kv_cache
 from pipeline.models.target import load_target, new_cache
@@ -126,7 +127,7 @@ def test_preallocated_verify_width_is_lossless(trained_decoder, small_headroom):
             assert isinstance(state.cache, PreallocatedCache)
             out = [state.pending]
             while len(out) < config.max_new_tokens:
-                new, accepted = decoder.step(state, B, sampler, verify_width=k)
+                new, accepted = chain_step(decoder, state, sampler, B, k)
                 assert len(new) == accepted + 1 <= min(k, B - 1) + 1
                 assert state.cache.get_seq_length() == state.start  # cropped back to the accepted tokens
                 out.extend(new)

@@ -74,3 +74,30 @@ def test_shipped_drafter_is_lossless_on_humaneval(smollm2, compose_config):
         reference = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
                                    eos_token_id=sorted(decoder.stop_ids), pad_token_id=decoder.target.tokenizer.pad_token_id)
         assert ours == reference[0, ids.shape[1]:].tolist(), f"B=1 on smallm differs from generate on {prompt_id}"
+
+
+def test_a_request_that_copies_its_prompt_is_drafted_from_it(smollm2, compose_config):
+    """``mixed`` on the n-gram source alone (no drafter): a request that copies code from its prompt accepts >= 4
+    tokens a step over the copy, and its text is ``ar``'s."""
+    from pipeline.policy.mixed import MixedSchedule, SharedSources
+
+    decoder = build_decoder(compose_config("evaluate").model)
+    code = ("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n\n"
+            "def factorial(n):\n    result = 1\n    for i in range(2, n + 1):\n        result *= i\n    return result\n")
+    ids = chat_input_ids(decoder.target.tokenizer, [f"Copy this code exactly:\n\n{code}"])
+    config = DecodeConfig(max_new_tokens=48)
+    ar = decoder.generate(ids, 1, config).output_ids
+    costs = CostModel([64, 512], list(range(1, 17)), {q: [10.0 + 0.5 * q] * 2 for q in range(1, 17)},
+                      {q: [2.0, 2.0] for q in range(2, 17)}, [100.0, 400.0])
+    stats = decoder.generate(ids, MixedSchedule(None, costs, 1, SharedSources(0, 4), sources=("ngram",)), config)
+    assert stats.output_ids == ar
+    prompt = ids[0].tolist()
+    grams = {tuple(prompt[i: i + 4]) for i in range(len(prompt) - 3)}
+    copied = [i >= 3 and tuple(ar[i - 3: i + 1]) in grams for i in range(len(ar))]  # output token i copies the prompt
+    assert sum(copied) >= 20, decoder.target.tokenizer.decode(ar)  # the target does copy
+    at, over_copy = 1, []  # output index after each step (the first token came from the prefill)
+    for tau in stats.taus:
+        if all(copied[at: at + tau]):
+            over_copy.append(tau)
+        at += tau
+    assert len(over_copy) >= 2 and sum(over_copy) / len(over_copy) >= 4.0, (stats.taus, copied)

@@ -333,11 +333,26 @@ class SlowDecoder:
         self.prefills += 1
         yield from self._decoder.prefill_steps(*args, **kwargs)
 
-    def accept(self, *args, **kwargs):
-        self.started.set()
-        self.steps += 1
-        time.sleep(self.delay)
-        return self._decoder.accept(*args, **kwargs)
+    @property
+    def forward(self):
+        return SlowForward(self)
+
+
+class SlowForward:
+    """The decoder's forwards, its verify sleeping ``delay`` s per request in the step (``SlowDecoder``)."""
+
+    def __init__(self, slow: SlowDecoder):
+        self._slow, self._forward = slow, slow._decoder.forward
+
+    def __getattr__(self, name):
+        return getattr(self._forward, name)
+
+    def target(self, ids, *args, **kwargs):
+        slow = self._slow
+        slow.started.set()
+        slow.steps += len(ids)
+        time.sleep(slow.delay * len(ids))
+        return self._forward.target(ids, *args, **kwargs)
 
 
 def free_port() -> int:

@@ -21,7 +21,9 @@ import torch
 
 from pipeline.costs import CostModel
 from pipeline.decoding import DecodeConfig, SpeculativeDecoder
-from pipeline.decoding.trees import DraftTree, depth_exclusive, grow, tree_mask
+from pipeline.decoding import step
+from pipeline.decoding.trees import DraftTree, depth_exclusive, grow
+from pipeline.models.fast_forward import tree_mask
 from pipeline.models.backend import set_backend, smallm_available
 from pipeline.models.cache import compact
 from pipeline.models.target import new_cache
@@ -145,7 +147,7 @@ def _tree_against_paths(dec, exact: bool, seed: int = 3):
     rows = torch.tensor([[pending, *tree.tokens]])
     cache = _prefilled(dec, context)
     with torch.inference_mode():
-        logits, _ = dec.target_forward(rows, cache, 19, want_features=False, tree=tree)
+        logits, _ = dec.target_forward(rows, cache, 19, want_features=False, parents=tree.row_parents())
     for r in range(len(tree) + 1):
         path = _path_rows(tree, r)
         reference = _prefilled(dec, context)
@@ -187,7 +189,7 @@ def test_compact_leaves_the_cache_of_the_accepted_path(smallm_decoder):
         path = _path_rows(tree, last)
         cache = _prefilled(dec, context)
         with torch.inference_mode():
-            dec.target_forward(rows, cache, 17, want_features=False, tree=tree)
+            dec.target_forward(rows, cache, 17, want_features=False, parents=tree.row_parents())
         compact(cache, 17, path)
         reference = _prefilled(dec, context)
         with torch.inference_mode():
@@ -228,7 +230,7 @@ def test_trees_are_lossless(trained_decoder, tiny, backend, temperature):
         set_backend(trained_decoder.drafter, "eager")
 
 
-def test_a_drafter_whose_second_choice_is_right_doubles_tau(trained_decoder):
+def test_a_drafter_whose_second_choice_is_right_doubles_tau(trained_decoder, monkeypatch):
     """The drafter's first choice is always wrong and its second always the target's: the chain accepts nothing
     (tau 1), a tree of the two best candidates accepts the second-choice branch."""
     decoder = trained_decoder
@@ -237,9 +239,9 @@ def test_a_drafter_whose_second_choice_is_right_doubles_tau(trained_decoder):
     reference = decoder.generate(ids, 1, config).output_ids
     n = ids.shape[1]
 
-    def planted(state, block_size, sampler, top_k):
-        decoder.draft_logits(state, torch.full((1, block_size), decoder.drafter.mask_token_id))  # keeps the caches moving
-        offset = state.start - n + 1  # output index of position start + 1
+    def planted(dec, request, logits, top_k):
+        block_size = logits.shape[0] + 1
+        offset = request.state.start - n + 1  # output index of position start + 1
         right = torch.tensor([reference[min(offset + j, len(reference) - 1)] for j in range(block_size - 1)])
         wrong = (right + 1) % decoder.lm_head.shape[0]
         tokens = torch.stack([wrong, right], dim=1)
@@ -247,11 +249,8 @@ def test_a_drafter_whose_second_choice_is_right_doubles_tau(trained_decoder):
         return tokens, probs
 
     chain = decoder.generate(ids, tree_schedule(top_k=1), config)
-    decoder.draft_candidates = planted
-    try:
-        tree = decoder.generate(ids, tree_schedule(top_k=2, max_nodes=14), config)
-    finally:
-        del decoder.draft_candidates
+    monkeypatch.setattr(step, "candidates", planted)
+    tree = decoder.generate(ids, tree_schedule(top_k=2, max_nodes=14), config)
     assert tree.output_ids == reference
     chain_tau = 1.0 + sum(len(p) for _, p in chain.trees) / max(1, len(chain.trees))
     assert tree.tau >= 2.0 * min(chain_tau, 1.0 + 1e-9)

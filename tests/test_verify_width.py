@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -14,7 +15,8 @@ import torch
 
 from pipeline.decoding import DecodeConfig, SpeculativeDecoder
 from pipeline.decoding.sampling import PositionKeyedSampler
-from pipeline.decoding.trees import grow
+from pipeline.decoding.step import candidates, draft, verify
+from pipeline.decoding.trees import DraftTree, grow
 from pipeline.labeling.replay import replay, target_trace
 from pipeline.labeling.store import LabelStore, read_labels
 from pipeline import PROJECT_ROOT
@@ -46,7 +48,7 @@ def linear_latency(verify_slope: float = 5.0, draft_ms: float = 10.0, base: floa
 def manual_decode(decoder: SpeculativeDecoder, ids: torch.Tensor, block_size: int, config: DecodeConfig, top_k: int = 4):
     """``decode``'s loop with a fixed B, keeping every step's draft probabilities and accepted count, and the step's
     top ``top_k`` draft candidates and their probabilities (the step verifies the whole chain of first choices, drafted
-    by ``tree_step``) and its new tokens: ``(b, confidence, accepted, candidates, candidate probabilities, new)``."""
+    by ``pipeline.decoding.step.candidates``) and its new tokens: ``(b, confidence, accepted, candidates, candidate probabilities, new)``."""
     sampler = PositionKeyedSampler(config.temperature, config.seed, decoder.lm_head.shape[0])
     with torch.inference_mode():
         state = decoder.new_state(decoder.prefill(ids, config), use_drafter=True)
@@ -54,18 +56,15 @@ def manual_decode(decoder: SpeculativeDecoder, ids: torch.Tensor, block_size: in
         stopped = state.pending in decoder.stop_ids
         while not stopped and produced < config.max_new_tokens:
             b = min(block_size, config.max_new_tokens - produced)
-            drafted = []
-
-            def chain(tokens, probs, start):
-                drafted.append((tokens, probs))
-                return grow(tokens[:, :1], torch.ones(len(tokens), 1), len(tokens))  # every first choice
-
             if b > 1:
-                new, accepted = decoder.tree_step(state, b, sampler, chain, top_k)
-                steps.append((b, state.last_confidence, accepted, *drafted[0], list(new)))
+                logits = draft(decoder.forward, [state], [b])[0]
+                tokens, probs = candidates(decoder, SimpleNamespace(sampler=sampler, state=state), logits, top_k)
+                chain = DraftTree.chain(tokens[:, 0].tolist())  # every first choice
+                (new, path, _), = verify(decoder.forward, [state], [sampler], [chain])
+                steps.append((b, probs[:, 0], len(path), tokens, probs, list(new)))
             else:
-                new, accepted = decoder.step(state, b, sampler, lambda confidence, start: len(confidence))
-                steps.append((b, state.last_confidence, accepted, None, None, list(new)))
+                (new, _, _), = verify(decoder.forward, [state], [sampler], [DraftTree()])
+                steps.append((b, None, 0, None, None, list(new)))
             for i, token in enumerate(new):
                 if token in decoder.stop_ids:
                     new, stopped = new[: i + 1], True
@@ -80,7 +79,7 @@ def manual_decode(decoder: SpeculativeDecoder, ids: torch.Tensor, block_size: in
 def test_replay_confidence_samples_are_the_decoders(trained_decoder, temperature, seed, lm_head, vocab):
     """Each replayed step records (j, the drafter's probability, accepted, its top 4 candidates' probabilities, the
     rank among them of the target's token) for columns 1..first rejection, equal to what the decoder computes in the
-    same step of a real decode (its ``draft_candidates``, and the token the target emitted there)."""
+    same step of a real decode (its ``candidates``, and the token the target emitted there)."""
     decoder = trained_decoder
     if vocab:  # a draft vocabulary: the lazy path decides each chunk with the draft head
         drafter = copy.deepcopy(decoder.drafter)

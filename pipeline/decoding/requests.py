@@ -124,7 +124,8 @@ class DecodeState:
         cache: the target's cache over positions 0..start-1.
         draft_cache: the drafter's cache of projected context keys/values (None without drafter).
         features: [1, c, n_taps*H] target features of the last c accepted positions, not yet in
-            ``draft_cache`` (None without drafter).
+            ``draft_cache`` (None without drafter); with ``feature_parts``, later ones not yet joined
+            (``pending_features``).
         pending: the last sampled token, at position ``start``, not yet fed to the target.
         start: position of ``pending`` (tokens before it are in ``cache``).
         last_width: drafts verified by the last step (k).
@@ -141,6 +142,19 @@ class DecodeState:
     last_confidence: torch.Tensor | None = None
     last_tree: DraftTree | None = None
     last_path: list[int] | None = None
+    feature_parts: list = field(default_factory=list)
+
+    def add_features(self, part: torch.Tensor) -> None:
+        """Keep the features [1, r, n_taps*H] of r more accepted positions (joined once, when the drafter next runs:
+        a request that skips the drafter for many steps does not copy its growing features every step)."""
+        self.feature_parts.append(part)
+
+    def pending_features(self) -> torch.Tensor:
+        """``features`` with every part kept since (one concatenation), stored back."""
+        if self.feature_parts:
+            self.features = torch.cat([self.features, *self.feature_parts], dim=1)
+            self.feature_parts = []
+        return self.features
 
 
 def cut_at_stop(new: list[int], stop_ids) -> tuple[list[int], bool]:
@@ -174,6 +188,7 @@ class Request:
         done: finished (stop token, max_new_tokens or halted); halted: ended by ``on_tokens`` or ``cancel``.
         arrived_s / first_token_s / finished_s: clock times (s) of its arrival, its first token, its end.
         token_times: clock time (s) at which each output token was emitted.
+        prompt_ids: its prompt's token ids (the draft sources that read the request's own tokens).
     """
 
     rid: Any
@@ -191,6 +206,7 @@ class Request:
     first_token_s: float = 0.0
     finished_s: float = 0.0
     token_times: list[float] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def begin(cls, decoder, prefill: PrefillResult, schedule: Schedule | int, config: DecodeConfig, rid: Any = None,
@@ -223,7 +239,7 @@ class Request:
         stats.schedule_ms = (now(decoder.device) - t0) * 1e3
         state = decoder.new_state(prefill, use_drafter)
         req = cls(rid, config, schedule, state, sampler, stats, block_size, frozenset(decoder.stop_ids), on_tokens,
-                  arrived_s=arrived)
+                  arrived_s=arrived, prompt_ids=prefill.input_ids[0].tolist())
         t = now(decoder.device)
         req.first_token_s = t
         stats.output_ids.append(state.pending)

@@ -32,12 +32,16 @@ class Schedule:
             drafter's confidences for it); False: every step verifies all its B-1 drafts.
         chooses_trees: True when ``choose_tree`` picks each drafted step's draft tree (``pipeline.decoding.trees``)
             from the drafter's top candidates at every position (the decoder then verifies the tree, not a chain).
+        proposes: True when it has draft sources of its own besides the drafter (``pipeline.policy.mixed``): the step
+            calls ``prepare`` before the drafter, ``choose_tree`` every step (without the drafter's candidates on a
+            step that does not draft) and ``verified`` after the verify.
     """
 
     max_block_size: int = 1
     static: bool = False
     chooses_widths: bool = False
     chooses_trees: bool = False
+    proposes: bool = False
 
     def first(self, last_logits: torch.Tensor) -> int:
         """B for the first step, from the target's prefill logits at the last prompt token ([V])."""
@@ -52,11 +56,21 @@ class Schedule:
         ``confidence`` [B-1], at cache position ``start`` (only called when ``chooses_widths``)."""
         return len(confidence)
 
-    def choose_tree(self, tokens: torch.Tensor, probs: torch.Tensor, start: int):
+    def choose_tree(self, tokens: torch.Tensor | None, probs: torch.Tensor | None, start: int):
         """The ``DraftTree`` to verify from the drafter's candidates ``tokens`` [B-1, k] (best first at each position)
         and its probabilities of them ``probs`` [B-1, k], at cache position ``start`` (only called when
-        ``chooses_trees``; its ``top_k`` attribute, when set, is the k the decoder drafts)."""
+        ``chooses_trees``, and, with None for both, on a step that did not draft when ``proposes``; its ``top_k``
+        attribute is the k the decoder drafts)."""
         raise NotImplementedError
+
+    def prepare(self, request, block_size: int) -> int:
+        """Before a step's drafter forward (``proposes`` only): read ``request``'s tokens for the schedule's own
+        sources and return the block size to draft at (1: skip the drafter this step)."""
+        return block_size
+
+    def verified(self, tree, path: list[int], tokens: list[int], logits: torch.Tensor) -> None:
+        """After a step's verify (``proposes`` only): the tree verified, its accepted nodes, and the target's logits
+        [len(path) + 1, V] at the rows of the accepted path, whose input tokens are ``tokens``."""
 
 
 class ExternalDecode:

@@ -1,5 +1,6 @@
-"""The speculative decoding loop: prefill, then draft B-1 tokens in one drafter forward, verify them in
-one target forward, keep the longest matching prefix plus the bonus token, roll the caches back.
+"""The decoder: the loaded target and drafter on the forward path chosen at load, a request's prefill, and its decode
+through the one decode step (``pipeline.decoding.step``: draft, verify a draft tree in one target forward, keep the
+longest accepted path plus the bonus token) with N = 1.
 
 Follows the generate loop of z-lab/dflash ``dflash/model.py``, with three changes: B is chosen per
 request (and may change per step through a ``Schedule``), sampling at T>0 is position-keyed
@@ -9,20 +10,20 @@ drafter call (plain autoregressive decoding).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterator
 
 import torch
 from transformers import DynamicCache
 
 from pipeline.decoding.requests import DecodeConfig, DecodeState, PrefillResult, Request, RequestStats, as_schedule
-from pipeline.decoding.sampling import PositionKeyedSampler, draft_confidence
+from pipeline.decoding.sampling import PositionKeyedSampler
 from pipeline.decoding.schedules import Schedule
-from pipeline.decoding.trees import DraftTree, tree_mask
 from pipeline.models.backend import LMHead, resolve_backend, set_backend
-from pipeline.models.cache import compact, crop_to, resolve_kv_cache
+from pipeline.models.cache import resolve_kv_cache
 from pipeline.models.clock import now
 from pipeline.models.drafter import DFlashDrafter, check_compatible
-from pipeline.models.fast_forward import fast_draft_for, fast_forward_for
+from pipeline.models.fast_forward import fast_draft_for, fast_forward_for, tree_mask
 from pipeline.models.native import Bf16Head, Int8Head, check_precision, resolve_draft_precision
 from pipeline.models.target import Target, logit_head, new_cache
 
@@ -120,6 +121,14 @@ class SpeculativeDecoder:
         self.max_context = int(getattr(target.model.config, "max_position_embeddings", 1 << 30))
         self.stop_ids = set(target.stop_token_ids())
 
+    @functools.cached_property
+    def forward(self):
+        """The forwards every decode step runs (``pipeline.models.batched_forward.BatchedForward``: one target and one
+        drafter forward over the rows of any number of requests, each request's rows bit for bit its forward alone)."""
+        from pipeline.models.batched_forward import BatchedForward
+
+        return BatchedForward(self)
+
     @property
     def device(self) -> torch.device:
         return self.model.device
@@ -177,23 +186,21 @@ class SpeculativeDecoder:
 
     # ---------------------------------------------------------------------------------------------
     def target_forward(self, ids: torch.Tensor, cache: DynamicCache, start: int, want_features: bool,
-                       last_only: bool = False, tree: DraftTree | None = None):
-        """Target forward over ``ids`` [1, q] at positions start..start+q-1, appending to ``cache``.
+                       last_only: bool = False, parents: list[int] | None = None):
+        """Target forward over ``ids`` [1, q] at positions start..start+q-1, appending to ``cache`` (a request's forward
+        alone: its prefill chunks; a step's verify runs on ``self.forward``, ``pipeline.decoding.step``).
 
         Args:
             want_features: also return the drafter's context features of the q positions.
             last_only: logits of the last position only (a prefill).
-            tree: the draft tree whose verify rows ``ids`` are (the pending token, then its nodes): row j sits at
+            parents: None (causal rows), or a draft tree's parent of each row (-1: the pending token): row j sits at
                 position start + its depth and attends to the cache, its ancestors and itself.
         Returns:
             (logits [q or 1, V] float32, features [1, q, n_taps*H] or None).
         """
-        if tree is None:
-            positions = torch.arange(start, start + ids.shape[1], device=self.device)[None]
-            parents = None
-        else:
-            positions = (start + torch.tensor(tree.row_depths(), device=self.device))[None]
-            parents = tree.row_parents()
+        from pipeline.models.batched_forward import row_depths
+
+        positions = (start + row_depths(parents, ids.shape[1], self.device))[None]
         if self.fast is not None and self.fast.takes(ids.shape[1]):
             last, hidden_states = self.fast(ids, positions, cache, output_hidden_states=want_features, parents=parents)
         else:
@@ -206,22 +213,6 @@ class SpeculativeDecoder:
         features = self.drafter.extract_context(hidden_states) if want_features else None
         return logits, features
 
-    def draft(self, state: DecodeState, block: torch.Tensor, sampler: PositionKeyedSampler,
-              want_confidence: bool = False) -> torch.Tensor | None:
-        """Fill ``block`` [1, b] (anchor at slot 0, mask tokens after) with b-1 drafts, in place.
-
-        One drafter forward over the block with the pending context features; the drafter's cache keeps
-        the context keys/values and drops the block's.
-
-        Returns:
-            [b-1] float32: the drafter's probability of each draft (``draft_confidence``) with ``want_confidence``,
-            else None (fixed-B decodes skip the softmax).
-        """
-        draft_logits = self.draft_logits(state, block)
-        columns = sampler.pick_columns(draft_logits, state.start + 1, self.draft_vocab)
-        block[0, 1:] = columns if self.draft_vocab is None else self.draft_vocab[columns]
-        return draft_confidence(draft_logits, columns, sampler.temperature) if want_confidence else None
-
     def draft_forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, cache
                       ) -> torch.Tensor:
         """The drafter's forward as this decoder runs it (``FastDraft`` where set, on its draft precision; else the
@@ -229,67 +220,6 @@ class SpeculativeDecoder:
         [1, c + b], appended to the draft ``cache`` -> the final states [1, b, H]."""
         forward = self.fast_draft if self.fast_draft is not None else self.drafter
         return forward(embeds, features, positions, cache=cache)
-
-    def draft_logits(self, state: DecodeState, block: torch.Tensor) -> torch.Tensor:
-        """The drafter's forward over ``block`` [1, b] with the pending context features: its logits [b-1, V'] (float32)
-        at positions start+1..start+b-1. The drafter's cache keeps the context keys/values and drops the block's."""
-        b = block.shape[1]
-        c = state.features.shape[1]
-        positions = torch.arange(state.start - c, state.start + b, device=self.device)[None]
-        hidden = self.draft_forward(self.embed(block), state.features, positions, state.draft_cache)
-        crop_to(state.draft_cache, state.start)
-        state.features = state.features[:, :0]
-        return self.drafter_head(hidden[0, 1:]).float()
-
-    def draft_candidates(self, state: DecodeState, block_size: int, sampler: PositionKeyedSampler, top_k: int
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafter forward at block size ``block_size``: the top ``top_k`` candidates at each of its b-1 positions.
-
-        Returns:
-            (tokens [b-1, k] long, best first (column 0 is the chain's draft), the drafter's probability of each
-            [b-1, k] float32 (``draft_confidence``)).
-        """
-        mask_id = self.drafter.mask_token_id
-        block = torch.full((1, block_size), mask_id, dtype=torch.long, device=self.device)
-        block[0, 0] = state.pending
-        logits = self.draft_logits(state, block)
-        columns = sampler.top_columns(logits, state.start + 1, top_k, self.draft_vocab)
-        tokens = columns if self.draft_vocab is None else self.draft_vocab[columns]
-        return tokens, draft_confidence(logits, columns, sampler.temperature)
-
-    def tree_step(self, state: DecodeState, block_size: int, sampler: PositionKeyedSampler,
-                  choose_tree: Callable[[torch.Tensor, torch.Tensor, int], DraftTree], top_k: int = 4
-                  ) -> tuple[list[int], int]:
-        """One draft-verify step with a draft tree (``pipeline.decoding.trees``); advances ``state``.
-
-        The drafter drafts the block's b-1 positions in one forward; ``choose_tree(tokens [b-1, k], probabilities
-        [b-1, k], start)`` (k = ``top_k``) picks the tree to verify (an empty one: a plain target step); the target verifies the
-        pending token and every node in one forward, ``walk`` keeps the path that matches the target's own tokens
-        plus the bonus token, and the accepted path's keys/values and features move behind the context.
-        ``state.last_width`` is the tree's node count, ``state.last_tree`` the tree.
-
-        Returns:
-            (new tokens in order, accepted drafts among them).
-        """
-        tokens, probs = self.draft_candidates(state, block_size, sampler, top_k)
-        tree = choose_tree(tokens, probs, state.start)
-        state.last_width, state.last_confidence, state.last_tree = len(tree), probs[:, 0], tree
-        ids = torch.tensor([[state.pending, *tree.tokens]], dtype=torch.long, device=self.device)
-        use_drafter = state.draft_cache is not None
-        logits, new_features = self.target_forward(ids, state.cache, state.start, want_features=use_drafter,
-                                                   tree=tree if len(tree) else None)
-        depths = tree.row_depths()
-        targets = sampler.pick_at(logits, [state.start + 1 + d for d in depths]).tolist()
-        path, bonus = tree.walk(targets)
-        rows = [0] + [j + 1 for j in path]
-        compact(state.cache, state.start, rows)
-        if use_drafter:
-            state.features = torch.cat([state.features, new_features[:, rows]], dim=1)
-        new = [tree.tokens[j] for j in path] + [bonus]
-        state.start += len(path) + 1
-        state.pending = bonus
-        state.last_path = path
-        return new, len(path)
 
     def new_draft_cache(self):
         """An empty drafter cache for this decoder's draft forward (preallocated on the native draft path)."""
@@ -300,58 +230,6 @@ class SpeculativeDecoder:
         return DecodeState(prefill.cache, self.new_draft_cache() if use_drafter else None,
                            prefill.features if use_drafter else None, prefill.first_token,
                            prefill.input_ids.shape[1])
-
-    def step(self, state: DecodeState, block_size: int, sampler: PositionKeyedSampler,
-             verify_width: int | Callable[[torch.Tensor, int], int] | None = None) -> tuple[list[int], int]:
-        """One draft-verify step at block size ``block_size``; advances ``state``.
-
-        The drafter drafts ``block_size - 1`` tokens in one forward; the target verifies the first k of
-        them in one forward and keeps the longest matching prefix plus its own next token (the bonus
-        token). k is ``verify_width``: None = all (b-1), an int, or a callable ``(confidence [b-1],
-        start) -> k`` called after the draft (a verify-width policy); k = 0 is a plain target step over
-        the pending token. Every k is lossless. ``state.last_width`` / ``state.last_confidence`` keep
-        the step's k and the drafts' probabilities (computed only for a callable ``verify_width``; else None).
-
-        Returns:
-            (new tokens in order, accepted drafts among them). Stop tokens are not handled here.
-        """
-        b = block_size
-        use_drafter = state.draft_cache is not None
-        mask_id = self.drafter.mask_token_id if self.drafter is not None else 0
-        block = torch.full((1, b), mask_id, dtype=torch.long, device=self.device)
-        block[0, 0] = state.pending
-        confidence = self.draft(state, block, sampler, want_confidence=callable(verify_width)) if b > 1 else None
-        if callable(verify_width):  # a verify-width policy; a B=1 step drafted nothing
-            k = int(verify_width(confidence, state.start)) if confidence is not None else 0
-        else:
-            k = b - 1 if verify_width is None else int(verify_width)
-        k = max(0, min(k, b - 1))
-        state.last_width, state.last_confidence = k, confidence
-        block = block[:, : k + 1]
-        logits, new_features = self.target_forward(block, state.cache, state.start, want_features=use_drafter)
-        return self.accept(state, block, logits, new_features, sampler)
-
-    def accept(self, state: DecodeState, block: torch.Tensor, logits: torch.Tensor, new_features: torch.Tensor | None,
-               sampler: PositionKeyedSampler) -> tuple[list[int], int]:
-        """After the target's verify of ``block`` [1, k+1] (pending token + k drafts): keep the longest matching prefix
-        plus the bonus token, roll the target cache back, keep the accepted positions' features, advance ``state``.
-
-        Args:
-            logits: [k+1, V] float32 target logits of the block's positions; new_features: [1, k+1, n_taps*H] or None.
-        Returns:
-            (new tokens in order, accepted drafts among them).
-        """
-        target_tokens = sampler.pick(logits, state.start + 1)  # token i is the target's choice at start+1+i
-        matches = (block[0, 1:] == target_tokens[:-1]).int()
-        accepted = int(matches.cumprod(0).sum()) if block.shape[1] > 1 else 0
-        new = block[0, 1 : accepted + 1].tolist() + [int(target_tokens[accepted])]
-        crop_to(state.cache, state.start + accepted + 1)
-        state.last_tree = state.last_path = None  # a chain step
-        if state.draft_cache is not None:
-            state.features = torch.cat([state.features, new_features[:, : accepted + 1]], dim=1)
-        state.start += accepted + 1
-        state.pending = new[-1]
-        return new, accepted
 
     def prefill(self, input_ids: torch.Tensor, config: DecodeConfig, want_features: bool = True) -> PrefillResult:
         """Run the target over the prompt (in chunks of ``prefill_chunk`` tokens) and sample the first new token.
@@ -414,18 +292,14 @@ class SpeculativeDecoder:
         Raises:
             ValueError: for a block size out of range (checked at every step).
         """
+        from pipeline.decoding.schedules import BatchPolicy
+        from pipeline.decoding.step import advance
+
         req = Request.begin(self, prefill, schedule, config, on_tokens=on_tokens)
-        schedule = req.schedule
-        choose_width = schedule.choose_width if schedule.chooses_widths else None  # a verify-width policy: k per step
-        choose_tree = schedule.choose_tree if schedule.chooses_trees else None  # a tree policy: the tree per step
-        while not req.done:
-            self.check_block_size(req.block_size)
-            b = req.next_block()
-            if choose_tree is not None and b > 1:
-                new, _ = self.tree_step(req.state, b, req.sampler, choose_tree, schedule.top_k)
-            else:
-                new, _ = self.step(req.state, b, req.sampler, choose_width)
-            req.record(new, b, now(self.device))
+        policy = BatchPolicy()
+        while not req.done:  # the one step (``pipeline.decoding.step``) with one request
+            news, sizes, _ = advance(self.forward, policy, [req])
+            req.record(news[0], sizes[0], now(self.device))
         return req.stats
 
     def generate(self, input_ids: torch.Tensor, schedule: Schedule | int, config: DecodeConfig,

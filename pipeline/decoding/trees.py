@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+
 TOP_K = 4
 """Candidates per drafted position a tree draws from by default (``policy.tree.top_k``; the label stage records as many
 with each calibration sample, ``label.tree_top_k``)."""
@@ -48,6 +49,17 @@ class DraftTree:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @classmethod
+    def chain(cls, tokens: list[int], values: list[float] | None = None) -> "DraftTree":
+        """A chain of ``tokens`` (each node the child of the one before): a chain of drafts is a tree."""
+        n = len(tokens)
+        return cls([int(t) for t in tokens], list(range(-1, n - 1)), list(range(1, n + 1)), [0] * n,
+                   list(values) if values is not None else [1.0] * n)
+
+    def is_chain(self) -> bool:
+        """Whether every node is the child of the node before it (its verify rows are causal rows)."""
+        return all(p == j - 1 for j, p in enumerate(self.parents))
 
     def prefix(self, n: int) -> "DraftTree":
         """The first ``n`` nodes (a tree: parents come first)."""
@@ -118,24 +130,6 @@ def grow(tokens: torch.Tensor, acceptance: torch.Tensor, max_nodes: int) -> Draf
             heapq.heappush(heap, (-value * a[d + 1][0], pushed, d + 1, 0, node, value))
             pushed += 1
     return tree
-
-
-def tree_mask(row_parents: list[int], context: int, dtype: torch.dtype = torch.float32,
-              device: torch.device | str | None = None) -> torch.Tensor:
-    """The additive attention mask [1, 1, R, context + R] of a tree verify over ``context`` cached tokens: row r sees
-    the context, its ancestors and itself (0), nothing else (the dtype's lowest value). The dense reference of the
-    kernel's per-row parents, and what transformers' forward takes on the other paths."""
-    rows = len(row_parents)
-    allowed = torch.zeros(rows, context + rows, dtype=torch.bool, device=device)
-    allowed[:, :context] = True
-    for r in range(rows):
-        a = r
-        while a >= 0:
-            allowed[r, context + a] = True
-            a = row_parents[a]
-    mask = torch.zeros(rows, context + rows, dtype=dtype, device=device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
 
 
 def depth_exclusive(acceptance: torch.Tensor) -> torch.Tensor:

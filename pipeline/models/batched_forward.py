@@ -33,9 +33,20 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import create_causal_mask
 
 from pipeline.models.backend import SMALLM, SMALLM_MAX_ROWS, packed_kind
-from pipeline.models.fast_forward import _rms_norm, kernel_attention
+from pipeline.models.fast_forward import _rms_norm, kernel_attention, tree_mask
 
 ROW_LIMIT = SMALLM_MAX_ROWS  # the most rows one linear call of a batched forward takes (see the module doc)
+
+
+def row_depths(parents: list[int] | None, rows: int, device=None) -> torch.Tensor:
+    """Each row's offset from its request's first row: 0..rows-1 for causal rows (``parents`` None), else its depth in
+    the draft tree whose row parents are ``parents`` (-1: the first row)."""
+    if parents is None:
+        return torch.arange(rows, device=device)
+    depths: list[int] = []
+    for p in parents:
+        depths.append(0 if p < 0 else depths[p] + 1)
+    return torch.tensor(depths, device=device)
 
 
 def _as_list(out) -> list[torch.Tensor]:
@@ -92,23 +103,32 @@ class BatchedForward:
 
     # -------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def target(self, ids: Sequence[torch.Tensor], caches: Sequence, starts: Sequence[int], want_features: Sequence[bool]
-               ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    def target(self, ids: Sequence[torch.Tensor], caches: Sequence, starts: Sequence[int], want_features: Sequence[bool],
+               parents: Sequence[list[int] | None] | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """Target forwards of N requests: request i's ``ids[i]`` [1, q_i] at positions starts[i].., appending to
-        ``caches[i]``, bit-identical to ``decoder.target_forward(ids[i], caches[i], starts[i], want_features[i])``.
+        ``caches[i]``, bit-identical to ``decoder.target_forward(ids[i], caches[i], starts[i], want_features[i],
+        parents=parents[i])``.
 
+        Args:
+            parents: per request None (causal rows) or a draft tree's parent of each of its rows (-1: the first row,
+                ``pipeline.decoding.trees``): a row then sits at start + its depth and attends to its request's cache,
+                its ancestors and itself. None: every request causal.
         Returns:
             per request (logits [q_i, V] float32, features [1, q_i, n_taps*H] or None).
         """
         dec = self.decoder
         n = len(ids)
+        parents = list(parents) if parents is not None else [None] * n
         results: list = [None] * n
         batch = [i for i in range(n) if self.exact and ids[i].shape[1] <= SMALLM_MAX_ROWS]
         for i in range(n):
             if i not in batch:
-                results[i] = dec.target_forward(ids[i], caches[i], starts[i], want_features=want_features[i])
+                results[i] = dec.target_forward(ids[i], caches[i], starts[i], want_features=want_features[i],
+                                                parents=parents[i])
         if not batch:
             return results
+        tree = [p for i in batch for p in (parents[i] if parents[i] is not None else range(-1, ids[i].shape[1] - 1))]
+        tree = tree if any(parents[i] is not None for i in batch) else None
         fast = dec.fast
         base = fast.base
         sizes = [ids[i].shape[1] for i in batch]
@@ -119,17 +139,18 @@ class BatchedForward:
         kernel = fast.attention == "kernel"
         masks, rope = [], []
         for j, i in enumerate(batch):
-            positions = torch.arange(starts[i], starts[i] + sizes[j], device=h.device)[None]
+            positions = starts[i] + row_depths(parents[i], sizes[j], h.device)[None]
             hj = h[:, cuts[j]: cuts[j + 1]]
             if not kernel:
                 masks.append(create_causal_mask(config=base.config, inputs_embeds=hj, attention_mask=None,
-                                                cache=caches[i], position_ids=positions))
+                                                cache=caches[i], position_ids=positions) if parents[i] is None
+                             else tree_mask(parents[i], caches[i].get_seq_length(), hj.dtype, h.device))
             rope.append(base.rotary_emb(hj, position_ids=positions))
         if kernel:  # every request's cos/sin side by side: the rotation is element-wise, so per row as alone
             cos_all, sin_all = (torch.cat([r[0] for r in rope], dim=1), torch.cat([r[1] for r in rope], dim=1))
         keep = any(want_features[i] for i in batch)
         kind = packed_kind(base)
-        done = fast.run_native(h, cos_all, sin_all, [caches[i] for i in batch], sizes, kind, keep) if kernel else None
+        done = fast.run_native(h, cos_all, sin_all, [caches[i] for i in batch], sizes, kind, keep, tree) if kernel else None
         if done is not None:  # the whole stack in one native call over every request's rows
             h, tapped = done
             return self._finish(results, batch, cuts, h, tapped, want_features)
@@ -146,7 +167,7 @@ class BatchedForward:
                     q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
                 q, k = fast.rotary(q.transpose(1, 2), k.transpose(1, 2), cos_all, sin_all)
                 out = kernel_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0], [caches[i] for i in batch],
-                                       sizes, attn.layer_idx, attn.scaling)[None]
+                                       sizes, attn.layer_idx, attn.scaling, tree)[None]
             else:
                 out = self._attention_per_request(attn, q_all, k_all, v_all, cuts, batch, rope, caches, masks)
             h = h + chunked(o_proj, out)[0]

@@ -55,6 +55,24 @@ def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return norm.weight * h.to(dtype)
 
 
+def tree_mask(row_parents: list[int], context: int, dtype: torch.dtype = torch.float32,
+              device: torch.device | str | None = None) -> torch.Tensor:
+    """The additive attention mask [1, 1, R, context + R] of a tree verify over ``context`` cached tokens: row r sees
+    the context, its ancestors and itself (0), nothing else (the dtype's lowest value). The dense reference of the
+    kernel's per-row parents, and what transformers' forward takes on the other paths."""
+    rows = len(row_parents)
+    allowed = torch.zeros(rows, context + rows, dtype=torch.bool, device=device)
+    allowed[:, :context] = True
+    for r in range(rows):
+        a = r
+        while a >= 0:
+            allowed[r, context + a] = True
+            a = row_parents[a]
+    mask = torch.zeros(rows, context + rows, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
 def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caches, rows, layer_idx: int,
                      scale: float, parents=None) -> torch.Tensor:
     """One layer's attention of N requests on the smallm kernel: request i's ``rows[i]`` new rows (consecutive in q, k,

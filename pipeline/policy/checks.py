@@ -26,6 +26,36 @@ def check_policy_options(cfg) -> None:
         raise ValueError(f"policy.verify_width.objective={vw.objective!r}: choose rate or marginal")
     if vw.get("max_skip") is not None and int(vw.max_skip) < 0:
         raise ValueError(f"policy.verify_width.max_skip={vw.max_skip}: give 0 (never skip drafts) or more steps")
+    check_mixed_options(policy.get("mixed") or {})
+
+
+def check_mixed_options(mixed) -> None:
+    """``policy.mixed``: known ``sources`` (at least one), ``max_n`` and ``branches`` >= 1, ``cache_tokens`` >= 0 (0: no
+    suffix cache; with ``cache`` among the sources, >= 1), ``max_nodes`` null or 1..15, ``max_skip`` >= 0.
+
+    Raises:
+        ValueError: for the first bad value, naming the key and the fix.
+    """
+    from pipeline.policy.mixed import SOURCES
+
+    sources = mixed.get("sources")
+    if sources is not None:
+        names = [str(s) for s in sources]
+        unknown = [s for s in names if s not in SOURCES]
+        if unknown or not names:
+            raise ValueError(f"policy.mixed.sources={names}: choose one or more of {list(SOURCES)}")
+        if "cache" in names and mixed.get("cache_tokens") is not None and int(mixed.cache_tokens) < 1:
+            raise ValueError(f"policy.mixed.cache_tokens={mixed.cache_tokens}: the suffix cache needs a bound of >= 1 token "
+                             "(e.g. 65536), or drop cache from policy.mixed.sources")
+    for key in ("max_n", "branches"):
+        if mixed.get(key) is not None and int(mixed[key]) < 1:
+            raise ValueError(f"policy.mixed.{key}={mixed[key]}: give 1 or more")
+    if mixed.get("cache_tokens") is not None and int(mixed.cache_tokens) < 0:
+        raise ValueError(f"policy.mixed.cache_tokens={mixed.cache_tokens}: give 0 (no suffix cache) or more tokens")
+    if mixed.get("max_nodes") is not None and not 1 <= int(mixed.max_nodes) <= 15:
+        raise ValueError(f"policy.mixed.max_nodes={mixed.max_nodes}: give 1..15 (a verify of up to 16 rows), or null")
+    if mixed.get("max_skip") is not None and int(mixed.max_skip) < 0:
+        raise ValueError(f"policy.mixed.max_skip={mixed.max_skip}: give 0 or more steps")
 
 
 def check_dataset_config(cfg) -> None:

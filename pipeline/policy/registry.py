@@ -13,7 +13,9 @@ Methods (``METHODS``):
   * ``verify_width``: drafts at B, verifies the k drafts that pay each step (a calibration + this machine's cost model;
     ``policy.verify_width``); ``hybrid``: the same with blockpilot's B;
   * ``tree``: drafts at verify_width's B and verifies a draft tree of the drafter's top candidates, sized each step by
-    the same calibration and cost model (``pipeline.policy.trees``; ``policy.tree``); the eval stage runs it;
+    the same calibration and cost model (``pipeline.policy.trees``; ``policy.tree``);
+  * ``mixed``: every draft source a request holds (n-gram matches over its prompt and output, a suffix cache of earlier
+    responses, the drafter) merged in one tree sized by the same cost model (``pipeline.policy.mixed``; ``policy.mixed``);
   * ``budget``: every batched step's verify widths chosen jointly over the requests sharing it
     (``pipeline.policy.budget.BudgetPolicy``: verify_width's calibration, B and skip rule + the batched step cost model,
     ``policy.budget.costs``); only a batched decoder runs it: the server (any ``serve.max_batch``; the eval stage decodes
@@ -285,12 +287,38 @@ def _tree(ctx: Context):
     return Factory(lambda: TreeSchedule(calibration, latency, b, **options))
 
 
-def tree_max_nodes(options: Mapping, decoder) -> int:
+def _mixed(ctx: Context):
+    from pipeline.decoding.trees import TOP_K
+    from pipeline.policy.mixed import SOURCES, MixedSchedule, SharedSources
+
+    sources = [str(s) for s in ctx.option("mixed", "sources", list(SOURCES))]
+    drafter = "drafter" in sources and ctx.decoder.drafter is not None
+    b = _drafted_block_size(ctx) if drafter else 1
+    cache_tokens = int(ctx.option("mixed", "cache_tokens", 65536))
+    max_n, branches = int(ctx.option("mixed", "max_n", 4)), int(ctx.option("mixed", "branches", 2))
+    if cache_tokens < 0 or max_n < 1 or branches < 1:
+        raise ValueError(f"policy.mixed needs cache_tokens >= 0 (0: no suffix cache), max_n >= 1 and branches >= 1, got "
+                         f"cache_tokens={cache_tokens}, max_n={max_n}, branches={branches}")
+    max_nodes = ctx.option("mixed", "max_nodes") or tree_max_nodes(ctx.options, ctx.decoder, 16)
+    options = {**_step_options(ctx), "max_skip": int(ctx.option("mixed", "max_skip", 32)),
+               "top_k": int(ctx.option("tree", "top_k", TOP_K)), "max_nodes": int(max_nodes),
+               "max_n": max_n, "branches": branches, "sources": sources if drafter else [s for s in sources if s != "drafter"]}
+    shared = SharedSources(cache_tokens if "cache" in sources else 0, max_n,
+                           int(ctx.decoder.lm_head.shape[0]) if "recycle" in sources else None)
+    calibration, latency = ctx.inputs.calibration, ctx.inputs.latency
+    MixedSchedule(calibration, latency, b, shared, **options)  # raises for a bad option
+    factory = Factory(lambda: MixedSchedule(calibration, latency, b, shared, **options))
+    factory.shared = shared
+    return factory
+
+
+def tree_max_nodes(options: Mapping, decoder, without_drafter: int = 2) -> int:
     """The most nodes of a ``tree`` step: ``policy.tree.max_nodes``, else as many as the drafter's widest block verifies
-    (its ``max_block_size`` - 1), within the rows one native call takes (``SMALLM_MAX_ROWS`` - 1)."""
+    (its ``max_block_size`` - 1; ``without_drafter`` - 1 without one), within the rows one native call takes
+    (``SMALLM_MAX_ROWS`` - 1)."""
     from pipeline.models.backend import SMALLM_MAX_ROWS
 
-    widest = int(decoder.drafter.max_block_size) if getattr(decoder, "drafter", None) is not None else 2
+    widest = int(decoder.drafter.max_block_size) if getattr(decoder, "drafter", None) is not None else without_drafter
     value = (options.get("tree") or {}).get("max_nodes")
     return int(value) if value is not None else max(1, min(widest, SMALLM_MAX_ROWS) - 1)
 
@@ -378,8 +406,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("verify_width", frozenset({CALIBRATION, COSTS}), _verify_width(False), gain_share=False),
     Method("hybrid", frozenset({PREDICTOR, CALIBRATION, COSTS}), _verify_width(True), predictor="blockpilot",
            gain_share=False, label_split=True),
-    Method("tree", frozenset({CALIBRATION, COSTS}), _tree, gain_share=False,
-           servable="the batched decoder (server, bench_batch) verifies chains; trees run one request at a time: compare them in the eval stage"),
+    Method("tree", frozenset({CALIBRATION, COSTS}), _tree, gain_share=False),
+    Method("mixed", frozenset({CALIBRATION, COSTS}), _mixed, gain_share=False),
     Method("budget", frozenset({CALIBRATION, BATCH_COSTS}), _budget, gain_share=False, batched=True),
     Method("hf_generate", frozenset(), _hf(False), gain_share=False, servable=_EVAL_ONLY_HF),
     Method("hf_prompt_lookup", frozenset(), _hf(True), gain_share=False, servable=_EVAL_ONLY_HF),

@@ -55,15 +55,19 @@ def best_count(gains: torch.Tensor, draft_ms: float, verify_ms: Sequence[float],
     Raises:
         ValueError: when ``verify_ms`` does not have len(gains)+1 values.
     """
-    gains = torch.as_tensor(gains, dtype=torch.float64).reshape(-1)
-    expected = torch.cat([torch.ones(1, dtype=torch.float64), 1 + torch.cumsum(gains, 0)])
-    if len(verify_ms) != len(expected):
-        raise ValueError(f"need {len(expected)} verify costs (k = 0..{len(expected) - 1}), got {len(verify_ms)}")
-    cost = float(draft_ms) + torch.as_tensor(verify_ms, dtype=torch.float64)
-    per_ms = expected / cost
-    objective = per_ms if rate is None else expected - float(rate) * cost
-    k = int(torch.argmax(objective))  # first maximum: the narrower verify on ties
-    return k, float(per_ms[k])
+    gains = torch.as_tensor(gains, dtype=torch.float64).reshape(-1).tolist()  # a step's few drafts: Python floats
+    if len(verify_ms) != len(gains) + 1:
+        raise ValueError(f"need {len(gains) + 1} verify costs (k = 0..{len(gains)}), got {len(verify_ms)}")
+    best_k, best, best_rate, expected = 0, None, 0.0, 1.0
+    for k, ms in enumerate(verify_ms):
+        if k:
+            expected += gains[k - 1]
+        cost = float(draft_ms) + float(ms)
+        per_ms = expected / cost
+        objective = per_ms if rate is None else expected - float(rate) * cost
+        if best is None or objective > best:  # first maximum: the narrower verify on ties
+            best_k, best, best_rate = k, objective, per_ms
+    return best_k, best_rate
 
 
 def allocate(acceptance: Sequence[torch.Tensor], costs: BatchCostModel | Callable[[int], float], plain_requests: int = 0,

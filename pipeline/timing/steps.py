@@ -306,8 +306,9 @@ def step_figures(decoder, length: int, widths, block_sizes, pending: int, repeat
         ValueError: when L + the widest block does not fit the target's context, or without a drafter.
     """
 
-    from pipeline.decoding.sampling import PositionKeyedSampler
     from pipeline.decoding.requests import DecodeState
+    from pipeline.decoding.sampling import PositionKeyedSampler
+    from pipeline.decoding.step import chain_step, draft
 
     if decoder.drafter is None:
         raise ValueError("bench_step needs a drafter (model.drafter=...)")
@@ -326,13 +327,13 @@ def step_figures(decoder, length: int, widths, block_sizes, pending: int, repeat
     def reset() -> None:
         crop_to(cache, length)
         crop_to(draft_cache, length - pending)
-        state.features = features[:, length - pending:]
+        state.features, state.feature_parts = features[:, length - pending:], []
         state.pending, state.start = int(ids[0, length]), length
 
     ar_state = DecodeState(cache, None, None, int(ids[0, length]), length)
 
     def ar() -> None:
-        decoder.step(ar_state, 1, sampler)
+        chain_step(decoder, ar_state, sampler, 1)
 
     def ar_reset() -> None:
         crop_to(cache, length)
@@ -354,16 +355,13 @@ def step_figures(decoder, length: int, widths, block_sizes, pending: int, repeat
             sampler.pick(logits, length + 1)
 
         points[("forward", q)] = undone(forward, reset)
-    mask_id = decoder.drafter.mask_token_id
     for b in block_sizes:
-        block = torch.full((1, b), mask_id, dtype=torch.long, device=device)
 
-        def draft(block=block) -> None:
-            block[0, 0] = state.pending
-            decoder.draft(state, block, sampler)
+        def drafter(b=b) -> None:
+            sampler.pick_columns(draft(decoder.forward, [state], [b])[0], state.start + 1, decoder.draft_vocab)
 
-        points[("drafter", b)] = undone(draft, reset)
-        points[("step", b)] = undone(lambda b=b: decoder.step(state, b, sampler), reset)
+        points[("drafter", b)] = undone(drafter, reset)
+        points[("step", b)] = undone(lambda b=b: chain_step(decoder, state, sampler, b), reset)
     ms = {k: t.ms for k, t in time_now(decoder, points, repeats, warmup).items()}
     out = {"ar_ms": ms[("ar",)], "forward_ms": {str(q): ms[("forward", q)] for q in widths},
            "drafter_ms": {str(b): ms[("drafter", b)] for b in block_sizes},

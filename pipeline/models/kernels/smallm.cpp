@@ -721,6 +721,77 @@ void attend_row_fixed(const float* __restrict q, const float* __restrict k, int6
 }
 
 
+// Several query rows of one head over one request's cache (a verify's rows, a draft block's rows): each query's
+// scores, softmax and output are attend_row_fixed's arithmetic, key by key and lane by lane in the same order (the
+// same bits), but the keys and values all of them see (slots 0..shared-1: the cached context) are read once for all
+// of them instead of once per row, so a verify of q rows streams the context's keys and values once, not q times.
+template <int NV>
+void attend_queries_fixed(const float* const* qs, int64_t nq, const float* __restrict k, int64_t ks,
+                          const float* __restrict v, int64_t vs, int64_t shared, const int64_t* ns, const KeySlots* slots,
+                          float scale, float* __restrict scores, int64_t stride, float* const* outs,
+                          float* __restrict acc) {
+  const __m256 sv = _mm256_set1_ps(scale);
+  int64_t t = 0;
+  for (; t + 4 <= shared; t += 4) {
+    const float* k0 = k + t * ks;
+    const float* k1 = k0 + ks;
+    const float* k2 = k1 + ks;
+    const float* k3 = k2 + ks;
+    for (int64_t j = 0; j < nq; ++j) {
+      const float* q = qs[j];
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+#pragma GCC unroll 16
+      for (int u = 0; u < NV; ++u) {
+        const __m256 qv = _mm256_loadu_ps(q + 8 * u);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 8 * u), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + 8 * u), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + 8 * u), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + 8 * u), a3);
+      }
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      _mm_storeu_ps(scores + j * stride + t, _mm_mul_ps(s4, _mm256_castps256_ps128(sv)));
+    }
+  }
+  for (int64_t j = 0; j < nq; ++j) {  // the rest of each query's keys, one at a time (hsum8: the same order)
+    const float* q = qs[j];
+    for (int64_t u = t; u < ns[j]; ++u) {
+      const float* kt = k + slots[j](u) * ks;
+      __m256 a = _mm256_setzero_ps();
+#pragma GCC unroll 16
+      for (int w = 0; w < NV; ++w) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * w), _mm256_loadu_ps(kt + 8 * w), a);
+      scores[j * stride + u] = hsum8(a) * scale;
+    }
+  }
+  std::vector<float> sums(nq);
+  for (int64_t j = 0; j < nq; ++j) sums[j] = softmax_numerators(scores + j * stride, ns[j]);
+  for (int64_t i = 0; i < nq * 8 * NV; ++i) acc[i] = 0.f;
+  for (int64_t i = 0; i < shared; ++i) {
+    const float* vt = v + i * vs;
+    __m256 vv[NV];
+#pragma GCC unroll 16
+    for (int w = 0; w < NV; ++w) vv[w] = _mm256_loadu_ps(vt + 8 * w);
+    for (int64_t j = 0; j < nq; ++j) {
+      const __m256 p = _mm256_set1_ps(scores[j * stride + i]);
+      float* o = acc + j * 8 * NV;
+#pragma GCC unroll 16
+      for (int w = 0; w < NV; ++w) _mm256_storeu_ps(o + 8 * w, _mm256_fmadd_ps(p, vv[w], _mm256_loadu_ps(o + 8 * w)));
+    }
+  }
+  for (int64_t j = 0; j < nq; ++j) {
+    float* o = acc + j * 8 * NV;
+    for (int64_t i = shared; i < ns[j]; ++i) {
+      const float* vt = v + slots[j](i) * vs;
+      const __m256 p = _mm256_set1_ps(scores[j * stride + i]);
+#pragma GCC unroll 16
+      for (int w = 0; w < NV; ++w) _mm256_storeu_ps(o + 8 * w, _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * w), _mm256_loadu_ps(o + 8 * w)));
+    }
+    const __m256 iv = _mm256_set1_ps(1.f / sums[j]);
+#pragma GCC unroll 16
+    for (int w = 0; w < NV; ++w) _mm256_storeu_ps(outs[j] + 8 * w, _mm256_mul_ps(_mm256_loadu_ps(o + 8 * w), iv));
+  }
+}
+
 }  // namespace
 
 // causal = false: every row of request i sees all lengths[i] keys (the drafter's full attention over its context and
@@ -792,6 +863,45 @@ torch::Tensor attend_rows(torch::Tensor q, c10::optional<torch::Tensor> k_new, c
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
+  if (D == 64 || D == 128) {  // one unit per (request, head): its rows share the reads of the cached context
+    at::parallel_for(0, N * Hq, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, acc;
+      std::vector<const float*> qs;
+      std::vector<float*> outs;
+      std::vector<int64_t> ns;
+      std::vector<KeySlots> slots;
+      for (int64_t w = begin; w < end; ++w) {
+        const int64_t i = w / Hq, h = w % Hq, nq = rows[i];
+        if (nq == 0) continue;
+        const auto& k = keys[i];
+        const auto& v = values[i];
+        const int64_t group = Hq / k.size(0), kh = h / group;
+        const int64_t base = lengths[i] - rows[i];
+        qs.resize(nq), outs.resize(nq), ns.resize(nq), slots.resize(nq);
+        int64_t longest = 0;
+        for (int64_t j = 0; j < nq; ++j) {
+          const int64_t r = first[i] + j;
+          ns[j] = tree ? base + path0[r + 1] - path0[r] : causal ? base + j + 1 : lengths[i];
+          slots[j] = KeySlots{tree ? base : ns[j], tree ? path.data() + path0[r] : nullptr};
+          qs[j] = qp + (r * Hq + h) * D;
+          outs[j] = op + r * Hq * D + h * D;
+          longest = std::max(longest, ns[j]);
+        }
+        const int64_t shared = causal ? base : lengths[i];
+        if (static_cast<int64_t>(scores.size()) < nq * longest) scores.resize(nq * longest);
+        if (static_cast<int64_t>(acc.size()) < nq * D) acc.resize(nq * D);
+        const float* kp = k.data_ptr<float>() + kh * k.stride(0);
+        const float* vp = v.data_ptr<float>() + kh * v.stride(0);
+        if (D == 64)
+          attend_queries_fixed<8>(qs.data(), nq, kp, k.stride(1), vp, v.stride(1), shared, ns.data(), slots.data(), sc,
+                                  scores.data(), longest, outs.data(), acc.data());
+        else
+          attend_queries_fixed<16>(qs.data(), nq, kp, k.stride(1), vp, v.stride(1), shared, ns.data(), slots.data(), sc,
+                                   scores.data(), longest, outs.data(), acc.data());
+      }
+    });
+    return out;
+  }
   at::parallel_for(0, R * Hq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t w = begin; w < end; ++w) {

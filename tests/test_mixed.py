@@ -1,0 +1,219 @@
+"""Draft sources and the ``mixed`` method (``pipeline.decoding.sources``, ``pipeline.policy.mixed``), and the one decode
+step that runs them (``pipeline.decoding.step``).
+
+- the n-gram index's proposals against a brute-force scan of the same sequences (longest suffix match, latest places
+  first, distinct next tokens, the match length measured backwards), and its memory bound;
+- a merged tree holds each source's chain as a path, parents first, values along a path non-increasing, siblings'
+  estimates summing to at most 1;
+- the recycled candidates are the target's own top-k after each token;
+- ``mixed`` is lossless against ``ar`` at T=0 and gives ``ar``'s sampled text at T=1, every source on, alone and in a
+  batched step; trees and ``mixed`` in a batched step equal each request decoded alone;
+- (``tests/test_real_model.py``) a request that copies code from its prompt accepts >= 4 tokens a step over the copy;
+- the observed acceptance per source converges to the observed rates; bad options are refused before any model loads.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from omegaconf import OmegaConf
+
+from pipeline.decoding import DecodeConfig, SpeculativeDecoder
+from pipeline.decoding.scheduler import decode_all
+from pipeline.decoding.sources import MATCH_CAP, NgramIndex
+from pipeline.decoding.trees import DraftTree, depth_exclusive, grow
+from pipeline.models.backend import set_backend, smallm_available
+from pipeline.policy.checks import check_policy_options
+from pipeline.policy.mixed import MixedSchedule, RecycledTokens, SharedSources, SourceStats, merge_paths
+from pipeline.prompts import chat_input_ids
+
+from test_trees import PROMPTS, calibration, flat_costs, tree_schedule
+
+needs_smallm = pytest.mark.skipif(not smallm_available(), reason="the smallm kernel does not build on this CPU")
+
+
+# ------------------------------------------------------------------------------------------------
+# the n-gram index
+# ------------------------------------------------------------------------------------------------
+def brute_lookup(seq: list[int], max_n: int, keep: int, max_len: int, branches: int) -> list[tuple[list[int], int]]:
+    """What ``NgramIndex.lookup`` over one segment ``seq`` (its own last token the query) should return."""
+    end_now = len(seq) - 1
+    out, firsts = [], set()
+    for n in range(min(max_n, len(seq)), 0, -1):
+        key = seq[-n:]
+        ends = [e for e in range(n - 1, len(seq)) if seq[e - n + 1: e + 1] == key][-keep:]
+        for e in reversed(ends):
+            if e == end_now or e + 1 >= len(seq):
+                continue
+            tokens = seq[e + 1: e + 1 + max_len]
+            if tokens[0] in firsts:
+                continue
+            firsts.add(tokens[0])
+            m = n
+            while m < MATCH_CAP and m < len(seq) and e - m >= 0 and seq[-1 - m] == seq[e - m]:
+                m += 1
+            out.append((tokens, m))
+            if len(out) >= branches:
+                return out
+    return out
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(seq=st.lists(st.integers(0, 5), min_size=1, max_size=60), max_n=st.integers(1, 4), keep=st.integers(1, 3),
+       max_len=st.integers(1, 8), branches=st.integers(1, 3), split=st.integers(0, 60))
+def test_ngram_lookup_is_the_brute_force_scan(seq, max_n, keep, max_len, branches, split):
+    index = NgramIndex(max_n, keep)
+    sid = index.new_segment(seq[:split])  # indexed in two appends: the result does not depend on how
+    index.extend(sid, seq[split:])
+    got = index.lookup(seq, max_len, branches, exclude=(sid, len(seq) - 1))
+    assert [(c.tokens, c.match) for c in got] == brute_lookup(seq, max_n, keep, max_len, branches)
+
+
+def test_ngram_segments_do_not_match_across_and_the_bound_holds():
+    index = NgramIndex(3, keep=2, max_tokens=50)
+    a = index.new_segment([1, 2, 3])
+    b = index.new_segment([4, 5, 6])
+    assert [(c.tokens, c.match) for c in index.lookup([3, 4], 4)] == [([5, 6], 1)]  # 3, 4 spans two segments: no match
+    assert all(c.tokens[0] != 4 for c in index.lookup([2, 3], 4))  # 3 ends segment a: nothing after it
+    for i in range(20):
+        index.new_segment(list(range(100 + 10 * i, 110 + 10 * i)))
+    assert index.tokens_held <= 50 and a not in index.segments and b not in index.segments
+    last = max(index.segments)
+    assert index.lookup([290, 291], 3)[0].tokens == [292, 293, 294] and last in index.segments
+    with pytest.raises(ValueError, match="max_tokens >= 1"):
+        NgramIndex(3, 2, max_tokens=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# the merged tree
+# ------------------------------------------------------------------------------------------------
+def _paths(tree: DraftTree) -> set[tuple[int, ...]]:
+    out = set()
+    for j in range(len(tree)):
+        path, p = [], j
+        while p >= 0:
+            path.append(tree.tokens[p])
+            p = tree.parents[p]
+        out.add(tuple(reversed(path)))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_merged_tree_holds_each_source_chain(seed):
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    candidates = torch.stack([torch.randperm(9, generator=g)[:4] + 3 for _ in range(4)])  # distinct at each depth
+    drafted = grow(candidates, depth_exclusive(torch.rand(4, 4, generator=g).sort(dim=1, descending=True).values), 8)
+    chains = []
+    for _ in range(3):
+        tokens = [rng.randrange(3, 12) for _ in range(rng.randrange(1, 6))]
+        if rng.random() < 0.5 and len(drafted):  # one that shares the drafter's first branch
+            tokens[0] = drafted.tokens[0]
+        chains.append((tokens, [rng.uniform(0.1, 0.9) for _ in tokens], [("ngram", 3, d) for d in range(len(tokens))]))
+    merged, tags = merge_paths(drafted, chains, 64)
+    paths = _paths(merged)
+    for tokens, _, _ in chains:
+        assert tuple(tokens) in paths  # each chain is a path from the root
+    assert _paths(drafted) <= paths  # and so is every branch of the drafter's tree
+    assert len(paths) == len(merged)  # one node per distinct path: shared prefixes merged
+    for j, p in enumerate(merged.parents):
+        assert p < j  # parents first
+        assert merged.depths[j] == (1 if p < 0 else merged.depths[p] + 1)
+        if p >= 0:
+            assert merged.values[j] <= merged.values[p] + 1e-12
+    assert merged.values == sorted(merged.values, reverse=True)
+    conds = {}
+    for j, p in enumerate(merged.parents):
+        conds.setdefault(p, 0.0)
+        conds[p] += merged.values[j] / (1.0 if p < 0 else merged.values[p])
+    assert all(v <= 1.0 + 1e-9 for v in conds.values())
+    assert sum(len(t) for t in tags) == sum(len(c[0]) for c in chains)  # every chain node tagged once
+    small, _ = merge_paths(drafted, chains, 5)
+    assert len(small) <= 5 and all(p < j for j, p in enumerate(small.parents))
+
+
+def test_source_stats_converge_to_the_observed_rate():
+    stats = SourceStats()
+    rng = random.Random(0)
+    for _ in range(4000):
+        stats.observe("ngram", 4, 1, rng.random() < 0.7)
+        stats.observe("ngram", 1, 2, rng.random() < 0.2)
+    assert abs(stats.estimate("ngram", 4, 1) - 0.7) < 0.05
+    assert abs(stats.estimate("ngram", 1, 2) - 0.2) < 0.05
+    assert stats.estimate("cache", 2, 1) == pytest.approx(SourceStats.prior("cache", 2))  # nothing seen: the prior
+
+
+def test_recycled_candidates_are_the_targets_top_k():
+    recycled = RecycledTokens(10, k=2)
+    logits = torch.tensor([[0.0, 5, 1, 0, 0, 0, 0, 0, 0, 4], [9.0, 0, 0, 0, 0, 0, 8, 0, 0, 0]])
+    recycled.update([3, 1], logits)
+    assert recycled.table[3].tolist() == [1, 9] and recycled.table[1].tolist() == [0, 6]
+    chains = recycled.chains(3, (2, 1), room=4)  # 3 -> {1, 9}; 1 -> 0; 9 -> nothing yet
+    assert sorted(chains) == [([1, 0], [0, 0]), ([9], [1])]
+
+
+# ------------------------------------------------------------------------------------------------
+# the method on a real decoder
+# ------------------------------------------------------------------------------------------------
+def mixed_schedule(shared: SharedSources, sources=("drafter", "ngram", "cache", "recycle"), block_size: int = 8):
+    return MixedSchedule(calibration(), flat_costs(lambda q: 10.0 + 0.1 * q), block_size, shared, sources=sources,
+                         skip_drafts=True, max_nodes=12)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("backend", ["eager", "smallm"])
+def test_mixed_is_lossless(trained_decoder, backend, temperature):
+    if backend == "smallm" and not smallm_available():
+        pytest.skip("the smallm kernel does not build on this CPU")
+    decoder = SpeculativeDecoder(trained_decoder.target, trained_decoder.drafter, backend=backend)
+    shared = SharedSources(1000, 4, decoder.lm_head.shape[0])
+    try:
+        config = DecodeConfig(max_new_tokens=40, temperature=temperature, seed=7)
+        nodes = 0
+        for text in PROMPTS * 2:  # the second round reads the suffix cache of the first
+            ids = chat_input_ids(decoder.target.tokenizer, [text])
+            reference = decoder.generate(ids, 1, config).output_ids
+            for sources in (("drafter", "ngram", "cache", "recycle"), ("ngram", "cache")):
+                stats = decoder.generate(ids, mixed_schedule(shared, sources), config)
+                assert stats.output_ids == reference, f"mixed {sources} diverges from ar on {text!r} ({backend}, T={temperature})"
+                nodes += sum(len(t) for t, _ in stats.trees)
+                assert all(len(path) + 1 == tau for (_, path), tau in zip(stats.trees, stats.taus))
+        assert nodes > 50  # trees really ran
+        assert set(shared.stats.summary()) >= {"ngram", "recycle"}
+    finally:
+        set_backend(trained_decoder.target.model, "eager")
+        set_backend(trained_decoder.drafter, "eager")
+
+
+@needs_smallm
+def test_trees_and_mixed_in_a_batched_step_equal_each_request_alone(tiny, restore_eager):
+    """The one step with N requests: every request's tree (the drafter's, and every source's merged) verified in one
+    target forward with per-row ancestors, each request's text its ``ar`` text."""
+    decoder = SpeculativeDecoder(tiny.target("llama"), tiny.drafter("llama", "trained"), backend="smallm")
+    tok = decoder.target.tokenizer
+    prompts = [torch.tensor([tok(t)["input_ids"]]) for t in PROMPTS + ["def fib(n): return fib(n - 1) + fib(n - 2)"]]
+    configs = [DecodeConfig(30), DecodeConfig(21), DecodeConfig(17, 1.0, 3), DecodeConfig(26)]
+    ar = [decoder.generate(p, 1, c).output_ids for p, c in zip(prompts, configs)]
+    shared = SharedSources(1000, 4, decoder.lm_head.shape[0])
+    for make in (lambda: tree_schedule(), lambda: mixed_schedule(shared)):
+        got = decode_all(decoder, prompts, [make() for _ in prompts], configs, [0.0] * len(prompts))
+        assert [r.stats.output_ids for r in got] == ar
+        assert sum(len(t) for r in got for t, _ in r.stats.trees) > 20
+
+
+def test_bad_mixed_options_are_refused_before_any_model_loads():
+    def check(**mixed):
+        check_policy_options(OmegaConf.create({"policy": {"mixed": mixed}}))
+
+    check(sources=["ngram", "cache"], max_n=4, branches=2, cache_tokens=0 + 1)
+    for bad, match in ((dict(sources=["ngrams"]), "choose one or more of"), (dict(sources=[]), "choose one or more"),
+                       (dict(max_n=0), "max_n=0"), (dict(branches=0), "branches=0"),
+                       (dict(cache_tokens=-1), "cache_tokens=-1"),
+                       (dict(sources=["cache"], cache_tokens=0), "bound of >= 1 token"),
+                       (dict(max_nodes=40), "1..15"), (dict(max_skip=-2), "max_skip=-2")):
+        with pytest.raises(ValueError, match=match):
+            check(**bad)
