@@ -892,7 +892,10 @@ torch::Tensor attend_rows(torch::Tensor q, c10::optional<torch::Tensor> k_new, c
         if (static_cast<int64_t>(acc.size()) < nq * D) acc.resize(nq * D);
         const float* kp = k.data_ptr<float>() + kh * k.stride(0);
         const float* vp = v.data_ptr<float>() + kh * v.stride(0);
-        if (D == 64)
+        if (nq == 1) {  // one row: its query and output stay in registers (attend_row_fixed)
+          if (D == 64) attend_row_fixed<8>(qs[0], kp, k.stride(1), vp, v.stride(1), ns[0], sc, scores.data(), outs[0], slots[0]);
+          else attend_row_fixed<16>(qs[0], kp, k.stride(1), vp, v.stride(1), ns[0], sc, scores.data(), outs[0], slots[0]);
+        } else if (D == 64)
           attend_queries_fixed<8>(qs.data(), nq, kp, k.stride(1), vp, v.stride(1), shared, ns.data(), slots.data(), sc,
                                   scores.data(), longest, outs.data(), acc.data());
         else
