@@ -71,13 +71,13 @@ def draft(forward, states: Sequence, sizes: Sequence[int]) -> list[torch.Tensor]
 
 @torch.inference_mode()
 def verify(forward, states: Sequence, samplers: Sequence[PositionKeyedSampler], trees: Sequence[DraftTree]
-           ) -> list[tuple[list[int], list[int], torch.Tensor]]:
+           ) -> list[tuple[list[int], list[int], tuple[torch.Tensor, list[int]]]]:
     """ONE target forward over every request's tree (the pending token, then its nodes), then each request's accepted
     path, bonus token, caches and features (module doc, step 4); advances each state.
 
     Returns:
-        per request (new tokens in order: the accepted nodes' tokens and the bonus token, the accepted nodes, the
-        target's logits [len(path) + 1, V] at the pending token and each accepted node).
+        per request (new tokens in order: the accepted nodes' tokens and the bonus token, the accepted nodes, and
+        (the verify's logits [rows, V], the rows of the pending token and of each accepted node)).
     """
     dec = forward.decoder
     ids = [torch.tensor([[s.pending, *t.tokens]], dtype=torch.long, device=dec.device) for s, t in zip(states, trees)]
@@ -97,7 +97,7 @@ def verify(forward, states: Sequence, samplers: Sequence[PositionKeyedSampler], 
             s.add_features(features[:, rows])
         s.start += len(rows)
         s.pending = bonus
-        results.append(([tree.tokens[j] for j in path] + [bonus], path, logits[rows]))
+        results.append(([tree.tokens[j] for j in path] + [bonus], path, (logits, rows)))
     return results
 
 
@@ -188,13 +188,13 @@ def advance(forward, policy: BatchPolicy, reqs: Sequence) -> tuple[list[list[int
     pendings = [r.state.pending for r in reqs]
     results = verify(forward, [r.state for r in reqs], [r.sampler for r in reqs], trees)
     news = []
-    for i, (r, (new, path, logits)) in enumerate(zip(reqs, results)):
+    for i, (r, (new, path, (logits, rows))) in enumerate(zip(reqs, results)):
         s = r.state
         s.last_width, s.last_confidence = len(trees[i]), confidences[i]
         tree_step = r.schedule.chooses_trees
         s.last_tree, s.last_path = (trees[i], path) if tree_step else (None, None)
         if r.schedule.proposes:
-            r.schedule.verified(trees[i], path, [pendings[i], *new[:-1]], logits)
+            r.schedule.verified(trees[i], path, [pendings[i], *new[:-1]], logits[rows])
         news.append(new)
     shape = StepShape(sum(len(t) + 1 for t in trees), sum(sizes[i] for i in drafting), n, len(drafting))
     return news, sizes, shape

@@ -135,7 +135,7 @@ class BatchedForward:
         cuts = [0]
         for s in sizes:
             cuts.append(cuts[-1] + s)
-        h = base.embed_tokens(torch.cat([ids[i] for i in batch], dim=1))
+        h = base.embed_tokens(ids[batch[0]] if len(batch) == 1 else torch.cat([ids[i] for i in batch], dim=1))
         kernel = fast.attention == "kernel"
         masks, rope = [], []
         for j, i in enumerate(batch):
@@ -147,7 +147,8 @@ class BatchedForward:
                              else tree_mask(parents[i], caches[i].get_seq_length(), hj.dtype, h.device))
             rope.append(base.rotary_emb(hj, position_ids=positions))
         if kernel:  # every request's cos/sin side by side: the rotation is element-wise, so per row as alone
-            cos_all, sin_all = (torch.cat([r[0] for r in rope], dim=1), torch.cat([r[1] for r in rope], dim=1))
+            cos_all, sin_all = rope[0] if len(rope) == 1 else (torch.cat([r[0] for r in rope], dim=1),
+                                                               torch.cat([r[1] for r in rope], dim=1))
         keep = any(want_features[i] for i in batch)
         kind = packed_kind(base)
         done = fast.run_native(h, cos_all, sin_all, [caches[i] for i in batch], sizes, kind, keep, tree) if kernel else None

@@ -863,7 +863,12 @@ torch::Tensor attend_rows(torch::Tensor q, c10::optional<torch::Tensor> k_new, c
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  if (D == 64 || D == 128) {  // one unit per (request, head): its rows share the reads of the cached context
+  // one unit per (request, head) where each request's rows share a cached context at least twice their number (a
+  // verify, a draft block): its rows read the context once; else (a prompt's chunk) one unit per (row, head)
+  bool grouped = D == 64 || D == 128;
+  for (int64_t i = 0; i < N && grouped; ++i)
+    grouped = rows[i] <= 1 || (causal ? lengths[i] - rows[i] : lengths[i]) >= 2 * rows[i];
+  if (grouped) {
     at::parallel_for(0, N * Hq, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores, acc;
       std::vector<const float*> qs;
