@@ -350,6 +350,14 @@ MISSING = ("error", "skip")
 _WARNED: set[str] = set()
 
 
+_SKIPPED: dict[str, str] = {}
+
+
+def skipped_sets() -> dict[str, str]:
+    """``{set name: why}`` of every prompt set this process left out (``data.missing=skip``), for results files."""
+    return dict(_SKIPPED)
+
+
 def load_prompt_sets(sets: Iterable[dict], limit_per_set: int | None = None, seed: int | None = None,
                      offset: int = 0, missing: str = "error", skipped_to: str | None = None) -> list[Prompt]:
     """Concatenate several sets, each given as ``{"name", "source"[, "hub", "limit", "by_category", "categories"]}``
@@ -386,6 +394,7 @@ def load_prompt_sets(sets: Iterable[dict], limit_per_set: int | None = None, see
                 raise PromptSetUnavailable(f"{err} (or run with data.missing=skip to go on without this set)") from None
             skipped.append(s)
             reasons.append(str(err))
+            _SKIPPED.setdefault(str(s.get("name")), str(err))
             if str(err) not in _WARNED:
                 _WARNED.add(str(err))
                 log.warning("skipping a prompt set (data.missing=skip): %s", err)

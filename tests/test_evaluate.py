@@ -446,6 +446,7 @@ def test_demo_runs_to_the_end_on_a_fresh_clone_without_shared_data_or_hub(tmp_pa
     assert "BLOCKPILOT_SHARED_DATA=" in log
     results = json.loads((tmp_path / "data" / "eval" / "demo" / "results.json").read_text())
     assert list(results["per_set"]) == ["humaneval"] and set(results["methods"]) == {"ar", "fixed", "verify_width"}
+    assert sorted(results["skipped_sets"]) == ["gsm8k", "math500", "mbpp", "mt_bench"]  # named in results.json too
     assert (tmp_path / "data" / "eval" / "demo" / "results.md").exists()
     assert (tmp_path / "data" / "eval" / "demo" / "speedup.png").exists()
     (summary_file,) = (tmp_path / "wandb").rglob("files/blockpilot-summary.json")

@@ -33,7 +33,7 @@ from pipeline.evaluation.resume import RowLog, row_settings
 from pipeline.evaluation.stats import speed_gains, summarize_all
 from pipeline.decoding.build import build_decoder
 from pipeline.policy.registry import METHODS, check_methods
-from pipeline.prompts import Prompt, set_chat_template_kwargs, template_kwargs_of
+from pipeline.prompts import Prompt, set_chat_template_kwargs, skipped_sets, template_kwargs_of
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +233,8 @@ def collect_results(cfg: DictConfig, methods: list[str], prompts: list[Prompt], 
 
     results = {"config": OmegaConf.to_container(cfg.decode, resolve=True), "split": split,
                "shared_decodes": runner.reused, "provenance": provenance(cfg),
-               "skipped": skipped, "methods": summarize_all(rows, methods, reference, boot, shares), "per_set": {},
+               "skipped": skipped, "skipped_sets": skipped_sets(),
+               "methods": summarize_all(rows, methods, reference, boot, shares), "per_set": {},
                "forward_path": decoder.forward_path()}  # the backend that ran and whether it is batch-invariant
     for source_set in sorted({r["source_set"] for r in rows["ar"]}):
         subset = {m: [r for r in rows[m] if r["source_set"] == source_set] for m in methods}
