@@ -353,9 +353,10 @@ _WARNED: set[str] = set()
 _SKIPPED: dict[str, str] = {}
 
 
-def skipped_sets() -> dict[str, str]:
-    """``{set name: why}`` of every prompt set this process left out (``data.missing=skip``), for results files."""
-    return dict(_SKIPPED)
+def skipped_sets(names: Iterable[str]) -> dict[str, str]:
+    """``{set name: why}`` of the sets among ``names`` (a run's configured sets) that this process left out
+    (``data.missing=skip``), for results files."""
+    return {n: _SKIPPED[n] for n in names if n in _SKIPPED}
 
 
 def load_prompt_sets(sets: Iterable[dict], limit_per_set: int | None = None, seed: int | None = None,

@@ -89,10 +89,7 @@ def verify(forward, states: Sequence, samplers: Sequence[PositionKeyedSampler], 
         targets = sampler.pick_at(logits, [s.start + 1 + d for d in tree.row_depths()]).tolist()
         path, bonus = tree.walk(targets)
         rows = [0] + [j + 1 for j in path]
-        if rows == list(range(len(rows))):
-            crop_to(s.cache, s.start + len(rows))
-        else:
-            compact(s.cache, s.start, rows)
+        compact(s.cache, s.start, rows)  # a chain's accepted rows are a prefix: a crop
         if s.draft_cache is not None:
             s.add_features(features[:, rows])
         s.start += len(rows)

@@ -233,7 +233,7 @@ def collect_results(cfg: DictConfig, methods: list[str], prompts: list[Prompt], 
 
     results = {"config": OmegaConf.to_container(cfg.decode, resolve=True), "split": split,
                "shared_decodes": runner.reused, "provenance": provenance(cfg),
-               "skipped": skipped, "skipped_sets": skipped_sets(),
+               "skipped": skipped, "skipped_sets": skipped_sets(str(s.name) for s in cfg.data.sets),
                "methods": summarize_all(rows, methods, reference, boot, shares), "per_set": {},
                "forward_path": decoder.forward_path()}  # the backend that ran and whether it is batch-invariant
     for source_set in sorted({r["source_set"] for r in rows["ar"]}):

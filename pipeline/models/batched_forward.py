@@ -127,8 +127,9 @@ class BatchedForward:
                                                 parents=parents[i])
         if not batch:
             return results
-        tree = [p for i in batch for p in (parents[i] if parents[i] is not None else range(-1, ids[i].shape[1] - 1))]
-        tree = tree if any(parents[i] is not None for i in batch) else None
+        tree = None  # every row's parent among its request's rows, where any request verifies a tree
+        if any(parents[i] is not None for i in batch):
+            tree = [p for i in batch for p in (parents[i] if parents[i] is not None else range(-1, ids[i].shape[1] - 1))]
         fast = dec.fast
         base = fast.base
         sizes = [ids[i].shape[1] for i in batch]

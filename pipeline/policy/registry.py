@@ -307,9 +307,7 @@ def _mixed(ctx: Context):
                            int(ctx.decoder.lm_head.shape[0]) if "recycle" in sources else None)
     calibration, latency = ctx.inputs.calibration, ctx.inputs.latency
     MixedSchedule(calibration, latency, b, shared, **options)  # raises for a bad option
-    factory = Factory(lambda: MixedSchedule(calibration, latency, b, shared, **options))
-    factory.shared = shared
-    return factory
+    return Factory(lambda: MixedSchedule(calibration, latency, b, shared, **options))
 
 
 def tree_max_nodes(options: Mapping, decoder, without_drafter: int = 2) -> int:

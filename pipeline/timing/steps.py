@@ -317,7 +317,6 @@ def step_figures(decoder, length: int, widths, block_sizes, pending: int, repeat
         raise ValueError(f"context {length} (+ {widest}) does not fit the target's {decoder.max_context} positions")
     for b in block_sizes:
         decoder.check_block_size(b)
-    device = decoder.device
     ids = random_ids(decoder, length + widest, torch.Generator().manual_seed(seed))
     sampler = PositionKeyedSampler(0.0, seed, decoder.lm_head.shape[0])
     cache, _, features = prefill(decoder, ids[:, :length])
