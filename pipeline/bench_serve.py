@@ -9,7 +9,7 @@ its ``options``, ``pipeline.peers.vllm_server.VllmServer``) is started in turn o
 prompts, client and token counts; vLLM's acceptance comes from its ``/metrics`` counters. Three parts, in order:
 1. identity: the first ``data.limit`` prompts of ``data`` (HumanEval by default) as chat completions at
    T=0, streamed and not; each text must equal the eval stage's ``ar`` decode of the same prompt
-   (``decode_prompt`` with B=1, run in this process) token for token (``blockpilot.token_ids``), and the
+   (``decode_prompt`` with B=1, run in this process on the server's own ``model.*`` args) token for token (``blockpilot.token_ids``), and the
    response must carry the chosen B and tau;
 2. load: at every concurrency c of ``bench.concurrency``, ``bench.requests`` streamed requests through c
    client threads (closed loop, or Poisson arrivals at ``bench.rate`` per second): tokens/s (completion tokens / wall
@@ -25,7 +25,7 @@ import json
 import logging
 import os
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pipeline.cli import stage
 from pipeline.config_checks import validate_config
@@ -51,24 +51,38 @@ def bench_serve(cfg: DictConfig) -> dict:
 
     b = cfg.bench
     prompts = load_prompt_sets(cfg.data.sets, cfg.data.limit, cfg.data.seed, cfg.data.get("offset", 0))
-    references = load_references = tokenizer = None
-    if b.identity:
-        decoder = build_decoder(cfg.model)  # the eval stage's `ar` decode, in this process, before any load
-
-        def ar(max_tokens: int) -> list[list[int]]:
-            config = DecodeConfig(int(max_tokens), 0.0, int(cfg.decode.seed))
-            return [decode_prompt(decoder, p, lambda: FixedSchedule(1), config)[0].output_ids for p in prompts]
-
-        references = ar(b.max_tokens)
-        load_references = references if int(b.load_max_tokens) == int(b.max_tokens) else ar(b.load_max_tokens)
-        tokenizer = decoder.target.tokenizer
-        del decoder
     servers = [dict(s) for s in (b.get("servers") or [])] or [{"name": "server", "kind": "blockpilot",
                                                                "args": list(b.server_args)}]
+    known: dict[str, tuple] = {}  # a server's model config (ours: model.* of its args) -> its `ar` references
+
+    def references_of(spec) -> tuple:
+        """(references, load references, tokenizer) of the eval stage's `ar` decode on the server's own model config
+        (its ``model.*`` args: a server on other products, e.g. ``model.precision=exact``, is held to its own ``ar``),
+        in this process, before the server starts; (None, None, None) without ``bench.identity``."""
+        if not b.identity:
+            return None, None, None
+        args = [str(a) for a in spec.get("args") or []] if spec.get("kind", "blockpilot") == "blockpilot" else []
+        model = OmegaConf.merge(cfg.model, OmegaConf.from_dotlist([a[len("model."):] for a in args
+                                                                   if a.startswith("model.")]))
+        key = OmegaConf.to_yaml(model)
+        if key not in known:
+            decoder = build_decoder(model)
+
+            def ar(max_tokens: int) -> list[list[int]]:
+                config = DecodeConfig(int(max_tokens), 0.0, int(cfg.decode.seed))
+                return [decode_prompt(decoder, p, lambda: FixedSchedule(1), config)[0].output_ids for p in prompts]
+
+            references = ar(b.max_tokens)
+            load = references if int(b.load_max_tokens) == int(b.max_tokens) else ar(b.load_max_tokens)
+            known[key] = (references, load, decoder.target.tokenizer)
+            del decoder
+        return known[key]
+
     out: dict = {"max_tokens": int(b.max_tokens), "load_max_tokens": int(b.load_max_tokens),
                  "prompts": [p.id for p in prompts], "servers": {}}
     for spec in servers:
         log.info("bench_serve: server %s (%s)", spec.get("name"), spec)
+        references, load_references, tokenizer = references_of(spec)
         if b.base_url:
             entry = bench_server(cfg, spec, str(b.base_url), dict, prompts, references, load_references, tokenizer)
         else:

@@ -62,24 +62,41 @@ def build_recorder(cfg: DictConfig, decoder):
                     int(cfg.serve.record_flush_every))
 
 
-def sources(cfg: DictConfig):
+def release_weights(cfg: DictConfig, decoder) -> None:
+    """With ``serve.release_weights`` (on by default), free the float32 weights the decoder's native forward never reads
+    (``pipeline.models.release.release_unused_weights``: transformers' layers, the drafter's, their packed copies, the
+    float32 embedding where the LM head's q8 rows give its values); the drafter's are kept with ``serve.record`` (the
+    replay runs its own forward). Off the native stack nothing is released (logged)."""
+    from pipeline.models.release import release_unused_weights, unreleasable
+
+    if not cfg.serve.get("release_weights", True):
+        return
+    reason = unreleasable(decoder)
+    if reason is not None:
+        log.info("serve.release_weights: every weight kept: %s", reason)
+        return
+    release_unused_weights(decoder, keep_drafter=bool(cfg.serve.record))
+
+
+def sources(cfg: DictConfig, max_batch: int | None = None):
     """Where the server's policy reads its inputs (``pipeline.policy.setup.Sources``): ``serve.predictor_dir`` (its
     ``verify_width`` calibration, else the drafter's), ``serve.labels_dir`` / ``features_dir`` (best_fixed),
-    ``serve.block_size``, up to ``serve.max_batch`` requests per step."""
+    ``serve.block_size``, up to ``max_batch`` requests per step (None: ``serve.max_batch``, a number)."""
     from pipeline.models.loading import resolve_path
     from pipeline.policy.setup import Sources
 
     s = cfg.serve
     return Sources("serve", resolve_path(str(s.predictor_dir)) if s.get("predictor_dir") else None,
                    s.get("labels_dir"), s.get("features_dir"), s.get("block_size"), "serve.block_size",
-                   str(s.get("target", "tau")), int(s.get("max_batch") or 1),
+                   str(s.get("target", "tau")), int(max_batch or s.get("max_batch") or 1),
                    missing_hint="run make label, make dataset and make train first (or serve.predictor_dir=...)" + run_hint(cfg))
 
 
 def build_engine(cfg: DictConfig, decoder=None, thread=None):
     """The serving engine of ``cfg`` (``conf/serve.yaml``): the decoder (default ``build_decoder(cfg.model)``), the
-    policy from the one method table (``pipeline.policy.setup``, as the eval stage builds it), the recorder, and the run-
-    time check of the policy's cost models; ``serve.max_batch`` requests per step. ``thread``: the single-worker
+    policy from the one method table (``pipeline.policy.setup``, as the eval stage builds it), the recorder, the run-
+    time check of the policy's cost models and the decoder's prefix cache of ``serve.prefix_cache_mb`` MiB
+    (``pipeline.decoding.prefix_cache.prefix_cache_for``); ``serve.max_batch`` requests per step. ``thread``: the single-worker
     executor the engine decodes on (None: its own; ``main`` passes the one this runs on).
 
     Raises:
@@ -89,18 +106,36 @@ def build_engine(cfg: DictConfig, decoder=None, thread=None):
     """
     from pipeline.config_checks import validate_config
     from pipeline.decoding.build import build_decoder
-    from pipeline.policy import setup
+    from pipeline.decoding.prefix_cache import prefix_cache_for
+    from pipeline.policy import registry, setup
     from pipeline.serving.engine import Engine
 
     validate_config(cfg, "serve")
     s = cfg.serve
+    own = decoder is None  # built here for this server's life: release_weights may free what its forward never reads
     decoder = decoder or build_decoder(cfg.model)
-    src, name = sources(cfg), str(s.policy)
-    inputs = setup.load_inputs(cfg, decoder, [name], src)
+    if own:
+        release_weights(cfg, decoder)
+    inputs = registry.PolicyInputs()
+    max_batch = s.get("max_batch") or 1
+    if max_batch == "auto":  # the knee of this machine's batched step costs (measured once, cached)
+        from pipeline.costs.batched import knee
+
+        limit = int(s.get("max_batch_limit", 64))
+        src = sources(cfg, limit)
+        setup.load_batch_costs(inputs, decoder, setup.policy_options(cfg), cfg.model,
+                               setup.drafted_block_size(cfg, decoder, src), limit, int(cfg.get("seed", 0)))
+        max_batch = knee(inputs.batch_costs, limit)
+        log.info("serve.max_batch=auto: %d requests per step (the knee of this machine's batched step costs, up to %d)",
+                 max_batch, limit)
+    src, name = sources(cfg, int(max_batch)), str(s.policy)
+    inputs = setup.load_inputs(cfg, decoder, [name], src, inputs)
     policy = setup.build_methods(cfg, decoder, inputs, [name], src)[name]
+    decoder.prefix_cache = prefix_cache_for(decoder, s.get("prefix_cache_mb") or 0)
     return Engine(decoder, policy, str(s.model_name), int(s.max_queue), int(s.default_max_tokens), int(s.max_tokens),
                   int(cfg.decode.seed), build_recorder(cfg, decoder), float(cfg.decode.temperature),
-                  max_batch=src.max_requests, thread=thread, watch=setup.CostWatch(cfg, decoder, inputs, src))
+                  max_batch=src.max_requests, thread=thread, watch=setup.CostWatch(cfg, decoder, inputs, src, defer=True),
+                  kv_budget=int(float(s.get("kv_cache_mb") or 0) * 2**20) or None)
 
 
 def start_engine(cfg: DictConfig, thread=None):
@@ -108,11 +143,17 @@ def start_engine(cfg: DictConfig, thread=None):
     engine then decodes on."""
     from pipeline.decoding import DecodeConfig
     from pipeline.prompts import messages_input_ids
+    from pipeline.serving.metrics import reset_peak_resident
 
     engine = build_engine(cfg, thread=thread)
     if cfg.serve.get("warmup", True):
         ids = messages_input_ids(engine.tokenizer, [{"role": "user", "content": "Hello"}])
-        engine.decoder.generate(ids, engine.policy(), DecodeConfig(8, 0.0, 0))
+        prefixes, engine.decoder.prefix_cache = engine.decoder.prefix_cache, None  # not a request: not stored or counted
+        try:
+            engine.decoder.generate(ids, engine.policy(), DecodeConfig(8, 0.0, 0))
+        finally:
+            engine.decoder.prefix_cache = prefixes
+    reset_peak_resident()  # the peak /health and /metrics report: the serving one, from here
     return engine
 
 

@@ -145,7 +145,8 @@ def tiny_overrides(run: dict) -> list[str]:
     """Hydra overrides that point the eval/dataset/train configs at a tiny run."""
     return [f"paths.data={run['data']}", f"run_name={RUN}", "logger.enabled=false", f"model.target={run['target']}",
             f"model.drafter={run['drafter']}", f"model.candidates={CANDIDATES}", f"decode.max_new_tokens={MAX_NEW_TOKENS}",
-            "data=humaneval", "data.seed=null", sets_override(run["sets"]), "eval.warmup=false"]
+            "data=humaneval", "data.seed=null", sets_override(run["sets"]), "eval.warmup=false",
+            "model.precision=exact"]
 
 
 def sets_override(sets: list[dict]) -> str:

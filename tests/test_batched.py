@@ -352,7 +352,7 @@ def test_real_target_batched_methods_equal_batch1_ar(compose_config):
 
     drafter_dir = PROJECT_ROOT / "data" / "drafters" / "smollm2-135m-instruct-dflash-b8"
     require((drafter_dir / "config.json").exists(), "the shipped drafter is not there (make draft)")
-    decoder = build_decoder(compose_config("evaluate").model)
+    decoder = build_decoder(compose_config("evaluate", ["model.precision=exact"]).model)
     assert decoder.backend == "smallm" and BatchedForward(decoder).exact
     prompts = [chat_input_ids(decoder.target.tokenizer, p.turns) for p in load_prompt_set("humaneval", limit=4)]
     configs = [DecodeConfig(24), DecodeConfig(16), DecodeConfig(24, 0.8, 5), DecodeConfig(20)]

@@ -23,13 +23,14 @@ def test_our_extension_and_vllms_metrics_are_read_alike():
 
 
 def test_the_table_has_a_row_per_server():
-    level = {"concurrency": 1, "tokens_per_s": 30.0, "exact_match": 1.0, "tau": 1.4}
-    result = {"servers": {"ours": {"load": [level, {**level, "concurrency": 8, "tokens_per_s": 80.0}]},
+    level = {"concurrency": 1, "tokens_per_s": 30.0, "exact_match": 1.0, "tau": 1.4, "ttft_ms": {"p99": 120.4}}
+    health = {"forward_path": {"precision": "int8"}, "max_batch": 24}  # what ran, from the server's /health
+    result = {"servers": {"ours": {"load": [level, {**level, "concurrency": 8, "tokens_per_s": 80.0}], "server": health},
                           "vllm_ar": {"load": [{**level, "tokens_per_s": 16.0, "tau": None}]}}}
     table = markdown(result).splitlines()
-    assert table[0] == "| server | c=1 tokens/s (exact, tau) | c=8 tokens/s (exact, tau) |"
-    assert table[2] == "| ours | 30.0 (1.00, 1.40) | 80.0 (1.00, 1.40) |"
-    assert table[3] == "| vllm_ar | 16.0 (1.00, -) |  |"
+    assert table[0] == "| server | c=1 tokens/s (exact, tau, TTFT p99 ms) | c=8 tokens/s (exact, tau, TTFT p99 ms) |"
+    assert table[2] == "| ours (int8, max_batch 24) | 30.0 (1.00, 1.40, 120) | 80.0 (1.00, 1.40, 120) |"
+    assert table[3] == "| vllm_ar | 16.0 (1.00, -, 120) |  |"
 
 
 def test_one_running_server_cannot_be_benchmarked_as_several():

@@ -132,6 +132,18 @@ def test_a_merged_tree_holds_each_source_chain(seed):
         conds[p] += merged.values[j] / (1.0 if p < 0 else merged.values[p])
     assert all(v <= 1.0 + 1e-9 for v in conds.values())
     assert sum(len(t) for t in tags) == sum(len(c[0]) for c in chains)  # every chain node tagged once
+    # each node's sources: "ngram" where a chain's path runs through it, "drafter" where the drafter's tree does
+    for j in range(len(merged)):
+        path, p = [], j
+        while p >= 0:
+            path.append(merged.tokens[p])
+            p = merged.parents[p]
+        path = tuple(reversed(path))
+        expected = ({"ngram"} if any(tuple(c[0][: len(path)]) == path for c in chains) else set()) | (
+            {"drafter"} if path in _paths(drafted) else set())
+        assert set(merged.sources[j]) == expected, (j, path)
+    counts = merged.source_counts([0]) if len(merged) else {}
+    assert sum(v[1] for v in counts.values()) == len(merged.sources[0]) if len(merged) else counts == {}
     small, _ = merge_paths(drafted, chains, 5)
     assert len(small) <= 5 and all(p < j for j, p in enumerate(small.parents))
 
@@ -182,6 +194,13 @@ def test_mixed_is_lossless(trained_decoder, backend, temperature):
                 assert stats.output_ids == reference, f"mixed {sources} diverges from ar on {text!r} ({backend}, T={temperature})"
                 nodes += sum(len(t) for t, _ in stats.trees)
                 assert all(len(path) + 1 == tau for (_, path), tau in zip(stats.trees, stats.taus))
+                recount = {}  # the per-source split, counted again from the verified trees and their accepted paths
+                for tree, path in stats.trees:
+                    for j, names in enumerate(tree.sources if tree.sources is not None else [("drafter",)] * len(tree)):
+                        for name in names:
+                            row = recount.setdefault(name, [0, 0])
+                            row[0], row[1] = row[0] + 1, row[1] + (j in path)
+                assert stats.sources == recount and set(recount) <= set(sources)
         assert nodes > 50  # trees really ran
         assert set(shared.stats.summary()) >= {"ngram", "recycle"}
     finally:

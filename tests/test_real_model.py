@@ -44,8 +44,8 @@ def test_shipped_drafter_is_lossless_on_humaneval(smollm2, compose_config):
     require((SHIPPED_DRAFTER / "config.json").exists(),
             f"{SHIPPED_DRAFTER.relative_to(PROJECT_ROOT)} is not there yet (train it with `make draft`)")
     # the default eval config: the embedded target + the shipped drafter (relative path, resolved from the
-    # root) on the CPU default backend (model.backend=auto -> smallm on this AVX2 CPU)
-    decoder = build_decoder(compose_config("evaluate").model)
+    # root) on the CPU default backend (model.backend=auto -> smallm on this AVX2 CPU), exact products (the reference)
+    decoder = build_decoder(compose_config("evaluate", ["model.precision=exact"]).model)
     assert decoder.drafter.block_size == 8 and decoder.drafter.max_block_size == 16
     assert decoder.backend == "smallm" and module_backend(decoder.target.model) == "smallm"
     config = DecodeConfig(max_new_tokens=32)

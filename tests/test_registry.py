@@ -40,7 +40,8 @@ def serve_config(run: dict, policy: str, *overrides: str):
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         return compose("serve", overrides=[f"paths.data={run['data']}", f"run_name={RUN}", f"model.target={run['target']}",
                                            f"model.drafter={run['drafter']}", f"model.candidates={CANDIDATES}",
-                                           f"serve.policy={policy}", "serve.warmup=false", *overrides])
+                                           f"serve.policy={policy}", "serve.warmup=false", "serve.max_batch=8",
+                                           *overrides])
 
 
 def trace(schedule, vocab: int) -> list:

@@ -163,6 +163,44 @@ def test_bad_requests_get_a_4xx_with_a_message_and_the_server_keeps_serving(clie
     assert client.post(path, json=base).status_code == 200
 
 
+def test_the_kv_cache_bound_refuses_what_cannot_fit_and_admits_the_rest_in_turn(trained_decoder):
+    """``serve.kv_cache_mb``: a request whose prompt + max_tokens needs more KV cache than the whole bound gets a 400
+    naming it; requests that fit one at a time (but not two) are decoded in turn, each the ``ar`` text, and never hold
+    more than the bound together."""
+    ids = chat_input_ids(trained_decoder.target.tokenizer, [PROMPTS[0]])
+    per_request = (ids.shape[-1] + 16) * trained_decoder.kv_bytes_per_token
+    config = trained_decoder.model.config
+    assert trained_decoder.kv_bytes_per_token == (2 * config.num_hidden_layers * config.num_key_value_heads
+                                                  * (config.hidden_size // config.num_attention_heads) * 4)
+    engine = engine_for(trained_decoder, max_batch=4, kv_budget=int(1.5 * per_request))
+    app = create_app(engine)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 16,
+            "return_token_ids": True}
+    held = []
+    step = engine.batch.step
+
+    def watched_step():
+        held.append((len(engine.batch.active), engine.scheduler.kv_reserved))
+        return step()
+
+    engine.batch.step = watched_step
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost", timeout=60) as c:
+            big = await c.post("/v1/chat/completions", json={**body, "max_tokens": 400})
+            return big, await asyncio.gather(*(c.post("/v1/chat/completions", json=body) for _ in range(3)))
+
+    try:
+        big, answers = asyncio.run(scenario())
+    finally:
+        engine.close()
+    assert big.status_code == 400 and "serve.kv_cache_mb" in big.json()["error"]["message"]
+    assert big.json()["error"]["code"] == "kv_cache_exceeded"
+    reference = ar_reference(trained_decoder, PROMPTS[0], 16)
+    assert all(a.status_code == 200 and a.json()["blockpilot"]["token_ids"] == reference for a in answers)
+    assert held and max(n for n, _ in held) == 1 and max(r for _, r in held) <= int(1.5 * per_request)
+
+
 class GatedDecoder:
     """The real decoder whose prefill waits on an event (holds the worker so the queue fills deterministically);
     raises once when ``fail_next`` is set."""
@@ -209,6 +247,7 @@ def test_a_full_queue_answers_503_and_queued_requests_complete(trained_decoder):
         engine.close()
     assert third.status_code == 503 and streamed.status_code == 503
     assert "queue is full" in third.json()["error"]["message"]
+    assert int(third.headers["retry-after"]) >= 1 and int(streamed.headers["retry-after"]) >= 1
     for response in (first, second):
         assert response.status_code == 200 and response.json()["blockpilot"]["token_ids"] == reference
 
@@ -288,6 +327,90 @@ def test_verify_width_policy_serves_the_ar_text_and_needs_its_inputs(tiny_run, t
     engine.close()
     with pytest.raises(ValueError, match="needs calibration, costs"):  # the registry's own check of its inputs
         registry.build("verify_width", registry.Context(trained_decoder, block_size=8, where="serve"))
+
+
+def test_a_stale_cost_model_is_measured_again_only_while_no_request_waits(tiny, tiny_run, trained_decoder, tmp_path,
+                                                                          monkeypatch):
+    """A cost model found stale mid-stream is not measured while the stream runs: on an injected clock that every timed
+    run moves 100 ms on, no gap between the stream's tokens exceeds 3x their median + 50 ms, and the measurement is
+    taken once the server is idle. A measurement that a waiting request interrupts stores nothing and stays pending."""
+    from conftest import SteadyClock
+
+    from pipeline.serving.engine import Job
+    from pipeline.timing import fixture
+
+    costs_dir = tmp_path / "costs"
+    overrides = [f"paths.data={tiny_run['data']}", f"run_name={RUN}", f"model.target={tiny.target_dir('llama')}",
+                 f"model.drafter={tiny.drafter_dir('llama', 'trained')}", f"model.name={MODEL}", "serve.policy=budget",
+                 "serve.warmup=false", "policy.budget.costs.rows=[1,4,8]", "policy.budget.costs.repeats=1",
+                 "policy.budget.costs.context=16", f"policy.budget.costs.cache={costs_dir}", "serve.max_batch=2"]
+    with composed("serve", overrides) as cfg:
+        engine = build_engine(cfg, decoder=trained_decoder)
+    watch = engine.watch
+    assert watch.defer and not watch.pending
+    clock = SteadyClock(tick_ms=100.0)  # a measurement while the stream runs would open a gap of seconds
+    monkeypatch.setattr(fixture, "clock", clock)
+    monitor, forced = watch.monitors["batch"], []
+    observe = monitor.observe
+
+    def stale_once(modelled_ms, observed_ms):  # the first batched step finds the model stale
+        if not forced:
+            forced.append(clock.reads)
+            return "remeasure"
+        return observe(modelled_ms, observed_ms)
+
+    monkeypatch.setattr(monitor, "observe", stale_once)
+    stamps = []
+    ids = chat_input_ids(trained_decoder.target.tokenizer, [PROMPTS[0]])
+    job = Job("stream", ids, DecodeConfig(24, 0.0, 0), on_text=lambda delta: stamps.append(clock()))
+    completion = asyncio.run(engine.run(job))
+    engine.drain()
+    assert forced and completion.output_ids == ar_reference(trained_decoder, PROMPTS[0], 24)
+    gaps = sorted(b - a for a, b in zip(stamps, stamps[1:]))
+    assert len(gaps) >= 3 and gaps[-1] <= 3 * gaps[len(gaps) // 2] + 0.05, gaps
+    assert not watch.pending and clock.reads > len(stamps) + 10  # measured after the stream, while idle
+    engine.close()
+
+    stored = {p: p.stat().st_mtime_ns for p in costs_dir.glob("*.json")}
+    forced.clear()
+    watch.step(10.0, (1, 0, 1, 0))  # stale again: deferred
+    assert set(watch.pending) == {"batch"}
+    checks = []
+    assert not watch.measure_pending(lambda: checks.append(1) or len(checks) > 3)  # a request arrives mid-measurement
+    assert set(watch.pending) == {"batch"} and {p: p.stat().st_mtime_ns for p in costs_dir.glob("*.json")} == stored
+    assert watch.measure_pending(lambda: False) and not watch.pending
+
+
+def test_max_batch_auto_takes_the_knee_of_the_batched_step_costs(tiny, tiny_run, trained_decoder, tmp_path,
+                                                                  steady_clock):
+    """``serve.max_batch=auto`` (the default): the fewest requests reaching 90% of the most tokens/s of this machine's
+    batched step costs; ``knee`` against the throughput curve computed by hand on a model of known shape."""
+    from pipeline.costs.batched import BatchCostModel, knee
+
+    costs = BatchCostModel([1, 256], [4.5, 132.0], [8], [2.0], verify_per_request_ms=0.1)  # verify(R) = 4 + 0.5 R
+    rate = [n / (4.0 + 0.5 * n + 0.1 * (n - 1)) for n in range(1, 65)]
+    assert knee(costs, 64) == next(n for n, r in enumerate(rate, 1) if r >= 0.9 * max(rate)) == 30
+    assert knee(costs, 1) == 1 and knee(BatchCostModel([1, 2], [1.0, 2.0], [8], [2.0]), 64) == 1  # no gain: one
+    with pytest.raises(ValueError, match="limit >= 1"):
+        knee(costs, 0)
+    overrides = [f"paths.data={tiny_run['data']}", f"run_name={RUN}", f"model.target={tiny.target_dir('llama')}",
+                 f"model.drafter={tiny.drafter_dir('llama', 'trained')}", f"model.name={MODEL}", "serve.policy=ar",
+                 "serve.warmup=false", "policy.budget.costs.rows=[1,2,4,8]", "policy.budget.costs.repeats=1",
+                 "policy.budget.costs.context=16", f"policy.budget.costs.cache={tmp_path / 'costs'}",
+                 "serve.max_batch_limit=8"]
+    with composed("serve", overrides) as cfg:
+        assert cfg.serve.max_batch == "auto"
+        engine = build_engine(cfg, decoder=trained_decoder)
+    try:
+        measured = [p for p in (tmp_path / "costs").glob("batch-costs-*.json")]
+        assert len(measured) == 1  # timed once up to serve.max_batch_limit, cached
+
+        stored = BatchCostModel.from_dict(json.loads(measured[0].read_text())["batch_costs"])
+        assert 1 <= engine.max_batch == knee(stored, 8) <= 8
+    finally:
+        engine.close()
+    with composed("serve", [*overrides, "serve.max_batch=0"]) as cfg, pytest.raises(ValueError, match="auto"):
+        build_engine(cfg, decoder=trained_decoder)
 
 
 def test_budget_policy_serves_the_ar_texts_with_widths_chosen_jointly(tiny, tiny_run, trained_decoder, tmp_path,
@@ -383,7 +506,7 @@ def serve_overrides(tiny, record_dir: Path, latency: Path, *extra: str) -> list[
     return [f"model.target={tiny.target_dir('llama')}", f"model.drafter={tiny.drafter_dir('llama', 'trained')}",
             f"model.name={MODEL}", "serve.record=true", f"serve.record_dir={record_dir}", f"serve.latency_path={latency}",
             "serve.record_flush_every=2", f"label.block_sizes={CANDIDATES}".replace(" ", ""), "label.topk=16",
-            "serve.default_max_tokens=24", "serve.policy=fixed", *extra]
+            "serve.default_max_tokens=24", "serve.policy=fixed", "serve.max_batch=8", *extra]
 
 
 def test_recorded_requests_are_the_label_stages_rows_and_feed_the_dataset_stage(tiny, trained_decoder, tmp_path):

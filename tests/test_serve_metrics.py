@@ -99,6 +99,14 @@ def test_metrics_counters_are_the_sums_of_the_responses_speculative_decoding(tra
                                    if i < len(s["num_accepted_tokens_per_pos"]))
     assert positions[0] <= value(samples, "vllm:spec_decode_num_drafts_total")
     assert sum(positions.values()) == value(samples, "vllm:spec_decode_num_accepted_tokens_total")
+    # by draft source: a fixed B's chains are the drafter's; the counters are the responses' sums
+    for s in specs:
+        assert s["by_source"] == ({"drafter": {"num_draft_tokens": s["num_draft_tokens"],
+                                               "num_accepted_tokens": s["num_accepted_draft_tokens"]}}
+                                  if s["num_draft_tokens"] else {})
+    for name, key in (("blockpilot:spec_decode_num_draft_tokens_by_source_total", "num_draft_tokens"),
+                      ("blockpilot:spec_decode_num_accepted_tokens_by_source_total", "num_accepted_draft_tokens")):
+        assert value(samples, name, source="drafter") == sum(s[key] for s in specs) > 0, name
     # the request/token series
     reasons = ("stop", "length", "abort")
     assert sum(value(samples, "vllm:request_success_total", finished_reason=r) for r in reasons) == 8
@@ -151,7 +159,8 @@ def test_speculative_decoding_counts_only_steps_that_verified_drafts():
     spec = speculative_decoding(Stats())
     assert spec == {"mean_acceptance_length": 1 + 3 / 3, "draft_acceptance_rate": 3 / 7,
                     "acceptance_histogram": [1, 1, 1, 0], "num_spec_steps": 3, "num_accepted_draft_tokens": 3,
-                    "num_draft_tokens": 7, "num_spec_tokens": 3, "num_accepted_tokens_per_pos": [2, 1, 0]}
+                    "num_draft_tokens": 7, "num_spec_tokens": 3, "num_accepted_tokens_per_pos": [2, 1, 0],
+                    "by_source": {}}
 
 
 class SlowPrefill:

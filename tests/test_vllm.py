@@ -53,7 +53,8 @@ def reference():
     """Four HumanEval prompts and our own decodes of them: ``ar`` token ids and the B=8 steps' taus."""
     require((VENV / "bin" / "python").exists(), f"no vLLM environment at {VENV}: make vllm")
     require((SHIPPED / "config.json").exists(), "no shipped drafter")
-    with composed("evaluate") as cfg:  # the eval stage's model: the embedded target, the shipped drafter
+    # the eval stage's model: the embedded target, the shipped drafter, on exact products (vLLM's are float32)
+    with composed("evaluate", ["model.precision=exact"]) as cfg:
         decoder = build_decoder(cfg.model)
     out = []
     for prompt in load_prompt_set("humaneval", limit=4):

@@ -108,3 +108,22 @@ def check_batch_cost_settings(settings, setting: str = "policy.budget.costs") ->
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{setting}.{key}={value!r}: must be an integer >= 1")
     return rows
+
+
+KNEE_SHARE = 0.9  # serve.max_batch=auto: the fewest requests reaching this share of the most tokens/s
+
+
+def knee(costs: BatchCostModel, limit: int = 64, share: float = KNEE_SHARE) -> int:
+    """The batch size ``serve.max_batch=auto`` takes: the fewest requests per step (1..``limit``) whose plain steps
+    (one verified row each) reach ``share`` of the most tokens per ms any batch size up to ``limit`` reaches on
+    ``costs``. Past it, another request adds nearly its whole step to every request's TPOT and little throughput; the
+    requests beyond it wait (their TTFT) instead of slowing every stream.
+
+    Raises:
+        ValueError: for limit < 1 or a share outside (0, 1].
+    """
+    if int(limit) < 1 or not 0 < share <= 1:
+        raise ValueError(f"knee needs limit >= 1 and 0 < share <= 1, got {limit}, {share}")
+    rate = {n: n / costs.step_ms(n, 0, n) for n in range(1, int(limit) + 1)}
+    best = max(rate.values())
+    return min(n for n, r in rate.items() if r >= share * best)

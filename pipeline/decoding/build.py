@@ -20,5 +20,5 @@ def build_decoder(model_cfg) -> SpeculativeDecoder:
                               kv_cache=model_cfg.get("kv_cache", "auto"),
                               fast_forward=model_cfg.get("fast_forward", "auto"),
                               prefill_chunk=model_cfg.get("prefill_chunk", None),
-                              precision=model_cfg.get("precision", "exact"),
+                              precision=model_cfg.get("precision", "auto"),
                               draft_precision=model_cfg.get("draft_precision", "auto"))

@@ -104,7 +104,7 @@ def check_model(model, loads_model: bool) -> None:
 
     if loads_model and model.get("device") is not None:
         check_device(model.device)
-    if model.get("precision", "exact") != "exact":
+    if model.get("precision", "auto") not in (None, "auto", "exact"):
         from pipeline.models.native import check_precision
 
         check_precision(str(model.precision))

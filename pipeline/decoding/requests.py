@@ -47,6 +47,8 @@ class PrefillResult:
         features: [1, n, n_taps*H] context features for the drafter, or None without drafter.
         first_token: the token sampled from ``last_logits`` (position n).
         prefill_ms: wall time of the target forward and the first sample (ms).
+        cached_tokens: prompt tokens whose keys and values (and features) came from the decoder's prefix cache instead
+            of a forward (``pipeline.decoding.prefix_cache``; 0: prefilled whole).
     """
 
     input_ids: torch.Tensor
@@ -55,6 +57,7 @@ class PrefillResult:
     features: torch.Tensor | None
     first_token: int
     prefill_ms: float
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -71,6 +74,9 @@ class RequestStats:
         schedule_ms: time spent choosing B after prefill (the policy's overhead, ms).
         first_block_size: the B the schedule's ``first`` picked (None before it ran).
         trees: each tree step's (tree verified, its accepted nodes) (a tree policy's decode; ``pipeline.decoding.trees``).
+        cached_tokens: prompt tokens its prefill took from the prefix cache (``PrefillResult.cached_tokens``).
+        sources: {draft source: [its drafts verified, its drafts accepted]} over the steps (a chain's drafts and a
+            drafter-only tree are the drafter's; ``DraftTree.source_counts``).
     """
 
     prompt_tokens: int
@@ -85,6 +91,8 @@ class RequestStats:
     stopped: bool = False
     first_block_size: int | None = None
     trees: list[tuple[DraftTree, list[int]]] = field(default_factory=list)
+    cached_tokens: int = 0
+    sources: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def new_tokens(self) -> int:
@@ -189,6 +197,9 @@ class Request:
         arrived_s / first_token_s / finished_s: clock times (s) of its arrival, its first token, its end.
         token_times: clock time (s) at which each output token was emitted.
         prompt_ids: its prompt's token ids (the draft sources that read the request's own tokens).
+        prefixes: the decoder's prefix cache where a hit gives a full prefill's bits (``decoder.prefix_cache`` and
+            ``prefill_invariant``), or None: when the request ends, its prompt and output's full blocks are stored
+            there (no drafter features), so a chat's next turn, which repeats them, prefills only what is new.
     """
 
     rid: Any
@@ -207,6 +218,7 @@ class Request:
     finished_s: float = 0.0
     token_times: list[float] = field(default_factory=list)
     prompt_ids: list[int] = field(default_factory=list)
+    prefixes: Any = None
 
     @classmethod
     def begin(cls, decoder, prefill: PrefillResult, schedule: Schedule | int, config: DecodeConfig, rid: Any = None,
@@ -233,13 +245,16 @@ class Request:
             raise ValueError("prefill ran without drafter features; call prefill(want_features=True)")
         arrived = now(decoder.device) if arrived_s is None else arrived_s
         sampler = PositionKeyedSampler(config.temperature, config.seed, decoder.lm_head.shape[0])
-        stats = RequestStats(prompt_tokens=prefill.input_ids.shape[1], prefill_ms=prefill.prefill_ms)
+        stats = RequestStats(prompt_tokens=prefill.input_ids.shape[1], prefill_ms=prefill.prefill_ms,
+                             cached_tokens=prefill.cached_tokens)
         t0 = now(decoder.device)
         block_size = stats.first_block_size = int(schedule.first(prefill.last_logits))
         stats.schedule_ms = (now(decoder.device) - t0) * 1e3
         state = decoder.new_state(prefill, use_drafter)
+        prefixes = getattr(decoder, "prefix_cache", None)
         req = cls(rid, config, schedule, state, sampler, stats, block_size, frozenset(decoder.stop_ids), on_tokens,
-                  arrived_s=arrived, prompt_ids=prefill.input_ids[0].tolist())
+                  arrived_s=arrived, prompt_ids=prefill.input_ids[0].tolist(),
+                  prefixes=prefixes if prefixes is not None and decoder.prefill_invariant else None)
         t = now(decoder.device)
         req.first_token_s = t
         stats.output_ids.append(state.pending)
@@ -273,6 +288,13 @@ class Request:
         stats.confidences.append(float(conf.reshape(-1)[0]) if conf is not None and conf.numel() else None)
         if state.last_tree is not None:
             stats.trees.append((state.last_tree, state.last_path))
+            counts = state.last_tree.source_counts(state.last_path)
+        else:
+            counts = {"drafter": [state.last_width, max(0, min(state.last_width, len(new) - 1))]} if state.last_width else {}
+        for source, (verified, accepted) in counts.items():
+            row = stats.sources.setdefault(source, [0, 0])
+            row[0] += verified
+            row[1] += accepted
         self.block_size = self.schedule.next(len(new), block_size)
         self.halted = self.on_tokens is not None and bool(self.on_tokens(new))
         self.finish_if_done(t)
@@ -284,6 +306,13 @@ class Request:
             self.done = True
             self.finished_s = t
             self.stats.decode_ms = (t - self.first_token_s) * 1e3
+            # no hand-off after the end; the hook's owner (a scheduler Entry) holds this request: no cycle to keep its
+            # caches alive until a full garbage collection (a server's memory grew by every batch's KV caches)
+            self.on_tokens = None
+            if self.prefixes is not None:  # positions 0..start-1 hold the prompt and the output but its last token
+                done = self.stats.output_ids[: max(0, self.state.start - len(self.prompt_ids))]
+                self.prefixes.store(self.prompt_ids + done, self.state.cache)
+                self.prefixes = None
         return self.done
 
     def cancel(self, t: float) -> None:

@@ -83,17 +83,24 @@ class Scheduler:
     Args:
         batch: the batched decoder (its policy admits and plans); max_batch: the most requests decoding at once
             (None: no limit).
+        kv_budget: the most bytes of KV cache the requests holding a slot may need together (each its prompt plus its
+            ``max_new_tokens``, ``decoder.kv_bytes_per_token`` each): the next waiting request is admitted only when
+            its need fits beside theirs (None: no bound; a request needing more than the whole bound is the caller's
+            to refuse). The decoder's prefix cache (``decoder.prefix_cache``) holds at most what they leave free:
+            after every admission and prefill its least recently used blocks go, as vLLM's cached blocks are the
+            free part of one pool.
     Attributes:
         pending: submitted and waiting for a slot, in order; prefilling: the one whose prefill is under way (it holds a
             slot); running: ``{id(Request): Entry}`` of the requests in the batch.
     """
 
-    def __init__(self, batch: BatchedDecoder, max_batch: int | None = None):
+    def __init__(self, batch: BatchedDecoder, max_batch: int | None = None, kv_budget: int | None = None):
         if max_batch is not None and int(max_batch) < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.batch = batch
         self.decoder = batch.decoder
         self.max_batch = int(max_batch) if max_batch is not None else None
+        self.kv_budget = int(kv_budget) if kv_budget else None
         self.pending: list[Entry] = []
         self.prefilling: Entry | None = None
         self.running: dict[int, Entry] = {}
@@ -116,6 +123,20 @@ class Scheduler:
 
     def _full(self) -> bool:
         return self.max_batch is not None and len(self.running) >= self.max_batch
+
+    def kv_need(self, entry: Entry) -> int:
+        """Bytes of KV cache ``entry`` may hold at its end (its prompt and ``max_new_tokens``)."""
+        return (int(entry.input_ids.numel()) + int(entry.config.max_new_tokens)) * self.decoder.kv_bytes_per_token
+
+    @property
+    def kv_reserved(self) -> int:
+        """Bytes of KV cache the requests holding a slot may need together."""
+        held = [*self.running.values(), *([self.prefilling] if self.prefilling is not None else [])]
+        return sum(self.kv_need(e) for e in held)
+
+    def _fits(self, entry: Entry) -> bool:
+        return (self.kv_budget is None or not (self.running or self.prefilling)
+                or self.kv_reserved + self.kv_need(entry) <= self.kv_budget)
 
     def tick(self) -> bool:
         """Drop cancelled requests, prefill into free slots, run one batched step and hand back the finished ones.
@@ -162,13 +183,24 @@ class Scheduler:
                 self.batch.cancel(entry.request)
                 self.running.pop(key).finished()
 
+    def _fit_prefix_cache(self) -> None:
+        prefixes = getattr(self.decoder, "prefix_cache", None)
+        if self.kv_budget is not None and prefixes is not None:
+            prefixes.shrink(self.kv_budget - self.kv_reserved)
+
     def _prefill(self) -> None:
+        try:
+            self._prefill_chunks()
+        finally:
+            self._fit_prefix_cache()
+
+    def _prefill_chunks(self) -> None:
         chunk = self.decoder.prefill_chunk or float("inf")
         spent = 0
         while True:
             entry = self.prefilling
             if entry is None:
-                if not self.pending or self._full():
+                if not self.pending or self._full() or not self._fits(self.pending[0]):
                     return
                 entry = self.pending.pop(0)
                 try:

@@ -23,8 +23,8 @@ from pipeline.models.backend import LMHead, resolve_backend, set_backend
 from pipeline.models.cache import resolve_kv_cache
 from pipeline.models.clock import now
 from pipeline.models.drafter import DFlashDrafter, check_compatible
-from pipeline.models.fast_forward import fast_draft_for, fast_forward_for, tree_mask
-from pipeline.models.native import Bf16Head, Int8Head, check_precision, resolve_draft_precision
+from pipeline.models.fast_forward import fast_draft_for, fast_forward_for, runs_native, tree_mask
+from pipeline.models.native import Bf16Head, Int8Head, resolve_draft_precision, resolve_precision
 from pipeline.models.target import Target, logit_head, new_cache
 
 
@@ -52,10 +52,12 @@ class SpeculativeDecoder:
             when unsupported) or False. Prefill chunks take its native stack where it runs on exact products
             (``FastForward.takes``), else transformers' forward. ``self.fast`` holds it or None.
             The same setting puts the drafter's draft forward on ``FastDraft`` (``self.fast_draft``, or None).
-        precision: ``exact`` (every product on the weights' exact float32 values; the reference) or ``int8`` (the native
+        precision: ``exact`` (every product on the weights' exact float32 values; the reference), ``int8`` (the native
             stack's 4-bit products on activations quantized to int8 per group of 32, AVX-512 VNNI, prefills included;
-            the q8 LM head on int8 products too). Every method of one decoder runs on the same one, so
-            speculation stays lossless against that decoder's own autoregressive text.
+            the q8 LM head on int8 products too) or ``auto`` (``int8`` where the target runs on the native stack and
+            the CPU has AVX-512 VNNI, else ``exact``: ``pipeline.models.native.resolve_precision``), kept resolved in
+            ``self.precision``. Every method of one decoder runs on the same one, so speculation stays lossless
+            against that decoder's own autoregressive text.
         draft_precision: the drafter's products on its native forward (``pipeline.models.native.resolve_draft_precision``):
             ``auto`` (``int8`` where the CPU has AVX-512 VNNI, else ``bf16`` where it has AVX-512 BF16, else ``exact``),
             ``exact``, ``bf16`` (bf16 weights, the drafter's stored form, times activations rounded to bf16: half the
@@ -65,7 +67,11 @@ class SpeculativeDecoder:
         prefill_chunk: the most prompt tokens one prefill forward takes (None or 0: the whole prompt in one forward);
             a longer prompt is prefilled chunk by chunk over its growing cache (``prefill_steps``), so that a batching
             server can run the other requests' steps between two chunks. The chunks are a function of the prompt
-            alone, so a request prefilled between other work gets the same bits as one prefilled alone.
+            alone (and of the prefix cache's hit), so a request prefilled between other work gets the same bits as one
+            prefilled alone.
+        prefix_cache: a ``pipeline.decoding.prefix_cache.PrefixCache`` of this decoder's prompt prefixes, or None (the
+            default: every prompt is prefilled whole). Set as an attribute (``pipeline.serve.build_engine`` does);
+            consulted only where ``prefill_invariant``, so a hit gives the bits of a full prefill.
 
     Raises:
         ValueError: when the drafter does not fit the target (hidden size, vocab, layer ids), or for a
@@ -97,8 +103,7 @@ class SpeculativeDecoder:
         # [..., H] -> [..., V] target logits as the model computes them (bias, scaling, softcapping), in float32 for a
         # bf16/fp16 model (a bf16 product rounds logits to bf16's grid: ties a verify and single steps break differently)
         self.head = logit_head(target.model).with_backend(self.backend, float32=True)
-        if precision != "exact":
-            check_precision(precision)
+        precision = resolve_precision(precision, runs_native(self.base, fast_forward, self.backend))
         self.precision = precision
         if precision == "int8":
             self.head = self.head.on_int8()  # a q8 LM head (SmolLM2's) on int8 products too
@@ -120,6 +125,7 @@ class SpeculativeDecoder:
             else LMHead(self.draft_head, self.backend, float32=True))
         self.max_context = int(getattr(target.model.config, "max_position_embeddings", 1 << 30))
         self.stop_ids = set(target.stop_token_ids())
+        self.prefix_cache = None  # a PrefixCache (pipeline.decoding.prefix_cache) the prefills consult, or None
 
     @functools.cached_property
     def forward(self):
@@ -129,9 +135,28 @@ class SpeculativeDecoder:
 
         return BatchedForward(self)
 
+    @functools.cached_property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of the target's KV cache per token of context (keys and values of every layer)."""
+        config = self.model.config
+        heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        return 2 * int(config.num_hidden_layers) * heads * head_dim * self.model.dtype.itemsize
+
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    @property
+    def prefill_invariant(self) -> bool:
+        """Whether a prefill's bits (last logits, features, the cache's keys and values) do not depend on how the prompt
+        is split into forwards: every chunk runs on the native stack (``FastForward.takes`` any length; each row's
+        products and attention are one fixed computation whatever the chunk). Only then does a prefill resume from a
+        prefix cache's hit (``prefix_cache``): elsewhere (transformers' forward picks kernels by shape) a hit could
+        change the last bits, and a prompt's output would depend on what was served before it."""
+        from pipeline.models.backend import packed_kind
+
+        return self.fast is not None and self.fast.native_stack(packed_kind(self.base)) is not None
 
     def forward_path(self) -> dict:
         """What this decoder's timings and exactness depend on beyond the models: the backend (with a hash of its kernel
@@ -250,6 +275,13 @@ class SpeculativeDecoder:
         """``prefill`` one chunk per ``next``: yields None after every chunk of at most ``prefill_chunk`` tokens but
         the last, then the ``PrefillResult`` (its ``prefill_ms`` sums the chunks' forwards, not the time between them).
 
+        With a ``prefix_cache`` (and ``prefill_invariant``), the prompt's longest stored prefix (whole blocks, strictly
+        shorter than the prompt, with drafter features when they are wanted) is copied into the request's own cache and
+        only the tokens after it are prefilled, still in chunks of ``prefill_chunk``; the stored features are joined
+        with the new ones. The prompt's full blocks are stored before the result is yielded (its cache is still the
+        prompt's alone). The result's ``cached_tokens`` counts the prompt tokens that came from the cache;
+        ``prefill_ms`` includes the copies in and out of it.
+
         Raises:
             ValueError: at the first ``next``, as ``prefill``.
         """
@@ -260,8 +292,19 @@ class SpeculativeDecoder:
         chunk = self.prefill_chunk or n
         cache = new_cache(self.model, self.kv_cache)
         want = want_features and self.drafter is not None
-        features, spent = [], 0.0
-        for start in range(0, n, chunk):
+        features, spent, hit = [], 0.0, 0
+        prefixes = self.prefix_cache
+        if prefixes is not None and not (prefixes.enabled and prefixes.supports(cache) and self.prefill_invariant):
+            prefixes = None
+        if prefixes is not None:
+            t0 = now(self.device)
+            hit, prefix = prefixes.lookup(input_ids[0], want_features=want)
+            if prefix is not None:
+                cached = prefixes.restore(prefix, cache, capacity=n)  # room for the whole prompt: no growth after
+                if want:
+                    features.append(cached)
+            spent += now(self.device) - t0
+        for start in range(hit, n, chunk):
             t0 = now(self.device)
             last_logits, part = self.target_forward(input_ids[:, start: start + chunk], cache, start,
                                                     want_features=want, last_only=True)
@@ -272,9 +315,11 @@ class SpeculativeDecoder:
                 yield None
                 continue
             first = int(sampler.pick(last_logits, n)[0])
-            spent += now(self.device) - t0
             joined = None if not features else features[0] if len(features) == 1 else torch.cat(features, dim=1)
-            yield PrefillResult(input_ids, cache, last_logits[0], joined, first, spent * 1e3)
+            if prefixes is not None:
+                prefixes.store(input_ids[0], cache, joined)
+            spent += now(self.device) - t0
+            yield PrefillResult(input_ids, cache, last_logits[0], joined, first, spent * 1e3, cached_tokens=hit)
 
     @torch.inference_mode()
     def decode(self, prefill: PrefillResult, schedule: Schedule | int, config: DecodeConfig,

@@ -38,7 +38,9 @@ class DraftTree:
     Attributes:
         tokens: each node's token id; parents: its parent node (-1: a child of the root, the pending token);
         depths: 1 for the root's children, ...; ranks: its candidate's rank at its depth (0: the drafter's first
-        choice); values: the estimated probability that the path to it is accepted (non-increasing in node order).
+        choice); values: the estimated probability that the path to it is accepted (non-increasing in node order);
+        sources: each node's draft sources (``pipeline.policy.mixed.SOURCES``: a token two sources proposed at one
+        place is one node of both), or None: the drafter's alone.
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -46,6 +48,7 @@ class DraftTree:
     depths: list[int] = field(default_factory=list)
     ranks: list[int] = field(default_factory=list)
     values: list[float] = field(default_factory=list)
+    sources: list[tuple[str, ...]] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -63,7 +66,19 @@ class DraftTree:
 
     def prefix(self, n: int) -> "DraftTree":
         """The first ``n`` nodes (a tree: parents come first)."""
-        return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.ranks[:n], self.values[:n])
+        return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.ranks[:n], self.values[:n],
+                         None if self.sources is None else self.sources[:n])
+
+    def source_counts(self, path: list[int]) -> dict[str, list[int]]:
+        """{source: [its nodes verified, its nodes accepted]} of this tree verified with ``path`` accepted (a node of
+        several sources counts for each; ``sources`` None: all the drafter's)."""
+        taken, out = set(path), {}
+        for j in range(len(self.tokens)):
+            for source in (self.sources[j] if self.sources is not None else ("drafter",)):
+                row = out.setdefault(source, [0, 0])
+                row[0] += 1
+                row[1] += j in taken
+        return out
 
     def row_parents(self) -> list[int]:
         """Each verify row's parent row: row 0 is the pending token (-1), row j + 1 is node j."""

@@ -227,7 +227,7 @@ def bench_server(cfg: DictConfig, spec, url: str, counters, prompts, references,
     model = client.models.list().data[0].id
     out: dict = {"base_url": url, "model": model, "kind": str(spec.get("kind", "blockpilot")),
                  "args": list(spec.get("args") or []), "options": dict(spec.get("options") or {})}
-    if references is not None:
+    if references is not None and b.get("identity_requests", True):
         rows = []
         for p, text, ref in zip(prompts, texts, references):
             for stream in (False, True):
@@ -265,9 +265,10 @@ def bench_server(cfg: DictConfig, spec, url: str, counters, prompts, references,
 
 
 def markdown(result: dict) -> str:
-    """One row per server: tokens/s at every concurrency, with the exact-match share and tau of each cell."""
+    """One row per server (ours named with what ran: its precision and batch size, from ``/health``): tokens/s at every
+    concurrency, with the exact-match share, tau and TTFT p99 of each cell."""
     levels = sorted({level["concurrency"] for s in result["servers"].values() for level in s["load"]})
-    lines = ["| server | " + " | ".join(f"c={c} tokens/s (exact, tau)" for c in levels) + " |",
+    lines = ["| server | " + " | ".join(f"c={c} tokens/s (exact, tau, TTFT p99 ms)" for c in levels) + " |",
              "|---|" + "---|" * len(levels)]
     for name, s in result["servers"].items():
         cells = []
@@ -279,6 +280,9 @@ def markdown(result: dict) -> str:
             tau = level.get("tau_metrics", level["tau"])
             exact = level["exact_match"]
             cells.append(f"{level['tokens_per_s']:.1f} ({'-' if exact is None else f'{exact:.2f}'}, "
-                         f"{'-' if tau is None else f'{tau:.2f}'})")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+                         f"{'-' if tau is None else f'{tau:.2f}'}, {level['ttft_ms']['p99']:.0f})")
+        health = s.get("server") or {}
+        ran = (f" ({(health.get('forward_path') or {}).get('precision', '?')}, max_batch {health.get('max_batch', '?')})"
+               if health else "")
+        lines.append(f"| {name}{ran} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -10,24 +10,30 @@ The decoder is lossless and T>0 sampling is keyed by position, so the target's c
    + 1 bonus per step; a stop token ends the output), but needs only drafter forwards: a draft token
    is accepted iff it equals ``y`` at its position.
 
-It is cheap because DFlash's context keys/values depend only on the target features and their
-positions: ``DrafterContext`` projects them once for all positions, and the K candidates' blocks of
-each step are packed into ONE drafter forward (a block-diagonal attention mask keeps them apart; each
-block sees the context before its own start).
+The drafts are the decoder's own, on every draft precision and forward path: each candidate B keeps a drafter
+cache of its own, advanced as its decode would advance it (at each step the features of the positions it has not
+seen yet, then the block, then a crop back to the block's start), and the K candidates' blocks of a step run in ONE
+call of the decoder's batched draft forward (``decoder.forward.draft_hidden``: each request's rows bit for bit its
+forward alone, e.g. one ``DraftStack`` call with the int8 / bf16 / exact products of ``model.draft_precision``), their
+drafts scored by the decoder's draft head (``decoder.forward.draft_logits``: ``Int8Head`` / ``Bf16Head`` / ``LMHead``).
+Nothing of the draft path is re-implemented here, so the replay cannot drift from it. It is cheap because a step's
+drafts of all candidates are one native call, and on the native draft stack (where a context position's keys/values
+do not depend on the rows beside it) the prompt's context is projected once and copied to every candidate.
 
-The LM head is the other cost (a [V, H] product per draft row). With ``lm_head="lazy"`` (CPU default)
-a rejection is first proven cheaply: the draft at position p is rejected as soon as some token v of a
-shortlist (the target's own top-k scores at p, kept by the trace) scores higher than y_p under the
-drafter (argmax picks the first maximum, so a tie with a smaller id also rejects). Columns are walked
-in growing chunks (1, 2, 4, ...) and the drafter's last layer runs only for blocks not yet decided;
-only the columns before each block's first proven rejection go through the full LM head, where
-acceptance is decided exactly as the decoder does (argmax over the whole vocabulary). A drafter with a
-(small) draft vocabulary decides each chunk directly with its draft head. ``lm_head="full"`` (GPU
-default) runs every row and pushes every draft column through the head in one product.
+The head is the other cost (a [V, H] product per draft row). With ``lm_head="lazy"`` (CPU default) the draft
+columns are walked in growing chunks (1, 2, 4, ...), only for blocks not yet decided, and each chunk is decided by
+the head right away: a block's columns after its first rejection never reach it. Where the head is an exact float32
+product over the full vocabulary (``_screens``), a rejection is first proven more cheaply: the draft at position p is
+rejected as soon as some token v of a shortlist (the target's own top-k scores at p, kept by the trace) provably
+scores higher than y_p under that head (beyond a bound on float32 rounding; argmax picks the first maximum, so a tie
+with a smaller id also rejects); only the columns before each block's first proven rejection go through the head,
+where acceptance is decided exactly as the decoder does. ``lm_head="full"`` (GPU default) pushes every draft column
+through the head in one call.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -37,8 +43,9 @@ from pipeline.decoding.requests import DecodeConfig, PrefillResult
 from pipeline.decoding.speculative import SpeculativeDecoder
 from pipeline.decoding.trees import TOP_K as TREE_CANDIDATES
 from pipeline.labeling.checks import LM_HEAD_MODES
+from pipeline.models.backend import LMHead
+from pipeline.models.cache import crop_to
 from pipeline.models.clock import now
-from pipeline.models.drafter import DFlashDrafter, lm_head_logits
 
 
 
@@ -166,105 +173,6 @@ def trace_from_output(decoder: SpeculativeDecoder, prefill: PrefillResult, token
     return Trace(list(tokens), torch.cat(features, dim=1), n, tokens[-1] in decoder.stop_ids, decode_ms, sampler, short)
 
 
-class DrafterContext:
-    """Per draft layer, the context keys/values of every position, projected once (``context_keys_values``).
-
-    Args:
-        drafter: the DFlash drafter.
-        features: [1, P, F] context features of positions 0..P-1.
-        fused: the drafter's fast-path products (``FastDraft.products()``: per layer (qkv, gate_up)), or None; the
-            packed blocks run on them as the decoder's drafts do.
-    Attributes:
-        keys, values: per layer [1, kv_heads, P, head_dim]; keys carry RoPE at their positions.
-    """
-
-    def __init__(self, drafter: DFlashDrafter, features: torch.Tensor, fused: list[tuple] | None = None):
-        self.drafter = drafter
-        self.fused = fused
-        positions = torch.arange(features.shape[1], device=features.device)[None]
-        pairs = drafter.context_keys_values(features, positions)
-        self.keys: list[torch.Tensor] = [k for k, _ in pairs]
-        self.values: list[torch.Tensor] = [v for _, v in pairs]
-
-    def blocks(self, embed: torch.nn.Module, anchors: list[int], starts: list[int], sizes: list[int]) -> "PackedBlocks":
-        """Several blocks in one drafter forward (packed along the sequence); see ``PackedBlocks``."""
-        return PackedBlocks(self, embed, anchors, starts, sizes)
-
-    def block_hidden(self, embed: torch.nn.Module, anchors: list[int], starts: list[int], sizes: list[int]) -> torch.Tensor:
-        """Final drafter hidden states of every row of several blocks: [sum(sizes), H] (see ``PackedBlocks``)."""
-        packed = self.blocks(embed, anchors, starts, sizes)
-        return packed.rows(list(range(packed.total)))
-
-
-class PackedBlocks:
-    """The drafter over several blocks at once; its last layer runs only for the rows asked for.
-
-    Block i is ``[anchors[i], mask, ..., mask]`` (``sizes[i]`` tokens) at positions
-    ``starts[i] .. starts[i]+sizes[i]-1``; it attends to the context positions ``< starts[i]`` and to its
-    own tokens (as each layer's ``visible`` rule allows), as ``DFlashDrafter.forward`` with a cache holding
-    that context does. The layers' own steps run (``project``, ``queries``, ``keys``, ``values``, ``attend``,
-    ``feed_forward``), on the context's fast-path products when it has them. Every layer but the last runs for
-    every row at construction (each row is a key of the next layer), and so do the last layer's q/k/v products;
-    its attention, output projection and MLP run in ``rows`` only, so a block whose first draft is rejected costs
-    one row there instead of ``sizes[i]``.
-
-    Attributes:
-        offsets: packed row of each block's first token; total: sum(sizes).
-    """
-
-    def __init__(self, context: DrafterContext, embed: torch.nn.Module, anchors: list[int], starts: list[int],
-                 sizes: list[int]):
-        drafter = self.drafter = context.drafter
-        device = self.device = context.keys[0].device
-        sizes_t = torch.tensor(sizes, device=device)
-        starts_t = torch.tensor(starts, device=device)
-        self.total = int(sum(sizes))
-        segment = torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes_t)
-        offsets = torch.cumsum(sizes_t, 0) - sizes_t
-        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        within = torch.arange(self.total, device=device) - offsets[segment]
-        ids = torch.full((self.total,), drafter.mask_token_id, dtype=torch.long, device=device)
-        ids[offsets] = torch.tensor(anchors, dtype=torch.long, device=device)
-        positions = (starts_t[segment] + within)[None]
-        self.context_len = max(starts)
-        context_positions = torch.arange(self.context_len, device=device)
-        block_mask = torch.cat([
-            context_positions[None, :] < starts_t[segment][:, None],
-            segment[:, None] == segment[None, :],
-        ], dim=1)  # [total, context_len + total]: True = may attend
-        key_positions = torch.cat([context_positions, positions[0]])
-        self.masks = []  # per layer [1, 1, total, context_len + total]
-        for layer in drafter.layers:
-            window = layer.self_attn.visible(positions[0], key_positions)
-            self.masks.append((block_mask if window is None else block_mask & window)[None, None])
-        hidden = embed(ids)[None]
-        self.cos, self.sin = drafter.rotary_emb(hidden, positions)
-        fused = context.fused or [(None, None)] * len(drafter.layers)
-        layers = list(zip(drafter.layers, context.keys, context.values, fused, self.masks))
-        for layer, ctx_k, ctx_v, (qkv, gate_up), mask in layers[:-1]:
-            attn = layer.self_attn
-            q, keys, values = self._project(attn, layer.input_layernorm(hidden), ctx_k, ctx_v, qkv)
-            hidden = layer.feed_forward(hidden + attn.attend(attn.queries(q, self.cos, self.sin), keys, values, mask), gate_up)
-        self.last, ctx_k, ctx_v, (qkv, self.gate_up), _ = layers[-1]
-        self.hidden = hidden  # [1, total, H]: input of the last layer
-        self.q, self.keys, self.values = self._project(self.last.self_attn, self.last.input_layernorm(hidden), ctx_k, ctx_v, qkv)
-
-    def _project(self, attn, normed: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, qkv):
-        """Raw queries [1, total, heads*d] of the packed rows, and the [context ; block] keys (with RoPE) and values of
-        one layer: each [1, kv_heads, context_len + total, d]."""
-        q, k, v = attn.project(normed, None, qkv)
-        keys = torch.cat([ctx_k[:, :, : self.context_len], attn.keys(k, self.cos, self.sin)], dim=2)
-        return q, keys, torch.cat([ctx_v[:, :, : self.context_len], attn.values(v)], dim=2)
-
-    def rows(self, index: list[int]) -> torch.Tensor:
-        """Final hidden states (after the final norm) of the packed rows ``index`` -> [len(index), H]."""
-        index_t = torch.tensor(index, dtype=torch.long, device=self.device)
-        attn = self.last.self_attn
-        q = attn.queries(self.q[:, index_t], self.cos[:, index_t], self.sin[:, index_t])
-        out = attn.attend(q, self.keys, self.values, self.masks[-1][:, :, index_t])
-        return self.drafter.norm(self.last.feed_forward(self.hidden[:, index_t] + out, self.gate_up))[0]
-
-
 @dataclass
 class ReplayResult:
     """What ``SpeculativeDecoder.decode`` with a fixed B would record, without running it.
@@ -309,37 +217,98 @@ class _State:
     accepted: int = 0
     step_gaps: dict = field(default_factory=dict)
     step_conf: list = field(default_factory=list)
+    cache: object = None  # this candidate's drafter cache (the decoder's kind), None before its first draft
+    cached: int = 0  # positions whose context keys/values the cache holds (0..cached-1)
+
+
+def _shares_context(decoder: SpeculativeDecoder) -> bool:
+    """Whether one projection of the prompt's context may serve every candidate: the decoder drafts on the native
+    ``DraftStack``, where a context position's keys/values are a fixed computation of its own features and position,
+    whatever the rows of the call (elsewhere a product over many rows may round differently with their number, so
+    every candidate projects its context exactly as its own decode does)."""
+    fast = decoder.fast_draft
+    return fast is not None and fast.native_stack() is not None
+
+
+def _draft(decoder: SpeculativeDecoder, trace: Trace, states: list[_State]) -> list[torch.Tensor]:
+    """The decoder's drafts of one step of every state in ``states``: ONE ``decoder.forward.draft_hidden`` call over
+    their blocks (request i: the pending token y at ``start`` then ``width - 1`` mask tokens, with the trace's features
+    of the positions its cache has not seen yet, over its own drafter cache), each block's states bit for bit those
+    of the decoder's draft at that step (the same call it makes, on its draft precision and forward path); each cache
+    is then cropped back to ``start``, as the decoder's is.
+
+    Returns:
+        per state the drafter's final states [width, H] (row j proposes position start + j).
+    """
+    n = trace.prompt_tokens
+    fresh = [s for s in states if s.cache is None]
+    if len(fresh) > 1 and _shares_context(decoder):  # the prompt's context once, copied to every candidate
+        start = min(s.start for s in fresh)
+        shared = decoder.new_draft_cache()
+        block = torch.full((1, 1), trace.tokens[start - n], dtype=torch.long, device=decoder.device)
+        decoder.forward.draft_hidden([block], [trace.features[:, :start]], [start], [shared])
+        crop_to(shared, start)
+        for k, s in enumerate(fresh):
+            s.cache, s.cached = (shared if k == len(fresh) - 1 else copy.deepcopy(shared)), start
+    for s in fresh:
+        if s.cache is None:
+            s.cache, s.cached = decoder.new_draft_cache(), 0
+    blocks = []
+    for s in states:
+        block = torch.full((1, s.width), decoder.drafter.mask_token_id, dtype=torch.long, device=decoder.device)
+        block[0, 0] = trace.tokens[s.start - n]
+        blocks.append(block)
+    hidden = decoder.forward.draft_hidden(blocks, [trace.features[:, s.cached: s.start] for s in states],
+                                          [s.start for s in states], [s.cache for s in states])
+    for s in states:
+        crop_to(s.cache, s.start)
+        s.cached = s.start
+    return [h[0] for h in hidden]
+
+
+def _screens(decoder: SpeculativeDecoder) -> bool:
+    """Whether the shortlist may prove rejections (``_shortlist_rejects``): the decoder's draft head is the float32
+    product of its full-vocabulary rows (``LMHead`` on float32 weights: ``draft_precision=exact``), whose scores the
+    screen's own float32 products bound. A bf16 / int8 head (or any other) rounds its inputs: every draft is then
+    decided by that head itself."""
+    return (decoder.draft_vocab is None and isinstance(decoder.drafter_head, LMHead)
+            and decoder.draft_head.dtype == torch.float32)
 
 
 def _shortlist_rejects(h: torch.Tensor, y_index: list[int], trace: Trace, y: torch.Tensor,
                        head: torch.Tensor) -> list[bool]:
     """Whether the drafts of rows ``h`` [R, H] (at y-indices ``y_index``) are proven rejected by the shortlist.
 
-    A draft is rejected when a shortlist token v (the target's best-scoring ids at that position)
-    beats ``y`` under the drafter: ``score_v > score_y``, or equal with ``v < y`` (argmax returns the
-    first maximum). Costs (1 + k) dot products per row instead of V. Full vocabulary heads only.
+    A draft is rejected when a shortlist token v (the target's best-scoring ids at that position) beats ``y`` under
+    the decoder's draft head: ``score_v > score_y``, or equal with ``v < y`` (argmax returns the first maximum).
+    Costs (1 + k) dot products per row instead of V. The head (``_screens``: float32 rows ``head`` [V, H]) sums the
+    products in its own order, so its score and this one each lie within (H + 2) u sum_k |w_k h_k| of the exact dot
+    product (u = 2^-24, any summation order, fused or not); a rejection is proven only beyond twice that on both
+    sides (then the head's own scores order v before y for certain), and a near tie is left to the head.
     """
     n = trace.prompt_tokens
     index = torch.tensor(y_index, device=y.device)
     ids = torch.cat([y[index][:, None], trace.shortlist[index]], dim=1)  # [R, 1 + k], y first
-    scores = torch.bmm(head[ids], h[:, :, None])[..., 0].float()
-    if trace.sampler.temperature > 0:
-        noise = trace.sampler.noise([i + n for i in y_index], scores.device)
-        scores = scores / trace.sampler.temperature + noise.gather(1, ids)
-    beats = (scores[:, 1:] > scores[:, :1]) | ((scores[:, 1:] == scores[:, :1]) & (ids[:, 1:] < ids[:, :1]))
+    w, x = head[ids].float(), h.float()[:, :, None]
+    scores = torch.bmm(w, x)[..., 0]
+    slack = torch.bmm(w.abs(), x.abs())[..., 0] * (4 * (h.shape[-1] + 2) * 2.0 ** -24)
+    low, high = scores - slack, scores + slack  # the head's score of each token lies within
+    if trace.sampler.temperature > 0:  # x / T + noise is monotone in x: the bounds carry over
+        noise = trace.sampler.noise([i + n for i in y_index], scores.device).gather(1, ids)
+        low, high = low / trace.sampler.temperature + noise, high / trace.sampler.temperature + noise
+    low_v, high_y = low[:, 1:], high[:, :1]
+    beats = (low_v > high_y) | ((low_v == high_y) & (ids[:, 1:] < ids[:, :1]))
     return beats.any(dim=1).tolist()
 
 
-def _drafts_match(h: torch.Tensor, positions: list[int], trace: Trace, y: torch.Tensor, head: torch.Tensor,
+def _drafts_match(logits: torch.Tensor, positions: list[int], trace: Trace, y: torch.Tensor,
                   draft_vocab: torch.Tensor | None, record_gaps: bool, record_confidence: bool = False,
-                  scorer=None, top_k: int = TREE_CANDIDATES) -> tuple[list[bool], list[float], list[tuple]]:
-    """Whether the drafter's token (argmax over its whole head, as in the decoder) equals y, per row.
+                  top_k: int = TREE_CANDIDATES) -> tuple[list[bool], list[float], list[tuple]]:
+    """Whether the drafter's token (the pick over its whole head, as in the decoder) equals y, per row.
 
     Args:
-        h: [R, H] final drafter hidden states of draft rows at absolute ``positions``.
-        head: the decoder's draft head ([V, H], or [N, H] over ``draft_vocab`` [N]).
-        scorer: hidden [R, H] -> logits [R, V | N] on the decoder's path (``decoder.drafter_head``, the one its drafts
-            are scored with); None: ``lm_head_logits(h, head)``.
+        logits: [R, V | N] the decoder's draft-head logits (``decoder.forward.draft_logits``) of draft rows at absolute
+            ``positions``; over ``draft_vocab`` [N] when the drafter has a draft vocabulary.
         top_k: candidates per row kept with ``record_confidence`` (a draft tree's, ``SpeculativeDecoder.draft_candidates``).
     Returns:
         (matches, top-2 score gaps or [] without ``record_gaps``, per row ``(p, top_p, rank)`` or [] without
@@ -347,7 +316,6 @@ def _drafts_match(h: torch.Tensor, positions: list[int], trace: Trace, y: torch.
         candidates (best first, by the score the pick maximises), and the rank among them of the target's token
         (-1: none of them)).
     """
-    logits = (scorer(h) if scorer is not None else lm_head_logits(h, head)).float()
     scores = trace.sampler.scores(logits, positions, draft_vocab)
     columns = scores.argmax(dim=-1)
     proposed = draft_vocab[columns] if draft_vocab is not None else columns
@@ -362,34 +330,51 @@ def _drafts_match(h: torch.Tensor, positions: list[int], trace: Trace, y: torch.
     return (proposed == targets).tolist(), (top2_gap(scores) if record_gaps else []), confidence
 
 
-def _accept(states: list[_State], packed: PackedBlocks, trace: Trace, y: torch.Tensor, head: torch.Tensor,
-            lazy: bool, record_gaps: bool, draft_vocab: torch.Tensor | None = None, record_confidence: bool = False,
-            scorer=None, top_k: int = TREE_CANDIDATES) -> None:
+def _spans(hidden: list[torch.Tensor], states: list[_State], spans: list[tuple[int, int, int]]
+           ) -> tuple[list[torch.Tensor], list[int]]:
+    """The final drafter states of columns lo..hi of each (state index, lo, hi) span (one tensor per span), and their
+    absolute positions."""
+    parts = [hidden[i][lo: hi + 1] for i, lo, hi in spans]
+    positions = [states[i].start + j for i, lo, hi in spans for j in range(lo, hi + 1)]
+    return parts, positions
+
+
+def _head(decoder: SpeculativeDecoder, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The decoder's draft-head logits of every span's rows, joined: [sum of rows, V | N] float32. Each span is one
+    segment of ``decoder.forward.draft_logits``, whose rows are each the bits of the decoder's own head call."""
+    return torch.cat(decoder.forward.draft_logits(parts))
+
+
+def _accept(states: list[_State], hidden: list[torch.Tensor], decoder: SpeculativeDecoder, trace: Trace,
+            y: torch.Tensor, lazy: bool, record_gaps: bool, record_confidence: bool = False,
+            top_k: int = TREE_CANDIDATES) -> None:
     """Set ``state.accepted`` (leading draft tokens equal to y) for every drafting state.
 
-    Draft column j (1..b-1) of the block of ``states[i]`` (packed row ``packed.offsets[i] + j``) proposes
-    position ``start + j``; it is accepted iff the drafter's token there, the argmax over its whole head
-    (full vocabulary, or ``draft_vocab`` with ``head`` = the decoder's [N, H] draft head), equals
-    ``y[start + j - n]`` and every earlier column was accepted.
+    Draft column j (1..b-1) of the block of ``states[i]`` (row j of ``hidden[i]``, the decoder's draft states)
+    proposes position ``start + j``; it is accepted iff the decoder's draft there, the pick over its draft head's
+    logits (``decoder.drafter_head``, through ``decoder.forward.draft_logits``: full vocabulary, or
+    ``decoder.draft_vocab``), equals ``y[start + j - n]`` and every earlier column was accepted.
 
-    Full mode (and ``record_gaps``): every comparable column through the last layer and the head at once.
-    Lazy mode: columns in growing chunks (1, 2, 4, ...), only for blocks not yet decided. With a full
-    vocabulary head each chunk is screened by the shortlist (proven rejections end a block) and the
-    surviving columns go through the full head once at the end; with a (small) draft head each chunk
-    is decided exactly right away. ``record_confidence`` keeps ``(column, probability, accepted, top_k candidates'
-    probabilities, the target token's rank among them)`` of the columns up to each block's first rejection in
-    ``state.step_conf`` (a full-vocabulary head then takes
-    the full path: the shortlist proves rejections without the probabilities).
+    Full mode (and ``record_gaps``): every comparable column through the head at once. Lazy mode: columns in growing
+    chunks (1, 2, 4, ...), only for blocks not yet decided, each chunk decided by the head right away; where the head
+    is an exact float32 product over the full vocabulary (``_screens``), each chunk is screened by the shortlist
+    instead (proven rejections end a block) and the surviving columns go through the head once at the end.
+    ``record_confidence`` keeps ``(column, probability, accepted, top_k candidates' probabilities, the target token's
+    rank among them)`` of the columns up to each block's first rejection in ``state.step_conf`` (a screening head then
+    takes the full path: the shortlist proves rejections without the probabilities).
     """
     for s in states:
         s.accepted = 0
         s.step_conf = []
-    screen = trace.shortlist is not None and draft_vocab is None
+    vocab = decoder.draft_vocab
+    screen = trace.shortlist is not None and _screens(decoder)
     if not lazy or record_gaps or (record_confidence and screen):
         spans = [(i, 1, s.columns) for i, s in enumerate(states) if s.columns > 0]
-        h, positions = _rows(packed, states, spans)
-        matches, gaps, confidence = _drafts_match(h, positions, trace, y, head, draft_vocab, record_gaps, record_confidence,
-                                                    scorer, top_k)
+        if not spans:
+            return
+        parts, positions = _spans(hidden, states, spans)
+        matches, gaps, confidence = _drafts_match(_head(decoder, parts), positions, trace, y, vocab, record_gaps,
+                                                  record_confidence, top_k)
         offset = 0
         for i, lo, hi in spans:
             for j in range(hi):
@@ -402,19 +387,18 @@ def _accept(states: list[_State], packed: PackedBlocks, trace: Trace, y: torch.T
                 states[i].accepted += 1
             offset += hi
         return
-    kept: list[list[torch.Tensor]] = [[] for _ in states]  # screened columns awaiting the full head
-    done = [0] * len(states)
+    done = [0] * len(states)  # columns 1..done[i] passed (screen: not proven rejected; else accepted)
     open_states = [i for i, s in enumerate(states) if s.columns > 0]
     chunk = 1
     while open_states:
         spans = [(i, done[i] + 1, min(done[i] + chunk, states[i].columns)) for i in open_states]
-        h, positions = _rows(packed, states, spans)
+        parts, positions = _spans(hidden, states, spans)
         if screen:
             y_index = [p - trace.prompt_tokens for p in positions]
-            passed = [not r for r in _shortlist_rejects(h, y_index, trace, y, head)]
+            passed = [not r for r in _shortlist_rejects(torch.cat(parts), y_index, trace, y, decoder.draft_head)]
         else:
-            passed, _, confidence = _drafts_match(h, positions, trace, y, head, draft_vocab, False, record_confidence,
-                                                        scorer, top_k)
+            passed, _, confidence = _drafts_match(_head(decoder, parts), positions, trace, y, vocab, False,
+                                                  record_confidence, top_k)
         offset, still_open = 0, []
         for i, lo, hi in spans:
             width = hi - lo + 1
@@ -424,52 +408,47 @@ def _accept(states: list[_State], packed: PackedBlocks, trace: Trace, y: torch.T
             if record_confidence:  # not screen: the columns lo..first rejection
                 states[i].step_conf += [_sample(lo + c, confidence[offset + c], passed[offset + c])
                                         for c in range(min(ok + 1, width))]
-            if screen:
-                kept[i].extend(h[offset : offset + ok])
-            else:
+            if not screen:
                 states[i].accepted += ok
             done[i] = lo - 1 + ok
             if ok == width and hi < states[i].columns:
                 still_open.append(i)
             offset += width
         open_states, chunk = still_open, chunk * 2
-    rows = [r for rs in kept for r in rs]
-    if rows:
-        positions = [s.start + j for s, rs in zip(states, kept) for j in range(1, len(rs) + 1)]
-        matches, _, _ = _drafts_match(torch.stack(rows), positions, trace, y, head, draft_vocab, False, False, scorer)
-        offset = 0
-        for s, rs in zip(states, kept):
-            while s.accepted < len(rs) and matches[offset + s.accepted]:
-                s.accepted += 1
-            offset += len(rs)
-
-
-def _rows(packed: PackedBlocks, states: list[_State], spans: list[tuple[int, int, int]]) -> tuple[torch.Tensor, list[int]]:
-    """Final hidden states of columns lo..hi of each (state index, lo, hi) span, and their absolute positions."""
-    index = [packed.offsets[i] + j for i, lo, hi in spans for j in range(lo, hi + 1)]
-    positions = [states[i].start + j for i, lo, hi in spans for j in range(lo, hi + 1)]
-    return packed.rows(index), positions
+    if screen:  # the columns no shortlist token beat: decided by the head
+        spans = [(i, 1, done[i]) for i in range(len(states)) if done[i] > 0]
+        if spans:
+            parts, positions = _spans(hidden, states, spans)
+            matches, _, _ = _drafts_match(_head(decoder, parts), positions, trace, y, vocab, False)
+            offset = 0
+            for i, lo, hi in spans:
+                s = states[i]
+                while s.accepted < hi and matches[offset + s.accepted]:
+                    s.accepted += 1
+                offset += hi
 
 
 @torch.inference_mode()
 def replay(decoder: SpeculativeDecoder, trace: Trace, candidates: list[int], config: DecodeConfig,
            lm_head: str = "auto", record_gaps: bool = False, record_confidence: bool = False,
            top_k: int = TREE_CANDIDATES) -> dict[int, ReplayResult]:
-    """tau(B) of every candidate B from one trace, all candidates batched per step.
+    """tau(B) of every candidate B from one trace, all candidates' drafts of a step in one draft forward.
 
     Args:
-        decoder: the decoder that made ``trace`` (its drafter, embeddings, LM head and stop ids are used).
+        decoder: the decoder that made ``trace`` (its draft forward and head, embeddings and stop ids are used).
         trace: from ``target_trace`` with the same ``config``.
         candidates: block sizes (1 = autoregressive; each at most the drafter's limit).
         config: the request's ``DecodeConfig`` (max_new_tokens, temperature, seed).
-        lm_head: ``lazy`` (fewest LM-head rows: best on CPU), ``full`` (all draft columns in one
+        lm_head: ``lazy`` (fewest draft-head rows: best on CPU), ``full`` (all draft columns in one
             product: best on GPU), ``auto`` (lazy on CPU, full elsewhere).
         record_gaps: keep the drafter's top-2 score gap of every computed draft column.
         record_confidence: keep the verify-width calibration's samples (``ReplayResult.confidence``).
         top_k: with ``record_confidence``, the drafter's candidates kept per sample (a draft tree's top_k).
     Returns:
-        {B: ReplayResult}; ``taus`` and ``block_sizes`` equal those of
-        ``decoder.decode(prefill, B, config)`` (up to floating-point ties between the top-2 logits).
+        {B: ReplayResult}; ``taus`` and ``block_sizes`` equal those of ``decoder.decode(prefill, B, config)``: the
+        drafts are the decoder's own (its draft forward and head, on its draft precision), and the trace's features
+        are its verifies' where its target forward is batch-invariant (``forward_path()["batch_invariant"]``; elsewhere
+        up to floating-point ties between one-token and block forwards).
     Raises:
         ValueError: for an unknown ``lm_head`` mode or an invalid candidate.
     """
@@ -482,8 +461,6 @@ def replay(decoder: SpeculativeDecoder, trace: Trace, candidates: list[int], con
     y = torch.tensor(trace.tokens, dtype=torch.long, device=decoder.device)
     first_stopped = trace.tokens[0] in decoder.stop_ids
     states = [_State(ReplayResult(int(b)), n, 1, first_stopped) for b in sorted(set(int(c) for c in candidates))]
-    fused = decoder.fast_draft.products() if decoder.fast_draft is not None else None  # the decoder's draft path
-    context = DrafterContext(decoder.drafter, trace.features, fused) if any(s.result.block_size > 1 for s in states) else None
     while True:
         active = [s for s in states if not s.stopped and s.produced < config.max_new_tokens]
         if not active:
@@ -494,10 +471,8 @@ def replay(decoder: SpeculativeDecoder, trace: Trace, candidates: list[int], con
             s.accepted, s.step_gaps, s.step_conf = 0, {}, []
         drafting = [s for s in active if s.width > 1]
         if drafting:
-            packed = context.blocks(decoder.embed, [trace.tokens[s.start - n] for s in drafting],
-                                    [s.start for s in drafting], [s.width for s in drafting])
-            _accept(drafting, packed, trace, y, decoder.draft_head, lazy, record_gaps, decoder.draft_vocab,
-                    record_confidence, decoder.drafter_head, top_k)
+            hidden = _draft(decoder, trace, drafting)
+            _accept(drafting, hidden, decoder, trace, y, lazy, record_gaps, record_confidence, top_k)
         for s in active:
             index = s.start - n  # index in y of the step's first block token
             tau = s.accepted + 1

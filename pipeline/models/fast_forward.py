@@ -329,6 +329,13 @@ class FastForward:
         return h, tuple(states) if states is not None else None
 
 
+def runs_native(base: nn.Module, setting: bool | str | None, backend: str) -> bool:
+    """Whether the target ``base`` runs on the native stack with ``model.fast_forward`` = ``setting`` on ``backend``:
+    the smallm kernel in float32, fast_forward not off, a supported target (where ``model.precision=int8`` can run)."""
+    return (backend in SMALLM and base.dtype == torch.float32 and setting not in (False, "false")
+            and FastForward.supports(base))
+
+
 def fast_forward_for(base: nn.Module, setting: bool | str | None, backend: str,
                      precision: str = "exact") -> FastForward | None:
     """A decoder's ``FastForward`` for ``model.fast_forward`` = ``setting`` on ``backend``, or None; ``precision``
@@ -342,7 +349,7 @@ def fast_forward_for(base: nn.Module, setting: bool | str | None, backend: str,
             stack (not smallm in float32, or fast_forward off).
     """
     attention = "kernel" if backend in SMALLM and base.dtype == torch.float32 else "sdpa"
-    if precision != "exact" and (attention != "kernel" or setting in (False, "false") or not FastForward.supports(base)):
+    if precision != "exact" and not runs_native(base, setting, backend):
         raise ValueError(f"model.precision={precision} runs on the native stack (model.backend=smallm or auto on an AVX2 "
                          "CPU, float32, fast_forward on, a supported target); use model.precision=exact")
     if setting in ("auto", None):

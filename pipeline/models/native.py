@@ -14,7 +14,8 @@ from pipeline.models.backend import _FORMAT_CODE, _GROUP, EXACT_FORMATS, SmallmW
 from pipeline.models.cache import reserve_rows
 from pipeline.models.kernel import smallm_kernel
 
-PRECISIONS = ("exact", "int8")
+PRECISIONS = ("exact", "int8")  # what the target's native stack runs
+PRECISION_SETTINGS = ("auto", *PRECISIONS)  # model.precision
 DRAFT_PRECISIONS = ("auto", "exact", "bf16", "int8")  # model.draft_precision
 _Q4_INT8 = 4  # kernels/smallm.cpp's kQ4Int8: q4 weights in the VNNI layout times int8 activations
 _BF16_DOT = 5  # kernels/smallm.cpp's kBF16Dot: bf16 weights in pairs times bf16 activations (VDPBF16PS)
@@ -213,15 +214,31 @@ def _layer_specs(layer: nn.Module, formats, precision: str = "exact", draft: boo
 
 
 def check_precision(precision: str) -> None:
-    """Raise ``ValueError`` unless ``precision`` (``model.precision``) can run here: ``exact`` anywhere; ``int8`` needs
-    the kernel's AVX-512 build on a CPU with AVX-512 VNNI."""
+    """Raise ``ValueError`` unless ``precision`` (``model.precision``) can run here: ``auto`` and ``exact`` anywhere;
+    ``int8`` needs the kernel's AVX-512 build on a CPU with AVX-512 VNNI."""
     from pipeline.models.kernel import cpu_isa
 
-    if precision not in PRECISIONS:
-        raise ValueError(f"model.precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    if precision not in PRECISION_SETTINGS:
+        raise ValueError(f"model.precision must be one of {list(PRECISION_SETTINGS)}, got {precision!r}")
     if precision == "int8" and not int8_dot_available():
         raise ValueError("model.precision=int8 needs a CPU with AVX-512 VNNI (and the kernel's avx512 build); this one "
-                         f"runs {cpu_isa()} without it: use model.precision=exact")
+                         f"runs {cpu_isa()} without it: use model.precision=auto or exact")
+
+
+def resolve_precision(setting: str | None, native: bool) -> str:
+    """``model.precision`` -> what the target's products run: ``auto`` (None) is ``int8`` where the target runs on the
+    native stack (``native``) and the CPU has AVX-512 VNNI (``int8_dot_available``), else ``exact``; ``exact`` and
+    ``int8`` unchanged. int8 is not exact against transformers' float32 forward, but every method runs on the same
+    products, so speculation stays lossless against its own ``ar`` (docs/cpu_backend.md).
+
+    Raises:
+        ValueError: as ``check_precision``.
+    """
+    setting = "auto" if setting is None else str(setting)
+    check_precision(setting)
+    if setting == "auto":
+        return "int8" if native and int8_dot_available() else "exact"
+    return setting
 
 
 class NativeStack:

@@ -188,7 +188,9 @@ def merge_paths(tree: DraftTree, chains: list[tuple[list[int], list[float], list
     order = [j for j in order if all(a in kept for a in _ancestors(parents, j))]
     where = {j: i for i, j in enumerate(order)}
     merged = DraftTree([tokens[j] for j in order], [where[parents[j]] if parents[j] >= 0 else -1 for j in order],
-                       [depth[j] for j in order], [ranks[j] for j in order], [value[j] for j in order])
+                       [depth[j] for j in order], [ranks[j] for j in order], [value[j] for j in order],
+                       [tuple(sorted({t[0] for t in tags[j]} | ({"drafter"} if j < len(tree) else set())))
+                        for j in order])
     return merged, [tags[j] for j in order]
 
 

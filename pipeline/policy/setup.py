@@ -8,7 +8,9 @@ the predictors' folder and the fixed B, and how many requests may share a step.
 
 ``CostWatch`` is the run-time check of the cost models the methods read (``pipeline.costs.monitor``): the eval stage
 and the server feed it every decoded request and batched step, and it measures a model again when the machine runs
-faster than the model says (a model measured while other work shared the cores).
+faster than the model says (a model measured while other work shared the cores): the eval stage at once, between two
+requests; the server (``defer``) only while no request waits (``CostWatch.measure_pending``), so no request is held
+for a measurement.
 """
 
 from __future__ import annotations
@@ -153,13 +155,19 @@ class CostWatch:
         cfg, decoder, src: the stage's config, decoder and ``Sources`` (to measure again as it was measured).
         inputs: the loaded ``PolicyInputs`` (``latency``: the batch-1 model; ``batch_costs``: the batched one); a model
             measured again is updated in place, so every schedule and policy holding it reads the new costs.
+        defer: keep a measurement a drifted model asks for in ``pending`` until the owner calls ``measure_pending``
+            (the server: while no request waits); False: measure at once (the eval stage, between two requests).
+    Attributes:
+        pending: ``{"latency" | "batch": measure}`` the deferred measurements not yet taken.
     """
 
     cfg: object
     decoder: object
     inputs: registry.PolicyInputs
     src: Sources
+    defer: bool = False
     monitors: dict = field(init=False)
+    pending: dict = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         from pipeline.costs import DriftMonitor
@@ -174,8 +182,8 @@ class CostWatch:
         if self.monitors["latency"].observe(model.request_ms(stats), stats.decode_ms) == "remeasure":
             from pipeline.timing.steps import remeasure
 
-            remeasure(self.decoder, self.cfg, widths(self.cfg, self.decoder, self.src), "policy.verify_width.latency",
-                      into=model)
+            self._measure("latency", lambda: remeasure(self.decoder, self.cfg, widths(self.cfg, self.decoder, self.src),
+                                                       "policy.verify_width.latency", into=model))
 
     def step(self, ms: float, rows: tuple[int, int, int, int]) -> None:
         """A batched step (its wall ms; verified rows, drafted rows, requests, drafting requests) against the batched
@@ -184,9 +192,34 @@ class CostWatch:
         if costs is None:
             return
         if self.monitors["batch"].observe(costs.step_ms(*rows), ms) == "remeasure":
-            load_batch_costs(self.inputs, self.decoder, policy_options(self.cfg), self.cfg.model,
-                                      drafted_block_size(self.cfg, self.decoder, self.src), self.src.max_requests,
-                                      int(self.cfg.get("seed", 0)), fresh=True)
+            self._measure("batch", lambda: load_batch_costs(
+                self.inputs, self.decoder, policy_options(self.cfg), self.cfg.model,
+                drafted_block_size(self.cfg, self.decoder, self.src), self.src.max_requests, int(self.cfg.get("seed", 0)),
+                fresh=True))
+
+    def _measure(self, name: str, measure) -> None:
+        if not self.defer:
+            measure()
+            return
+        log.info("%s: measured again when no request waits", self.monitors[name].name)
+        self.pending[name] = measure
+
+    def measure_pending(self, waiting) -> bool:
+        """Take the deferred measurements (``defer``) while ``waiting()`` stays false: each stops between two timed
+        runs once a request waits (``pipeline.timing.fixture.yielding``) and is taken again at the next idle moment.
+        Returns whether every pending measurement was taken."""
+        from pipeline.timing.fixture import MeasurementYielded, yielding
+
+        for name, measure in list(self.pending.items()):
+            try:
+                with yielding(waiting):
+                    measure()
+            except MeasurementYielded:
+                log.info("%s: a request arrived during the measurement; it is taken again when idle",
+                         self.monitors[name].name)
+                return False
+            del self.pending[name]
+        return True
 
 
 # -- the loaders of what the methods need --------------------------------------------------------------------------

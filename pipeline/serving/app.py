@@ -7,8 +7,10 @@ request and response bodies in ``pipeline.serving.schemas``; the engine in ``pip
 assembles them (``create_app``) and maps every error to OpenAI's body ``{"error": {"message", "type", "param",
 "code"}}``: 400 for bad input (validation errors, malformed JSON, invalid UTF-8, nesting too deep, unsupported fields,
 a request's own chat template, a Host header not in ``allowed_hosts``), 401 for a missing or wrong API key, 404 for an
-unknown model or path, 405 for a wrong method, 413 for a body over ``max_body_bytes``, 503 when the queue is full, 500
-when a decode fails (the server keeps serving).
+unknown model or path, 405 for a wrong method, 413 for a body over ``max_body_bytes``, 400 for a request whose prompt and
+``max_tokens`` need more KV cache than ``serve.kv_cache_mb`` (code ``kv_cache_exceeded``), 503 with ``Retry-After`` when
+the queue is full, 500 when a decode fails (the server keeps serving). On shutdown every admitted request finishes or
+ends with ``finish_reason`` ``abort`` (told it was cut).
 """
 
 from __future__ import annotations

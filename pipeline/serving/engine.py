@@ -23,14 +23,18 @@ that policy; every other method runs under the base ``BatchPolicy`` (each reques
 
 With a ``Recorder`` (``serve.record=true``) each finished request's label row is computed on the recorder's own thread
 after its response is answered (``pipeline.serving.recorder``). With a ``CostWatch`` (``pipeline.policy.setup``) every
-batched step's time is held against the cost model the policy reads, which is measured again when it drifted.
+batched step's time is held against the cost model the policy reads, which is measured again when it drifted: only
+while no request waits (a request arriving stops the measurement, which is taken again at the next idle moment), so no
+request and no stream waits for a measurement.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import logging
+import math
 import queue
 import threading
 import time
@@ -46,6 +50,7 @@ from pipeline.decoding.batched import BatchedDecoder
 from pipeline.decoding.requests import RequestStats
 from pipeline.decoding.scheduler import Entry, RequestCancelled, Scheduler
 from pipeline.decoding.speculative import SpeculativeDecoder
+from pipeline.models.release import trim_heap
 from pipeline.serving.metrics import Finished
 from pipeline.serving.recorder import Recorder, Served
 from pipeline.serving.schemas import DecodeInfo, RequestError
@@ -54,7 +59,8 @@ from pipeline.serving.text import TextStream
 log = logging.getLogger(__name__)
 
 class QueueFull(RuntimeError):
-    """Every slot (``max_batch`` decoding + ``max_queue`` waiting) is taken; the caller answers 503."""
+    """Every slot (``max_batch`` decoding + ``max_queue`` waiting) is taken; the caller answers 503 with
+    ``Retry-After`` (``Engine.retry_after_s``)."""
 
 
 JobCancelled = RequestCancelled  # the job was cancelled (its client went away, or shutdown) before its decode started
@@ -192,6 +198,9 @@ class Engine:
             pipeline.serve`` passes the thread that loaded and warmed the model: one OpenMP team,
             ``pipeline.serving.threads``); None: a thread of its own.
         watch: a ``pipeline.policy.setup.CostWatch`` fed every batched step (None: no run-time cost check).
+        kv_budget: the most bytes of KV cache the decoding requests may need together (``serve.kv_cache_mb``; each
+            request its prompt plus ``max_tokens``): a request needing more than all of it gets a 400 naming the limit,
+            the others wait for room (``Scheduler``); None: no bound.
     Raises:
         ValueError: for max_batch < 1 or max_queue < 0.
     """
@@ -199,7 +208,7 @@ class Engine:
     def __init__(self, decoder: SpeculativeDecoder, policy, model_name: str, max_queue: int = 64,
                  default_max_tokens: int = 256, max_tokens: int = 4096, default_seed: int = 0,
                  recorder: Recorder | None = None, default_temperature: float = 0.0, max_batch: int = 1,
-                 thread: ThreadPoolExecutor | None = None, watch=None):
+                 thread: ThreadPoolExecutor | None = None, watch=None, kv_budget: int | None = None):
         if int(max_batch) < 1:
             raise ValueError(f"serve.max_batch must be >= 1, got {max_batch}")
         if int(max_queue) < 0:
@@ -218,18 +227,21 @@ class Engine:
         # called with each finished request (``metrics.Finished``) on the scheduler thread before it is answered
         self.listeners: list[Callable[[Finished], None]] = []
         self.batch = BatchedDecoder(decoder, policy.batch)
-        self.scheduler = Scheduler(self.batch, self.max_batch)
+        self.kv_budget = int(kv_budget) if kv_budget else None
+        self.scheduler = Scheduler(self.batch, self.max_batch, self.kv_budget)
         # the recorder labels finished requests on a thread of its own (a replay per request, after its answer)
         self._recording = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recorder") if recorder else None
         self.in_flight = 0  # admitted and not answered; touched only on the event loop's thread
         self.served = self.failed = 0
         self.aborted = 0  # cancelled before or during the decode (client gone, shutdown)
+        self._recent_s: collections.deque[float] = collections.deque(maxlen=32)  # the last requests' times (Retry-After)
         self._jobs: dict[int, Job] = {}  # admitted and not answered, by id(job)
         self._inbox: queue.Queue[_Request | None] = queue.Queue()
         self._idle = threading.Event()  # set only while nothing is admitted and unanswered
         self._idle.set()
         self._admit = threading.Lock()  # orders clearing ``_idle`` + enqueueing against the scheduler setting it
         self._closed = False
+        self._trim = False  # requests were served since the heap was last trimmed
         self._thread: threading.Thread | None = None
         self._loop_done: Future | None = None
         if thread is None:
@@ -251,7 +263,15 @@ class Engine:
         return self.in_flight >= self.max_batch + self.max_queue
 
     def full_message(self) -> str:
-        return f"the queue is full ({self.max_queue} waiting + {self.max_batch} decoding); retry later"
+        return (f"the queue is full ({self.max_queue} waiting + {self.max_batch} decoding); retry in "
+                f"{self.retry_after_s()} s")
+
+    def retry_after_s(self) -> int:
+        """Seconds a refused client should wait (the 503's ``Retry-After``): the median time of the last requests
+        served (1 s before any) times the queue ahead per slot, at least 1."""
+        recent = sorted(self._recent_s)
+        typical = recent[len(recent) // 2] if recent else 1.0
+        return max(1, math.ceil(typical * max(1, self.in_flight - self.max_batch + 1) / self.max_batch))
 
     def decode_config(self, n_prompt: int, max_tokens: int | None, temperature: float | None, seed: int | None) -> DecodeConfig:
         """The request's ``DecodeConfig``; ``max_tokens`` defaults to what fits the context.
@@ -272,6 +292,12 @@ class Engine:
             raise RequestError(f"the prompt has {n_prompt} tokens and max_tokens={max_tokens}, beyond this model's "
                                f"context of {self.decoder.max_context} tokens: shorten the prompt or lower max_tokens",
                                param="max_tokens", code="context_length_exceeded")
+        need = (n_prompt + max_tokens) * self.decoder.kv_bytes_per_token
+        if self.kv_budget is not None and need > self.kv_budget:
+            raise RequestError(f"the prompt ({n_prompt} tokens) and max_tokens={max_tokens} need {need / 2**20:.1f} MB "
+                               f"of KV cache; this server holds at most {self.kv_budget / 2**20:.1f} MB for all requests "
+                               "(serve.kv_cache_mb): lower max_tokens or shorten the prompt", param="max_tokens",
+                               code="kv_cache_exceeded")
         temperature = self.default_temperature if temperature is None else float(temperature)
         return DecodeConfig(int(max_tokens), temperature, self.default_seed if seed is None else int(seed))
 
@@ -344,6 +370,11 @@ class Engine:
         scheduler = self.scheduler
         while True:
             if not scheduler.busy:
+                if self.watch is not None and self.watch.pending:  # a stale cost model: measured while none waits
+                    self.watch.measure_pending(lambda: not self._inbox.empty())
+                if self._trim:  # idle after a burst: the C heap's freed pages go back (resident memory between bursts)
+                    self._trim = False
+                    trim_heap()
                 with self._admit:  # idle only when no request was enqueued: every later one clears it first
                     if self._inbox.empty():
                         self._idle.set()
@@ -360,6 +391,7 @@ class Engine:
                     scheduler.fail_all(RuntimeError("the server is shutting down"))
                     return
                 scheduler.submit(request)
+            self._trim = True
             if scheduler.tick() and self.watch is not None:
                 self.watch.step(self.batch.step_log[-1][0], self.batch.rows[-1])
 
@@ -377,6 +409,7 @@ class Engine:
                 except Exception:  # noqa: BLE001 - a metrics failure must not fail the request
                     log.exception("a listener failed on request %s", request.job.request_id)
         request.settle(completion)
+        self._recent_s.append(time.perf_counter() - request.job.submitted)
         if self.watch is not None and self.max_batch == 1:
             self.watch.request(request.request.stats)
         served = request.served()

@@ -7,7 +7,9 @@ Two views of one source, the decoder's ``RequestStats`` (per step: ``taus`` = ac
   ``SpeculativeDecodingMetrics`` (``vllm/entrypoints/generate/base/protocol.py``, filled by
   ``RequestSpecDecodeMetrics.to_dict`` in ``vllm/v1/metrics/stats.py``), plus ``num_accepted_tokens_per_pos``.
 - ``ServeMetrics``: ``/metrics`` in Prometheus' text format (``prometheus_client``, a registry of its own per app),
-  with vLLM's names and meanings (``vllm/v1/metrics/loggers.py``, ``vllm/v1/spec_decode/metrics.py``).
+  with vLLM's names and meanings (``vllm/v1/metrics/loggers.py``, ``vllm/v1/spec_decode/metrics.py``), and the
+  process's own series (``process_resident_memory_bytes`` and the rest of prometheus_client's ``ProcessCollector``,
+  Linux) with ``process_resident_memory_peak_bytes`` (``resident_memory``).
 
 vLLM's meanings, kept: a *draft* is one verify step of one request that verified at least one drafted token (a step
 with k = 0, an autoregressive step, is not a draft); ``num_draft_tokens`` counts the drafted tokens verified (our k),
@@ -15,13 +17,17 @@ with k = 0, an autoregressive step, is not a draft); ``num_draft_tokens`` counts
 ``1 + accepted / drafts`` (the bonus token counted), and the rate of position i is ``accepted_per_pos[i] / drafts``.
 Our own ``blockpilot.tau`` averages over every step, plain steps (tau 1) included, so the two agree when every step
 drafted and ``tau * steps == steps + num_accepted_draft_tokens`` always.
+
+Prefix caching, vLLM's meanings too: ``vllm:prefix_cache_queries`` counts the prompt tokens looked up in the prefix
+cache and ``vllm:prefix_cache_hits`` the tokens found there (``pipeline.decoding.prefix_cache.PrefixCache``'s
+``queries`` and ``hits``: their hit rate is hits / queries), read from the decoder's prefix cache when scraped.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 # vLLM's default buckets (vllm/v1/metrics/buckets.py)
@@ -44,8 +50,10 @@ def speculative_decoding(stats) -> dict:
     drafted): ``mean_acceptance_length`` (bonus counted; 1.0 without drafts), ``draft_acceptance_rate``,
     ``acceptance_histogram`` (index j: drafts that accepted exactly j tokens), ``num_spec_steps`` (drafts),
     ``num_accepted_draft_tokens``, ``num_draft_tokens``, ``num_spec_tokens`` (the most drafts a step could verify:
-    the request's largest B - 1), and ``num_accepted_tokens_per_pos`` (drafts whose position i was accepted, the
-    per-request share of ``vllm:spec_decode_num_accepted_tokens_per_pos``)."""
+    the request's largest B - 1), ``num_accepted_tokens_per_pos`` (drafts whose position i was accepted, the
+    per-request share of ``vllm:spec_decode_num_accepted_tokens_per_pos``), and ours, ``by_source``: {draft source:
+    {"num_draft_tokens", "num_accepted_tokens"}} (``RequestStats.sources``: which source proposed what was verified
+    and taken; a token two sources proposed at one place counts for both)."""
     steps = draft_steps(stats)
     spec = max([int(b) - 1 for b in stats.block_sizes] + [k for k, _ in steps] + [0])
     histogram, per_pos = [0] * (spec + 1), [0] * spec
@@ -57,7 +65,35 @@ def speculative_decoding(stats) -> dict:
     return {"mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
             "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
             "acceptance_histogram": histogram, "num_spec_steps": drafts, "num_accepted_draft_tokens": accepted,
-            "num_draft_tokens": drafted, "num_spec_tokens": spec, "num_accepted_tokens_per_pos": per_pos}
+            "num_draft_tokens": drafted, "num_spec_tokens": spec, "num_accepted_tokens_per_pos": per_pos,
+            "by_source": {source: {"num_draft_tokens": int(d), "num_accepted_tokens": int(a)}
+                          for source, (d, a) in sorted(getattr(stats, "sources", {}).items())}}
+
+
+def resident_memory() -> tuple[int | None, int | None]:
+    """(resident bytes now, the most resident since the peak was last reset: ``reset_peak_resident``) of this process,
+    from ``/proc/self/status`` (VmRSS, VmHWM; Linux); (None, None) elsewhere."""
+    found = {}
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    found[key] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return found.get("VmRSS"), found.get("VmHWM")
+
+
+def reset_peak_resident() -> bool:
+    """Start the peak of ``resident_memory`` again from the resident memory now (Linux's ``clear_refs`` 5): the server
+    calls it once loaded and warmed, so that its peak is the serving one. False where that cannot be done."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
 
 
 @dataclass
@@ -82,8 +118,9 @@ class ServeMetrics:
     """The server's Prometheus series in vLLM's names, on a registry of its own (several apps in one process do not
     clash), labelled ``model_name`` as vLLM labels them (vLLM's ``engine`` label is left out: one engine).
 
-    Counters and histograms move when a request finishes (``observe``, any thread); the two gauges are read from the
-    engine when scraped (``render``)."""
+    Counters and histograms move when a request finishes (``observe``, any thread); the two gauges and the prefix
+    cache's counters are read from the engine when scraped (``render``), the process's series (resident memory and its
+    peak, ``resident_memory``) from the process."""
 
     def __init__(self, model_name: str):
         self.model_name = model_name
@@ -100,6 +137,9 @@ class ServeMetrics:
                              registry=registry).labels(model_name)
         self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels,
                              registry=registry).labels(model_name)
+        ProcessCollector(registry=registry)  # process_resident_memory_bytes, CPU seconds, ... (Linux)
+        Gauge("process_resident_memory_peak_bytes", "The most resident memory since the server was loaded and warmed, in "
+              "bytes.", registry=registry).set_function(lambda: resident_memory()[1] or 0)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.").labels(model_name)
         self.generation_tokens = counter("vllm:generation_tokens",
                                          "Number of generation tokens processed.").labels(model_name)
@@ -118,6 +158,15 @@ class ServeMetrics:
         self.accepted = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.").labels(model_name)
         self.per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
                                ["position"])
+        self.source_drafts = counter("blockpilot:spec_decode_num_draft_tokens_by_source",
+                                     "Draft tokens verified, by the draft source that proposed them.", ["source"])
+        self.source_accepted = counter("blockpilot:spec_decode_num_accepted_tokens_by_source",
+                                       "Draft tokens accepted, by the draft source that proposed them.", ["source"])
+        self.prefix_queries = counter("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.").labels(model_name)
+        self.prefix_hits = counter("vllm:prefix_cache_hits",
+                                   "Prefix cache hits, in terms of number of cached tokens.").labels(model_name)
+        self._prefix_seen = (0, 0)  # the prefix cache's (queries, hits) already counted
 
     def observe(self, done: Finished) -> None:
         """Count one finished request (its tokens, finish reason, latencies and drafts)."""
@@ -139,11 +188,28 @@ class ServeMetrics:
         self.accepted.inc(spec["num_accepted_draft_tokens"])
         for position, n in enumerate(spec["num_accepted_tokens_per_pos"]):
             self.per_pos.labels(self.model_name, str(position)).inc(n)
+        for source, counts in spec["by_source"].items():
+            self.source_drafts.labels(self.model_name, source).inc(counts["num_draft_tokens"])
+            self.source_accepted.labels(self.model_name, source).inc(counts["num_accepted_tokens"])
 
-    def render(self, running: int, waiting: int) -> tuple[bytes, str]:
-        """The exposition text (and its content type) with the gauges set to ``running`` and ``waiting`` now."""
+    def count_prefix_cache(self, prefix_cache) -> None:
+        """Move the prefix cache counters up to ``prefix_cache``'s ``queries`` and ``hits`` (None: no cache)."""
+        if prefix_cache is None:
+            return
+        queries, hits = int(prefix_cache.queries), int(prefix_cache.hits)
+        seen_queries, seen_hits = self._prefix_seen
+        if queries < seen_queries or hits < seen_hits:  # another cache (counted from 0)
+            seen_queries = seen_hits = 0
+        self.prefix_queries.inc(queries - seen_queries)
+        self.prefix_hits.inc(hits - seen_hits)
+        self._prefix_seen = (queries, hits)
+
+    def render(self, running: int, waiting: int, prefix_cache=None) -> tuple[bytes, str]:
+        """The exposition text (and its content type) with the gauges set to ``running`` and ``waiting`` now and the
+        prefix cache counters brought up to ``prefix_cache``'s (a ``PrefixCache``, or None)."""
         self.running.set(running)
         self.waiting.set(waiting)
+        self.count_prefix_cache(prefix_cache)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 

@@ -26,10 +26,8 @@ import torch
 from pipeline.costs import CostModel
 from pipeline.decoding.requests import DecodeConfig, PrefillResult
 from pipeline.decoding.speculative import SpeculativeDecoder
-from pipeline.labeling.oracle import check_candidates, distribution_features, pick_label
 from pipeline.labeling.checks import LM_HEAD_MODES
 from pipeline.labeling.replay import replay, trace_from_output
-from pipeline.labeling.store import LabelStore
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +81,9 @@ class Recorder:
             raise ValueError("serve.record=true needs a drafter (model.drafter): replay labels are drafter replays")
         if lm_head not in LM_HEAD_MODES:
             raise ValueError(f"serve.record.lm_head must be one of {LM_HEAD_MODES}, got {lm_head!r}")
+        from pipeline.labeling.oracle import check_candidates  # with the store: pandas and pyarrow (~60 MB resident),
+        from pipeline.labeling.store import LabelStore  # imported only by a server that records
+
         self.decoder = decoder
         self.candidates = check_candidates(candidates, decoder)
         self.latency = latency
@@ -112,6 +113,8 @@ class Recorder:
         Raises:
             ValueError: for a request without output tokens or prefill features.
         """
+        from pipeline.labeling.oracle import distribution_features, pick_label
+
         prefill, config = served.prefill, served.config
         budget = len(served.output_ids) if served.halted else config.max_new_tokens
         replay_config = DecodeConfig(budget, config.temperature, config.seed)

@@ -25,17 +25,22 @@ from starlette.concurrency import run_in_threadpool
 from pipeline.prompts import messages_input_ids
 from pipeline.serving.engine import Completion, Engine, Job, JobCancelled, QueueFull
 from pipeline.serving.guards import ServeOptions, error_response
-from pipeline.serving.metrics import speculative_decoding
-from pipeline.serving.schemas import (ChatCompletionRequest, CompletionRequest, RequestError, SamplingRequest, Usage,
-                                      new_id, now)
+from pipeline.serving.metrics import resident_memory, speculative_decoding
+from pipeline.serving.schemas import (ChatCompletionRequest, CompletionRequest, PromptTokensDetails, RequestError,
+                                      SamplingRequest, Usage, new_id, now)
 
 log = logging.getLogger(__name__)
 router = APIRouter()
 
 
 def _usage(n_prompt: int, completion: Completion) -> dict:
+    """OpenAI's ``usage``; ``prompt_tokens_details.cached_tokens`` (the prompt tokens taken from the prefix cache) only
+    when there are some, as vLLM reports it."""
     c = len(completion.output_ids)
-    return Usage(prompt_tokens=n_prompt, completion_tokens=c, total_tokens=n_prompt + c).model_dump()
+    cached = int(completion.stats.cached_tokens)
+    details = PromptTokensDetails(cached_tokens=cached) if cached else None
+    return Usage(prompt_tokens=n_prompt, completion_tokens=c, total_tokens=n_prompt + c,
+                 prompt_tokens_details=details).model_dump(exclude_none=True)
 
 
 def _extensions(req: SamplingRequest, completion: Completion) -> dict:
@@ -56,13 +61,20 @@ async def wait_disconnect(request: Request) -> None:
 
 @router.get("/health")
 async def health(request: Request):
-    """The engine's counters, the recorder's and the forward path."""
+    """The process's resident memory (bytes now, and the most since the server was loaded and warmed), the engine's
+    counters, the recorder's, the prefix cache's (bytes, entries, queries, hits; null when off) and the forward path."""
     engine = request.app.state.engine
     recorder = engine.recorder.stats() if engine.recorder is not None else None
+    prefixes = getattr(engine.decoder, "prefix_cache", None)
     running = engine.running
-    return {"status": "ok", "in_flight": engine.in_flight, "running": running,
+    resident, peak = resident_memory()  # bytes now and the most since the server was warmed (None off Linux)
+    return {"status": "ok", "resident_bytes": resident, "peak_resident_bytes": peak, "in_flight": engine.in_flight,
+            "running": running,
             "waiting": max(0, engine.in_flight - running), "served": engine.served, "failed": engine.failed,
-            "aborted": engine.aborted, "recorder": recorder, "forward_path": engine.forward_path}
+            "aborted": engine.aborted, "recorder": recorder,
+            "prefix_cache": prefixes.stats() if prefixes is not None else None, "forward_path": engine.forward_path,
+            "max_batch": engine.max_batch, "kv_cache": {"budget_bytes": engine.kv_budget,
+                                                        "reserved_bytes": engine.scheduler.kv_reserved}}
 
 
 @router.get("/metrics")
@@ -70,7 +82,8 @@ async def metrics(request: Request):
     """Prometheus text in vLLM's names (``pipeline.serving.metrics``), what ``vllm bench serve`` and AIPerf scrape."""
     engine = request.app.state.engine
     running = engine.running
-    body, content_type = request.app.state.metrics.render(running, max(0, engine.in_flight - running))
+    body, content_type = request.app.state.metrics.render(running, max(0, engine.in_flight - running),
+                                                          getattr(engine.decoder, "prefix_cache", None))
     return Response(body, media_type=content_type)
 
 
@@ -129,7 +142,7 @@ async def respond(request: Request, req: SamplingRequest, job: Job, chat: bool):
         try:
             completion = await run_watched(request, job)
         except QueueFull as err:
-            return error_response(503, str(err), kind="server_overloaded", code="queue_full")
+            return overloaded(engine, str(err))
         except JobCancelled as err:
             return error_response(499, str(err), code="client_closed_request")  # nobody is listening
         except Exception as err:  # noqa: BLE001 - one failed decode must not stop the server
@@ -143,9 +156,14 @@ async def respond(request: Request, req: SamplingRequest, job: Job, chat: bool):
         return {"id": job.request_id, "object": obj, "created": now(), "model": engine.model_name,
                 "choices": [choice], "usage": _usage(n_prompt, completion), **_extensions(req, completion)}
     if engine.full():  # refuse before the 200 of a stream is sent
-        return error_response(503, engine.full_message(),
-                              kind="server_overloaded", code="queue_full")
+        return overloaded(engine, engine.full_message())
     return StreamingResponse(stream_events(request, req, job, chat, n_prompt), media_type="text/event-stream")
+
+
+def overloaded(engine: Engine, message: str):
+    """503 with ``Retry-After`` (seconds, ``Engine.retry_after_s``): every slot and queue place is taken."""
+    return error_response(503, message, kind="server_overloaded", code="queue_full",
+                          headers={"Retry-After": str(engine.retry_after_s())})
 
 
 async def stream_events(request: Request, req: SamplingRequest, job: Job, chat: bool, n_prompt: int) -> AsyncIterator[str]:

@@ -217,10 +217,19 @@ class DecodeInfo(BaseModel):
                    decode_ms=stats.decode_ms, queue_ms=queue_ms, verify_widths=dict(sorted(widths.items(), key=lambda t: int(t[0]))))
 
 
+class PromptTokensDetails(BaseModel):
+    """OpenAI's ``usage.prompt_tokens_details``: ``cached_tokens``, the prompt tokens served from the prefix cache."""
+
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
+    """OpenAI's ``usage``; ``prompt_tokens_details`` only when some prompt tokens came from the prefix cache (vLLM's)."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 def new_id(prefix: str) -> str:

@@ -10,14 +10,18 @@ each a set of named points on this fixture:
   spread, the points that break the caller's shape check timed again, with a progress bar), ``time_now`` (a few rounds,
   no shape check: the spot checks and ``step_figures``) and ``first_loaded`` (the spot checks' one verdict: a stored
   point this machine now runs faster than, by ``measured_under_load``);
-* one ``clock`` (and the device's synchronize) for all of them.
+* one ``clock`` (and the device's synchronize) for all of them;
+* ``yielding``: a measurement taken while its owner serves stops (``MeasurementYielded``) between two timed runs as soon
+  as work is waiting, so that a server never holds a request for a measurement (it measures again when idle).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import Callable, Hashable, Mapping
+from contextlib import contextmanager
+from typing import Callable, Hashable, Iterator, Mapping
 
 import torch
 
@@ -81,9 +85,36 @@ def draft_cache_at(decoder, block: torch.Tensor, features: torch.Tensor, context
 # ------------------------------------------------------------------------------------------------
 # the timing
 # ------------------------------------------------------------------------------------------------
+class MeasurementYielded(RuntimeError):
+    """A measurement under ``yielding`` stopped because its owner has work waiting (nothing was stored)."""
+
+
+_owner = threading.local()  # this thread's ``yielding`` test, if any
+
+
+@contextmanager
+def yielding(waiting: Callable[[], bool]) -> Iterator[None]:
+    """Within it, every measurement of the harness on this thread checks ``waiting()`` between two timed runs and
+    raises ``MeasurementYielded`` when it is true (the server's engine measures again only while no request waits)."""
+    before = getattr(_owner, "waiting", None)
+    _owner.waiting = waiting
+    try:
+        yield
+    finally:
+        _owner.waiting = before
+
+
 def _sync(decoder) -> Callable[[], None]:
+    """The device's synchronize before and after each timed run, and the ``yielding`` check."""
     device = decoder.device
-    return lambda: synchronize(device)
+
+    def sync() -> None:
+        synchronize(device)
+        waiting = getattr(_owner, "waiting", None)
+        if waiting is not None and waiting():
+            raise MeasurementYielded("work is waiting: the measurement stops and is taken again when idle")
+
+    return sync
 
 
 def measure_points(decoder, points: Mapping[Hashable, Callable[[], None]], suspects: Callable[[dict], set],
