@@ -52,13 +52,14 @@ def write_sample(source: Path, per_category: int, out: Path) -> tuple[Path, list
     return write_spec_bench_for(ours, out / "spec_bench_sample_vllm.jsonl"), [category_of(r["id"]) for r in rows]
 
 
-def start(config: str, port: int, log: Path) -> subprocess.Popen:
+def start(config: str, port: int, log: Path, vllm_args: list[str] = ()) -> subprocess.Popen:
     kind, policy = config.split(":", 1)
     if kind == "ours":
         cmd = [str(PY), "-m", "pipeline.serve", f"serve.policy={policy}", f"serve.port={port}"]
     elif kind == "vllm":
         method, plugin = ("ar", "off") if policy == "ar" else ("dflash", "off") if policy == "dflash" else ("dflash", policy)
-        cmd = [str(PY), "-m", "pipeline.serve_vllm", f"vllm.method={method}", f"vllm.policy={plugin}", f"vllm.port={port}"]
+        cmd = [str(PY), "-m", "pipeline.serve_vllm", f"vllm.method={method}", f"vllm.policy={plugin}", f"vllm.port={port}",
+               *vllm_args]
     else:
         raise SystemExit(f"error: configuration {config!r}: use ours:<serve.policy> or vllm:<ar|dflash|plugin policy>")
     process = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
@@ -77,13 +78,19 @@ def start(config: str, port: int, log: Path) -> subprocess.Popen:
 
 
 def stop(process: subprocess.Popen) -> None:
+    """Stop a server and every process of its group (vLLM's engine and worker outlived its API server's SIGINT once,
+    2026-12-06, and took a core from the next configuration)."""
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGINT)
         try:
             process.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # whatever of its group is left
+    except ProcessLookupError:
+        pass
+    process.wait()
 
 
 def bench(url: str, model: str, tokenizer: str, dataset: Path, n: int, concurrency: int, output_len: int,
@@ -109,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-category", type=int, default=2)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--vllm-args", nargs="*", default=[],
+                    help="overrides for vLLM's servers (conf/serve_vllm.yaml), e.g. vllm.max_num_seqs=64")
     ap.add_argument("--by-category", action="store_true",
                     help="also run each category alone at concurrency 1 (its tokens/s and acceptance length)")
     ap.add_argument("--source", default=str(ROOT.parent / "shared" / "data" / "spec_bench.jsonl"))
@@ -124,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[int, dict]] = {}
     per_category: dict[str, dict[str, dict]] = {}
     for config in args.configs:
-        process = start(config, args.port, out / f"{config.replace(':', '-')}.log")
+        process = start(config, args.port, out / f"{config.replace(':', '-')}.log", args.vllm_args)
         try:
             model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
             for c in args.concurrency:

@@ -176,6 +176,29 @@ def mixed_schedule(shared: SharedSources, sources=("drafter", "ngram", "cache", 
                          skip_drafts=True, max_nodes=12)
 
 
+def test_in_a_batched_step_a_tree_is_sized_on_what_its_rows_add_to_the_step():
+    """With the batched cost model, a request in a step of ``load`` requests prices n nodes at its share of the others'
+    plain step plus what its rows add (the throughput rule: a node pays where its acceptance beats that ms at the step's
+    rate); alone, the batch-1 model as before. The same chains keep fewer nodes under load."""
+    from pipeline.costs.batched import BatchCostModel
+
+    batch = BatchCostModel([1, 64], [6.0, 6.0 + 0.8 * 63], [8], [2.0], verify_per_request_ms=0.1)  # a row: 0.8 ms
+    schedule = MixedSchedule(calibration(), flat_costs(lambda q: 6.0 + 0.8 * (q - 1)), 1, SharedSources(0, 4),
+                             sources=("ngram",), max_nodes=8, batch_costs=batch)
+    assert schedule._verify_ms(64, 3) == pytest.approx([6.0, 6.8, 7.6, 8.4])  # alone: the batch-1 model
+    schedule.load = 16
+    plain = batch.step_ms(16, 0, 16)
+    assert schedule._verify_ms(64, 3) == pytest.approx([plain / 16 + 0.8 * k for k in range(4)])
+    values = torch.tensor([0.9, 0.6, 0.4, 0.2, 0.1], dtype=torch.float64)  # a chain's path acceptances
+    counts = {}
+    for load in (1, 16):
+        schedule.load = load
+        counts[load] = schedule.choose_count(values, 0.0, schedule._verify_ms(64, len(values)))
+        by_hand = max(range(len(values) + 1), key=lambda k: (1 + float(values[:k].sum())) / schedule._verify_ms(64, k)[k])
+        assert counts[load] == by_hand
+    assert counts[16] < counts[1] and counts[16] >= 1  # under load only the likely nodes pay
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("backend", ["eager", "smallm"])
 def test_mixed_is_lossless(trained_decoder, backend, temperature):

@@ -35,9 +35,12 @@ class Schedule:
         proposes: True when it has draft sources of its own besides the drafter (``pipeline.policy.mixed``): the step
             calls ``prepare`` before the drafter, ``choose_tree`` every step (without the drafter's candidates on a
             step that does not draft) and ``verified`` after the verify.
+        load: the requests in the step being planned (``pipeline.decoding.step.advance`` sets it before ``prepare``;
+            1 alone): a schedule that sizes its drafts on a batched cost model reads it.
     """
 
     max_block_size: int = 1
+    load: int = 1
     static: bool = False
     chooses_widths: bool = False
     chooses_trees: bool = False

@@ -147,6 +147,7 @@ def advance(forward, policy: BatchPolicy, reqs: Sequence) -> tuple[list[list[int
     sizes = [max(1, min(p, b)) for p, b in zip(planned, sizes)]
     for i, r in enumerate(reqs):
         if r.schedule.proposes:  # free draft sources first: the schedule may skip the drafter
+            r.schedule.load = len(reqs)
             sizes[i] = max(1, min(sizes[i], int(r.schedule.prepare(r, sizes[i]))))
     n = len(reqs)
     trees: list[DraftTree | None] = [None] * n

@@ -212,6 +212,8 @@ class MixedSchedule(TreeSchedule):
         sources: which of ``SOURCES`` to draft from.
         max_n: the longest n-gram matched; branches: continuations per lookup.
         recycle_widths: the recycled candidates' tree: children per node at depth 1, 2, ...
+        batch_costs: the batched step cost model (``pipeline.costs.batched.BatchCostModel``), or None: with it, a tree
+            in a batched step of ``load`` requests is sized on what its rows add to that step (``_verify_ms``).
     Raises:
         ValueError: for an unknown source, or as ``TreeSchedule``.
     """
@@ -222,7 +224,7 @@ class MixedSchedule(TreeSchedule):
     def __init__(self, calibration: AcceptanceCalibration | None, costs: CostModel, block_size: int,
                  shared: SharedSources, sources=SOURCES, skip_drafts: bool = True, max_skip: int = 8,
                  objective: str = "rate", top_k: int = 4, max_nodes: int = 15, max_n: int = 4, branches: int = 2,
-                 recycle_widths=(4, 2, 1)):
+                 recycle_widths=(4, 2, 1), batch_costs=None):
         unknown = sorted(set(sources) - set(SOURCES))
         if unknown:
             raise ValueError(f"policy.mixed.sources {unknown} unknown; choose from {list(SOURCES)}")
@@ -231,7 +233,7 @@ class MixedSchedule(TreeSchedule):
                          max_nodes)
         if not self.drafts:
             self.max_block_size = 1
-        self.shared, self.sources = shared, tuple(sources)
+        self.shared, self.sources, self.batch_costs = shared, tuple(sources), batch_costs
         self.max_n, self.branches = int(max_n), int(branches)
         self.recycle_widths = tuple(int(w) for w in recycle_widths)
         self.index = NgramIndex(self.max_n, keep=3)
@@ -297,7 +299,15 @@ class MixedSchedule(TreeSchedule):
         return block_size if self._drafted else 1
 
     def _verify_ms(self, start: int, nodes: int) -> list[float]:
-        return self.costs(self.max_nodes + 1, start)[1][: nodes + 1]
+        """The step's cost to this request with 0..``nodes`` nodes verified: alone, the batch-1 model's verify of
+        1 + n rows; in a batched step of ``load`` requests (with ``batch_costs``), its share of the others' plain step
+        plus every ms its n rows add to it (a row that costs ~12% of a step alone costs ~70% of one request's share at 16
+        on two cores: under load only nodes likely to be taken pay)."""
+        if self.batch_costs is None or self.load <= 1:
+            return self.costs(self.max_nodes + 1, start)[1][: nodes + 1]
+        n, costs = self.load, self.batch_costs
+        plain = costs.step_ms(n, 0, n)
+        return [plain / n + costs.step_ms(n + k, 0, n) - plain for k in range(nodes + 1)]
 
     # -- the tree ---------------------------------------------------------------------------------------------------
     def choose_tree(self, tokens: torch.Tensor | None, probs: torch.Tensor | None, start: int) -> DraftTree:

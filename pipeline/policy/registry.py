@@ -306,6 +306,7 @@ def _mixed(ctx: Context):
     shared = SharedSources(cache_tokens if "cache" in sources else 0, max_n,
                            int(ctx.decoder.lm_head.shape[0]) if "recycle" in sources else None)
     calibration, latency = ctx.inputs.calibration, ctx.inputs.latency
+    options["batch_costs"] = ctx.inputs.batch_costs  # a batching server's (loaded for serve.max_batch=auto), else None
     MixedSchedule(calibration, latency, b, shared, **options)  # raises for a bad option
     return Factory(lambda: MixedSchedule(calibration, latency, b, shared, **options))
 
