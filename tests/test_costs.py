@@ -12,7 +12,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeline import costs
-from pipeline.costs import CostModel, DriftMonitor, Timing, monotone, retime, suspect_points, time_points
+from pipeline.costs import (CostModel, DriftMonitor, ObservedCosts, Timing, monotone, retime, suspect_points,
+                            time_points)
 from pipeline.policy.verify_width import VerifyWidthSchedule
 from pipeline.costs import store
 from pipeline.timing import steps
@@ -279,6 +280,47 @@ def test_the_timer_interleaves_points_and_keeps_the_least_sample_and_the_spread(
     assert timings["a"].spread > 0 and Timing([5.0, 5.0]).spread == 0
     with pytest.raises(ValueError, match="rounds"):
         time_points({"a": clock.run("a")}, rounds=0, clock=clock)
+
+
+def test_warm_runs_precede_each_timed_run_untimed():
+    """A point whose first run after another point is slow (its weights cold) is timed on its run after a warm one."""
+    clock, last = FakeClock(), []
+
+    def run(name, cost):
+        def point():
+            clock.t += (cost if last and last[-1] == name else 3 * cost) / 1e3  # 3x when another point ran before
+            last.append(name)
+        return point
+
+    points = {"a": run("a", 10.0), "b": run("b", 20.0), "c": run("c", 5.0)}  # rotated: never the same point twice
+    cold = time_points(points, rounds=3, clock=clock)
+    assert cold["a"].ms == pytest.approx(30.0) and cold["b"].ms == pytest.approx(60.0)
+    last.clear()
+    warm = time_points(points, rounds=3, clock=clock, warm=1)
+    assert warm["a"].ms == pytest.approx(10.0) and warm["b"].ms == pytest.approx(20.0)
+    assert len(warm["a"].samples) == 3 and last.count("a") == 2 * (3 + 1)  # one warm run before each run, warm-up too
+    with pytest.raises(ValueError, match="warm"):
+        time_points(points, rounds=1, clock=clock, warm=-1)
+
+
+def test_observed_costs_correct_each_row_count_by_its_observed_ratio():
+    obs = ObservedCosts(weight=0.5, min_samples=2, clip=2.0)
+    modelled = [6.0, 6.5, 7.5, 8.0]  # rows 1..4
+    assert obs.correct(modelled) == modelled  # nothing observed: as modelled
+    for _ in range(2):
+        obs.observe(1, 6.0, 5.4)  # a plain step runs 0.9x the model
+        obs.observe(2, 6.5, 7.8)  # a second row costs more than modelled: 1.2x
+    obs.observe(3, 7.5, 7.5)  # one sample: below min_samples, not used yet
+    assert obs.ratio(1) == pytest.approx(0.9) and obs.ratio(2) == pytest.approx(1.2) and obs.ratio(3) is None
+    corrected = obs.correct(modelled)
+    assert corrected[:2] == pytest.approx([5.4, 7.8])
+    assert corrected[2] == pytest.approx(7.8) and corrected[3] == pytest.approx(8.0)  # kept non-decreasing in rows
+    obs.observe(1, 6.0, 600.0)  # a step another process held: clipped to 2x, weighted 0.5 after min_samples
+    assert obs.ratio(1) == pytest.approx((0.9 * 2.0) ** 0.5)
+    obs.observe(5, 0.0, 3.0)  # no modelled time: ignored
+    assert 5 not in obs.summary() and obs.summary()[2] == (2, 1.2)
+    with pytest.raises(ValueError, match="ObservedCosts"):
+        ObservedCosts(weight=0.0)
 
 
 def test_the_shape_check_finds_a_noisy_point_and_retiming_it_resolves_it():

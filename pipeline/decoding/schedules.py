@@ -71,9 +71,11 @@ class Schedule:
         sources and return the block size to draft at (1: skip the drafter this step)."""
         return block_size
 
-    def verified(self, tree, path: list[int], tokens: list[int], logits: torch.Tensor) -> None:
-        """After a step's verify (``proposes`` only): the tree verified, its accepted nodes, and the target's logits
-        [len(path) + 1, V] at the rows of the accepted path, whose input tokens are ``tokens``."""
+    def verified(self, tree, path: list[int], tokens: list[int], logits: torch.Tensor, verify_ms: float | None = None
+                 ) -> None:
+        """After a step's verify (``proposes`` only): the tree verified, its accepted nodes, the target's logits
+        [len(path) + 1, V] at the rows of the accepted path, whose input tokens are ``tokens``, and the verify's wall
+        time (ms; None in a batched step, whose time all its requests share)."""
 
 
 class ExternalDecode:

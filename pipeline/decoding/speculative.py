@@ -225,6 +225,10 @@ class SpeculativeDecoder:
         """
         from pipeline.models.batched_forward import row_depths
 
+        if self.forward.takes(ids.shape[1]):  # the step's own forward (one native call), the same bits
+            (logits, features), = self.forward.target([ids], [cache], [start], [want_features],
+                                                      None if parents is None else [parents])
+            return (logits[-1:] if last_only else logits), features
         positions = (start + row_depths(parents, ids.shape[1], self.device))[None]
         if self.fast is not None and self.fast.takes(ids.shape[1]):
             last, hidden_states = self.fast(ids, positions, cache, output_hidden_states=want_features, parents=parents)

@@ -32,6 +32,7 @@ from pipeline.decoding.sampling import PositionKeyedSampler, draft_confidence
 from pipeline.decoding.schedules import BatchPolicy
 from pipeline.decoding.trees import DraftTree
 from pipeline.models.cache import compact, crop_to
+from pipeline.models.clock import now
 
 
 @dataclass
@@ -184,7 +185,9 @@ def advance(forward, policy: BatchPolicy, reqs: Sequence) -> tuple[list[list[int
         k = max(0, min(int(widths[i]), sizes[i] - 1))
         trees[i] = DraftTree.chain(drafts[i][:k].tolist())
     pendings = [r.state.pending for r in reqs]
+    t0 = now(dec.device)
     results = verify(forward, [r.state for r in reqs], [r.sampler for r in reqs], trees)
+    verify_ms = (now(dec.device) - t0) * 1e3 if n == 1 else None  # a request alone: its verify's time, observed
     news = []
     for i, (r, (new, path, (logits, rows))) in enumerate(zip(reqs, results)):
         s = r.state
@@ -192,7 +195,7 @@ def advance(forward, policy: BatchPolicy, reqs: Sequence) -> tuple[list[list[int
         tree_step = r.schedule.chooses_trees
         s.last_tree, s.last_path = (trees[i], path) if tree_step else (None, None)
         if r.schedule.proposes:
-            r.schedule.verified(trees[i], path, [pendings[i], *new[:-1]], logits[rows])
+            r.schedule.verified(trees[i], path, [pendings[i], *new[:-1]], logits[rows], verify_ms)
         news.append(new)
     shape = StepShape(sum(len(t) + 1 for t in trees), sum(sizes[i] for i in drafting), n, len(drafting))
     return news, sizes, shape

@@ -101,6 +101,10 @@ class BatchedForward:
         self.exact = decoder.backend in SMALLM and decoder.fast is not None
         self.exact_draft = decoder.backend in SMALLM and decoder.fast_draft is not None
 
+    def takes(self, rows: int) -> bool:
+        """Whether ``target`` runs ``rows`` rows of a request batched (the smallm kernel's path), not alone."""
+        return self.exact and rows <= SMALLM_MAX_ROWS
+
     # -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def target(self, ids: Sequence[torch.Tensor], caches: Sequence, starts: Sequence[int], want_features: Sequence[bool],
@@ -120,9 +124,9 @@ class BatchedForward:
         n = len(ids)
         parents = list(parents) if parents is not None else [None] * n
         results: list = [None] * n
-        batch = [i for i in range(n) if self.exact and ids[i].shape[1] <= SMALLM_MAX_ROWS]
+        batch = [i for i in range(n) if self.takes(ids[i].shape[1])]
         for i in range(n):
-            if i not in batch:
+            if i not in batch:  # more rows than the kernel takes (a prefill chunk): the request's forward alone
                 results[i] = dec.target_forward(ids[i], caches[i], starts[i], want_features=want_features[i],
                                                 parents=parents[i])
         if not batch:

@@ -98,6 +98,7 @@ class PreallocatedLayer(DynamicLayer):
     """
 
     _stale = False  # keys / values are out of date after ``reserve`` (refreshed when next read)
+    _views = None  # (key buffer, value buffer, their [0] views) as ``reserve`` last returned them
 
     def __init__(self, headroom: int | None = None, **kwargs):
         super().__init__(**kwargs)
@@ -221,14 +222,21 @@ class PreallocatedLayer(DynamicLayer):
             self._key_buffer = torch.empty(1, heads, q + self.headroom, dim, dtype=dtype)
             self._value_buffer = torch.empty(1, heads, q + self.headroom, dim, dtype=dtype)
             self._length = 0
-        if self._key_buffer is None or self._key_buffer.shape[0] != 1 or not self._writable():
+        views = self._views
+        if views is None or views[0] is not self._key_buffer or views[1] is not self._value_buffer:
+            if self._key_buffer is None or self._key_buffer.shape[0] != 1:
+                return None
+            kb, vb = self._key_buffer, self._value_buffer
+            views = self._views = (kb, vb, kb[0], vb[0], kb.is_inference(), kb.requires_grad or vb.requires_grad)
+        if views[5] or (views[4] and not torch.is_inference_mode_enabled()):  # ``_writable``, per buffer once
             return None
         needed = self._length + q
-        if needed > self.capacity:
+        if needed > views[0].shape[-2]:
             self._reallocate(max(needed, 2 * self.capacity), self._key_buffer, self._value_buffer)
+            return self.reserve(q, like)
         self._length = needed
         self._stale = True
-        return self._key_buffer[0], self._value_buffer[0], needed
+        return views[2], views[3], needed
 
     def get_seq_length(self) -> int:
         return self._length if self.is_initialized else 0
@@ -243,7 +251,7 @@ class PreallocatedLayer(DynamicLayer):
         if tokens_to_remove == 0 or not self.is_initialized or self._key_buffer is None:
             return
         self._length = max(0, self._length - abs(tokens_to_remove))
-        self._expose()
+        self._stale = True  # keys / values made again when next read
 
     def reset(self) -> None:
         super().reset()  # drops keys / values and clears is_initialized
@@ -276,7 +284,7 @@ class PreallocatedLayer(DynamicLayer):
         """An independent layer: buffers of the same capacity of its own, holding a copy of the filled part."""
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
-        buffers = ("_keys", "_values", "_key_buffer", "_value_buffer", "_stale")
+        buffers = ("_keys", "_values", "_key_buffer", "_value_buffer", "_stale", "_views")
         for name, value in self.__dict__.items():
             if name not in buffers:
                 setattr(new, name, copy.deepcopy(value, memo))
@@ -320,14 +328,15 @@ def reserve_rows(caches, rows, layers: int, like: tuple[int, int, torch.dtype]) 
             break
         while isinstance(cache, PreallocatedCache) and len(cache_layers) < layers:
             cache_layers.append(cache.layer_class_to_replicate())
-        if len(cache_layers) < layers or not all(hasattr(x, "reserve") for x in cache_layers[:layers]):
+        if len(cache_layers) < layers or not all(isinstance(x, PreallocatedLayer) for x in cache_layers[:layers]):
             break
-        got = [cache_layers[i].reserve(r, like) for i in range(layers)]
+        got = [x.reserve(r, like) for x in cache_layers[:layers]]
         done.append((cache_layers, got, r))
-        if any(g is None for g in got):
+        if None in got:
             break
-        keys.extend(g[0] for g in got)
-        values.extend(g[1] for g in got)
+        for g in got:
+            keys.append(g[0])
+            values.append(g[1])
         lengths.append(got[0][2])
     else:
         return keys, values, lengths

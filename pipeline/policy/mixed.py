@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.costs import CostModel
+from pipeline.costs import CostModel, ObservedCosts
 from pipeline.decoding.sources import Continuation, NgramIndex
 from pipeline.decoding.trees import DraftTree, grow
 from pipeline.policy.calibration import AcceptanceCalibration
@@ -143,6 +143,7 @@ class SharedSources:
         self.cache = NgramIndex(max_n, keep=3, max_tokens=cache_tokens) if cache_tokens else None
         self.recycled = RecycledTokens(vocab) if vocab else None
         self.drafted_rate: float | None = None  # the drafted steps' realized tokens per predicted ms, all requests
+        self.observed = ObservedCosts()  # the batch-1 verify curve corrected by the verifies' observed times
 
 
 def merge_paths(tree: DraftTree, chains: list[tuple[list[int], list[float], list[object]]], max_nodes: int
@@ -245,6 +246,7 @@ class MixedSchedule(TreeSchedule):
         self._drafted = self._probe = False
         self._step_ms, self._plain_rate = 1.0, 0.0
         self._tags: list[list[object]] = []
+        self._start = 0
 
     def first(self, last_logits: torch.Tensor) -> int:
         b = super().first(last_logits)
@@ -287,10 +289,10 @@ class MixedSchedule(TreeSchedule):
             for path, ranks in recycled.chains(request.state.pending, self.recycle_widths, room):
                 tags = [("recycle", r + 1, d) for d, r in enumerate(ranks, 1)]
                 self._chains.append((path, [stats.estimate(*t) for t in tags], tags))
-        free = merge_paths(DraftTree(), self._chains, self.max_nodes)[0].values if self._chains else []
-        _, self._free_rate = best_count(free, 0.0, self._verify_ms(start, len(free)))
         self._drafted = self._probe = False
-        if block_size > 1 and self.drafts:
+        if block_size > 1 and self.drafts:  # the free tree's rate decides whether the drafter runs
+            free = merge_paths(DraftTree(), self._chains, self.max_nodes)[0].values if self._chains else []
+            _, self._free_rate = best_count(free, 0.0, self._verify_ms(start, len(free)))
             rate = self._drafted_rate if self._drafted_rate is not None else self.shared.drafted_rate
             if rate is None or rate > self._free_rate:
                 self._drafted = True
@@ -304,13 +306,19 @@ class MixedSchedule(TreeSchedule):
         plus every ms its n rows add to it (a row that costs ~12% of a step alone costs ~70% of one request's share at 16
         on two cores: under load only nodes likely to be taken pay)."""
         if self.batch_costs is None or self.load <= 1:
-            return self.costs(self.max_nodes + 1, start)[1][: nodes + 1]
+            return self.shared.observed.correct(self.costs(self.max_nodes + 1, start)[1][: nodes + 1])
         n, costs = self.load, self.batch_costs
         plain = costs.step_ms(n, 0, n)
         return [plain / n + costs.step_ms(n + k, 0, n) - plain for k in range(nodes + 1)]
 
     # -- the tree ---------------------------------------------------------------------------------------------------
     def choose_tree(self, tokens: torch.Tensor | None, probs: torch.Tensor | None, start: int) -> DraftTree:
+        self._start = start
+        if tokens is None and not self._chains:  # nothing proposed: a plain step, priced as one
+            self._tags = []
+            self._step_ms = self._verify_ms(start, 0)[0]
+            self._plain_rate = 1.0 / self._step_ms
+            return DraftTree()
         draft_ms = 0.0
         drafted = DraftTree()
         if tokens is not None:
@@ -325,7 +333,12 @@ class MixedSchedule(TreeSchedule):
         return tree.prefix(n)
 
     # -- after the verify -------------------------------------------------------------------------------------------
-    def verified(self, tree: DraftTree, path: list[int], tokens: list[int], logits: torch.Tensor) -> None:
+    def verified(self, tree: DraftTree, path: list[int], tokens: list[int], logits: torch.Tensor,
+                 verify_ms: float | None = None) -> None:
+        if verify_ms is not None and self.load <= 1:  # the verify curve learns what this step's verify took
+            rows = len(tree) + 1
+            self.shared.observed.observe(rows, self.costs(max(self.max_nodes + 1, rows), self._start)[1][rows - 1],
+                                         verify_ms)
         if self.shared.recycled is not None and "recycle" in self.sources:
             self.shared.recycled.update(tokens, logits)
         if self._drafted:  # what a drafted step yielded per (predicted) ms: the drafter's realized rate

@@ -24,7 +24,8 @@ import torch
 
 from pipeline.costs import BatchCostModel, check_batch_cost_settings, monotone, store, suspect_points
 from pipeline.models.cache import crop_to
-from pipeline.timing.fixture import SPOT_TOLERANCE, draft_cache_at, first_loaded, measure_points, prefill, random_ids
+from pipeline.timing.fixture import (SPOT_TOLERANCE, WARM, draft_cache_at, first_loaded, measure_points, prefill,
+                                     random_ids)
 
 log = logging.getLogger(__name__)
 PREFIX = "batch-costs"
@@ -200,7 +201,7 @@ def batch_costs_of(decoder, settings, model, block_size: int, max_requests: int,
     if not cache_dir:
         return measure_batch_costs(decoder, **args)
     key = store.key(PREFIX, identity={"target": str(model.get("target")), "drafter": str(model.get("drafter"))},
-                    forward=decoder.forward_path(), **args)
+                    forward=decoder.forward_path(), warm=WARM, **args)
     if fresh:
         costs = measure_batch_costs(decoder, **args)
         log.info("batched step costs: measured again and stored in %s",

@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 SPOT_TOLERANCE = 1.25  # a cached point this much slower than the machine now is refused (noise only adds time)
 SPOT_FLOOR_MS = 2.0  # ... and by at least this much (a timer's jitter on sub-millisecond points is not load)
+WARM = 1
+"""Untimed runs of a point right before each timed one (``time_points``' ``warm``): every step cost is the cost of a
+step that follows a step, as in a decode loop. Part of every cost cache's key."""
 
 
 def clock() -> float:
@@ -129,9 +132,9 @@ def measure_points(decoder, points: Mapping[Hashable, Callable[[], None]], suspe
 
     sync = _sync(decoder)
     with tqdm(total=len(points) * repeats, desc=desc, unit="timing") as bar:
-        timings = time_points(points, rounds=repeats, sync=sync, clock=clock, progress=bar.update)
+        timings = time_points(points, rounds=repeats, sync=sync, clock=clock, progress=bar.update, warm=WARM)
         check = retime(points, timings, lambda: suspects(timings), rounds=repeats, sync=sync, clock=clock,
-                       progress=bar.update)
+                       progress=bar.update, warm=WARM)
     if check["unresolved"]:
         log.warning("%s: %d points still break the cost's shape after timing them again (%s): the cores were busy, or "
                     "the cost bends there; the curve's monotone fit pools them", desc, len(check["unresolved"]),
@@ -142,7 +145,7 @@ def measure_points(decoder, points: Mapping[Hashable, Callable[[], None]], suspe
 def time_now(decoder, points: Mapping[Hashable, Callable[[], None]], rounds: int, warmup: int = 1
              ) -> dict[Hashable, Timing]:
     """``points`` timed in ``rounds`` interleaved rounds after ``warmup`` ones, no shape check."""
-    return time_points(points, rounds=rounds, warmup=warmup, sync=_sync(decoder), clock=clock)
+    return time_points(points, rounds=rounds, warmup=warmup, sync=_sync(decoder), clock=clock, warm=WARM)
 
 
 def first_loaded(decoder, points: Mapping[Hashable, Callable[[], None]], stored: Mapping[Hashable, float],

@@ -25,8 +25,8 @@ import torch
 from pipeline.costs import CACHE_PREFIX, FIT, CostModel, identity, load, suspect_points
 from pipeline.costs import store
 from pipeline.models.cache import crop_to
-from pipeline.timing.fixture import (SPOT_FLOOR_MS, SPOT_TOLERANCE, draft_cache_at, first_loaded, measure_points,
-                                     prefill, random_ids, time_now)
+from pipeline.timing.fixture import (SPOT_FLOOR_MS, SPOT_TOLERANCE, WARM, draft_cache_at, first_loaded,
+                                     measure_points, prefill, random_ids, time_now)
 
 log = logging.getLogger(__name__)
 
@@ -199,12 +199,12 @@ def spot_check(decoder, model: CostModel, rounds: int = 3, tolerance: float = SP
 def cache_key(decoder, model_identity: Mapping, block_sizes: Sequence[int], context_buckets: Sequence[int],
               repeats: int, temperature: float, seed: int) -> dict:
     """The key of a cached cost model (``pipeline.costs.store.key``, which adds this host): the models (``identity``),
-    the decoder's resolved forward path (``backend`` with its kernel's version, lean forwards, ``kv_cache``) and the
-    arguments."""
+    the decoder's resolved forward path (``backend`` with its kernel's version, lean forwards, ``kv_cache``), the
+    arguments and how points are timed (``WARM``)."""
     return store.key(CACHE_PREFIX, identity=dict(model_identity), forward=decoder.forward_path(),
                      block_sizes=sorted({int(b) for b in block_sizes}),
                      context_buckets=sorted(int(c) for c in context_buckets), repeats=int(repeats),
-                     temperature=float(temperature), seed=int(seed))
+                     temperature=float(temperature), seed=int(seed), warm=WARM)
 
 
 def _select(cfg, dotted: str):

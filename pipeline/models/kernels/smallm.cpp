@@ -723,8 +723,9 @@ void attend_row_fixed(const float* __restrict q, const float* __restrict k, int6
 
 // Several query rows of one head over one request's cache (a verify's rows, a draft block's rows): each query's
 // scores, softmax and output are attend_row_fixed's arithmetic, key by key and lane by lane in the same order (the
-// same bits), but the keys and values all of them see (slots 0..shared-1: the cached context) are read once for all
-// of them instead of once per row, so a verify of q rows streams the context's keys and values once, not q times.
+// same bits), but the keys all of them see (slots 0..shared-1: the cached context) are read once for all of them
+// instead of once per row, so a verify of q rows streams the context's keys once, not q times (its values from
+// memory once, then per row from L1/L2).
 template <int NV>
 void attend_queries_fixed(const float* const* qs, int64_t nq, const float* __restrict k, int64_t ks,
                           const float* __restrict v, int64_t vs, int64_t shared, const int64_t* ns, const KeySlots* slots,
@@ -763,33 +764,33 @@ void attend_queries_fixed(const float* const* qs, int64_t nq, const float* __res
       scores[j * stride + u] = hsum8(a) * scale;
     }
   }
-  std::vector<float> sums(nq);
-  for (int64_t j = 0; j < nq; ++j) sums[j] = softmax_numerators(scores + j * stride, ns[j]);
-  for (int64_t i = 0; i < nq * 8 * NV; ++i) acc[i] = 0.f;
-  for (int64_t i = 0; i < shared; ++i) {
-    const float* vt = v + i * vs;
-    __m256 vv[NV];
-#pragma GCC unroll 16
-    for (int w = 0; w < NV; ++w) vv[w] = _mm256_loadu_ps(vt + 8 * w);
-    for (int64_t j = 0; j < nq; ++j) {
-      const __m256 p = _mm256_set1_ps(scores[j * stride + i]);
-      float* o = acc + j * 8 * NV;
-#pragma GCC unroll 16
-      for (int w = 0; w < NV; ++w) _mm256_storeu_ps(o + 8 * w, _mm256_fmadd_ps(p, vv[w], _mm256_loadu_ps(o + 8 * w)));
-    }
-  }
+  // each query's output over its keys in registers (attend_row_fixed's PV loop: the same chain per lane over t): its
+  // values are re-read per query from L1/L2 (a head's context, 256 KB at 1024 tokens), not kept in memory per key and
+  // query (an accumulator loaded and stored per key cost ~3x the dot products: 2026-12-06, 2 rows at context 1024)
   for (int64_t j = 0; j < nq; ++j) {
-    float* o = acc + j * 8 * NV;
-    for (int64_t i = shared; i < ns[j]; ++i) {
-      const float* vt = v + slots[j](i) * vs;
-      const __m256 p = _mm256_set1_ps(scores[j * stride + i]);
+    float* sj = scores + j * stride;
+    const float sum = softmax_numerators(sj, ns[j]);
+    __m256 o[NV];
 #pragma GCC unroll 16
-      for (int w = 0; w < NV; ++w) _mm256_storeu_ps(o + 8 * w, _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * w), _mm256_loadu_ps(o + 8 * w)));
+    for (int w = 0; w < NV; ++w) o[w] = _mm256_setzero_ps();
+    const int64_t common = std::min(shared, ns[j]);
+    for (int64_t i = 0; i < common; ++i) {
+      const float* vt = v + i * vs;
+      const __m256 p = _mm256_set1_ps(sj[i]);
+#pragma GCC unroll 16
+      for (int w = 0; w < NV; ++w) o[w] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * w), o[w]);
     }
-    const __m256 iv = _mm256_set1_ps(1.f / sums[j]);
+    for (int64_t i = common; i < ns[j]; ++i) {
+      const float* vt = v + slots[j](i) * vs;
+      const __m256 p = _mm256_set1_ps(sj[i]);
 #pragma GCC unroll 16
-    for (int w = 0; w < NV; ++w) _mm256_storeu_ps(outs[j] + 8 * w, _mm256_mul_ps(_mm256_loadu_ps(o + 8 * w), iv));
+      for (int w = 0; w < NV; ++w) o[w] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * w), o[w]);
+    }
+    const __m256 iv = _mm256_set1_ps(1.f / sum);
+#pragma GCC unroll 16
+    for (int w = 0; w < NV; ++w) _mm256_storeu_ps(outs[j] + 8 * w, _mm256_mul_ps(o[w], iv));
   }
+  (void)acc;
 }
 
 }  // namespace
