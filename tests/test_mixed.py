@@ -159,6 +159,17 @@ def test_source_stats_converge_to_the_observed_rate():
     assert stats.estimate("cache", 2, 1) == pytest.approx(SourceStats.prior("cache", 2))  # nothing seen: the prior
 
 
+def test_a_requests_own_rate_moves_its_estimate_off_the_methods():
+    method, own = SourceStats(), SourceStats(prior_weight=8.0)
+    for _ in range(400):
+        method.observe("ngram", 1, 1, True), method.observe("ngram", 1, 1, False)  # the method: half taken
+    shared = method.estimate("ngram", 1, 1)
+    assert own.estimate("ngram", 1, 1, prior=shared) == pytest.approx(shared)  # nothing of its own yet
+    for _ in range(24):
+        own.observe("ngram", 1, 1, False)  # this request's matches are never taken
+    assert own.estimate("ngram", 1, 1, prior=shared) == pytest.approx(8 * shared / 32)  # 24 misses over 8 pseudo-counts
+
+
 def test_recycled_candidates_are_the_targets_top_k():
     recycled = RecycledTokens(10, k=2)
     logits = torch.tensor([[0.0, 5, 1, 0, 0, 0, 0, 0, 0, 4], [9.0, 0, 0, 0, 0, 0, 8, 0, 0, 0]])

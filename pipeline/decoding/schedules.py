@@ -71,11 +71,14 @@ class Schedule:
         sources and return the block size to draft at (1: skip the drafter this step)."""
         return block_size
 
-    def verified(self, tree, path: list[int], tokens: list[int], logits: torch.Tensor, verify_ms: float | None = None
-                 ) -> None:
-        """After a step's verify (``proposes`` only): the tree verified, its accepted nodes, the target's logits
-        [len(path) + 1, V] at the rows of the accepted path, whose input tokens are ``tokens``, and the verify's wall
-        time (ms; None in a batched step, whose time all its requests share)."""
+    def verified(self, tree, path: list[int], tokens: list[int], logits: torch.Tensor) -> None:
+        """After a step's verify (``proposes`` only): the tree verified, its accepted nodes, and the target's logits
+        [len(path) + 1, V] at the rows of the accepted path, whose input tokens are ``tokens``."""
+
+    def timed_verify(self, rows: int, ms: float, start: int) -> None:
+        """After the verify of a request decoded alone (not in a batched step, whose time its requests share): it
+        verified ``rows`` rows with its cache at ``start`` tokens in ``ms`` of wall time (a schedule that corrects its
+        cost curve by observed times reads it, ``pipeline.costs.ObservedCosts``)."""
 
 
 class ExternalDecode:

@@ -185,9 +185,10 @@ def advance(forward, policy: BatchPolicy, reqs: Sequence) -> tuple[list[list[int
         k = max(0, min(int(widths[i]), sizes[i] - 1))
         trees[i] = DraftTree.chain(drafts[i][:k].tolist())
     pendings = [r.state.pending for r in reqs]
-    t0 = now(dec.device)
+    start, t0 = reqs[0].state.start, now(dec.device)
     results = verify(forward, [r.state for r in reqs], [r.sampler for r in reqs], trees)
-    verify_ms = (now(dec.device) - t0) * 1e3 if n == 1 else None  # a request alone: its verify's time, observed
+    if n == 1:  # a request alone: its verify's wall time, for a schedule that corrects its costs by what it observes
+        reqs[0].schedule.timed_verify(len(trees[0]) + 1, (now(dec.device) - t0) * 1e3, start)
     news = []
     for i, (r, (new, path, (logits, rows))) in enumerate(zip(reqs, results)):
         s = r.state
@@ -195,7 +196,7 @@ def advance(forward, policy: BatchPolicy, reqs: Sequence) -> tuple[list[list[int
         tree_step = r.schedule.chooses_trees
         s.last_tree, s.last_path = (trees[i], path) if tree_step else (None, None)
         if r.schedule.proposes:
-            r.schedule.verified(trees[i], path, [pendings[i], *new[:-1]], logits[rows], verify_ms)
+            r.schedule.verified(trees[i], path, [pendings[i], *new[:-1]], logits[rows])
         news.append(new)
     shape = StepShape(sum(len(t) + 1 for t in trees), sum(sizes[i] for i in drafting), n, len(drafting))
     return news, sizes, shape

@@ -20,6 +20,8 @@ plugin, ``pipeline.integrations.vllm``) can read a calibration.
 
 from __future__ import annotations
 
+import functools
+
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +71,13 @@ class AcceptanceCalibration:
         index = (column.long().clamp(1, self.max_column) - 1)
         return index, _logit(p)
 
+    @functools.cached_property
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(bias, slope, [rank_bias, rank_slope, rank_first]) as float64 tensors, made once (``predict`` runs every
+        drafted step; the coefficients do not change after a fit or a load)."""
+        return (torch.tensor(self.bias, dtype=torch.float64), torch.tensor(self.slope, dtype=torch.float64),
+                torch.tensor([self.rank_bias, self.rank_slope, self.rank_first], dtype=torch.float64))
+
     @property
     def max_rank(self) -> int:
         """The ranks >= 1 with a model of their own (0: none)."""
@@ -90,13 +99,14 @@ class AcceptanceCalibration:
         p = torch.as_tensor(p).reshape(-1).cpu()
         column = torch.arange(1, len(p) + 1) if column is None else torch.as_tensor(column).reshape(-1).cpu()
         index, x = self._design(p, column)
-        z = torch.tensor(self.bias, dtype=torch.float64)[index] + torch.tensor(self.slope, dtype=torch.float64)[index] * x
+        bias, slope, ranks = self._tables
+        z = bias[index] + slope[index] * x
         if rank is not None and self.max_rank:
             rank = torch.as_tensor(rank).reshape(-1).cpu().long()
             if first is None:
                 raise ValueError("a rank model reads the first choice's probability at each column: pass first=")
             r = rank.clamp(1, self.max_rank) - 1
-            w = torch.tensor([self.rank_bias, self.rank_slope, self.rank_first], dtype=torch.float64)[:, r]
+            w = ranks[:, r]
             lower = w[0] + w[1] * x + w[2] * _logit(torch.as_tensor(first).reshape(-1).cpu())
             z = torch.where(rank > 0, lower, z)
         return torch.sigmoid(z)

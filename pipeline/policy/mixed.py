@@ -8,8 +8,9 @@ Each step (``pipeline.decoding.step``):
    continuations of the longest suffix match of its tokens (over its own tokens, then the shared suffix cache of
    earlier responses) and the recycled candidates' small tree (``RecycledTokens``) become chains of nodes, each
    node's conditional acceptance estimated by ``SourceStats`` (observed acceptance by source, match length or rank,
-   and depth, shared by the requests of one method, with a prior); the free tree's best size and expected tokens per
-   ms are taken on the measured verify costs (no draft cost). The drafter runs when its drafted steps have yielded
+   and depth, shared by the requests of one method, with a prior; then the request's own, with the method's as its
+   prior); the free tree's best size and expected tokens per ms are taken on the measured verify costs, corrected by
+   the verifies' observed times (``pipeline.costs.ObservedCosts``; no draft cost). The drafter runs when its drafted steps have yielded
    more tokens per ms (realized: tokens taken over the step's predicted cost, a running mean per request seeded by
    the method's) than this free tree promises, else it looks again after 1, 2, 4, ... ``max_skip`` steps: where a
    long match already fills the tree the cost model wants, or where the drafter does not pay, its draft is saved;
@@ -43,6 +44,9 @@ MATCH_BUCKETS = (1, 2, 3, 4, 6, 9, 13)
 """Lower bounds of the match-length buckets of the free nodes' acceptance estimate."""
 DEPTH_BUCKETS = 8
 """Depths 1..8 estimated apart; deeper nodes share depth 8's estimate."""
+REQUEST_PRIOR_WEIGHT = 8.0
+"""A request's own observed acceptance per bucket, over the method's estimate as a prior of this many observations: a
+request whose matches fare worse than the method's (chat, role play: few long matches) stops verifying them."""
 
 
 def _bucket(match: int) -> int:
@@ -74,11 +78,13 @@ class SourceStats:
     def key(self, source: str, feature: int, depth: int) -> tuple[str, int, int]:
         return source, _bucket(feature), min(int(depth), DEPTH_BUCKETS)
 
-    def estimate(self, source: str, feature: int, depth: int) -> float:
-        """P(taken | parent taken) of a node of ``source`` with ``feature`` (match length, or rank + 1) at ``depth``."""
+    def estimate(self, source: str, feature: int, depth: int, prior: float | None = None) -> float:
+        """P(taken | parent taken) of a node of ``source`` with ``feature`` (match length, or rank + 1) at ``depth``;
+        ``prior``: the prior mean instead of ``prior(source, feature)`` (a request's own stats over the method's)."""
         k = self.key(source, feature, depth)
         w = self.prior_weight
-        return (self.accepted.get(k, 0) + w * self.prior(source, feature)) / (self.offered.get(k, 0) + w)
+        mean = self.prior(source, feature) if prior is None else prior
+        return (self.accepted.get(k, 0) + w * mean) / (self.offered.get(k, 0) + w)
 
     def observe(self, source: str, match: int, depth: int, taken: bool) -> None:
         k = self.key(source, match, depth)
@@ -235,6 +241,7 @@ class MixedSchedule(TreeSchedule):
         if not self.drafts:
             self.max_block_size = 1
         self.shared, self.sources, self.batch_costs = shared, tuple(sources), batch_costs
+        self.observed = shared.observed
         self.max_n, self.branches = int(max_n), int(branches)
         self.recycle_widths = tuple(int(w) for w in recycle_widths)
         self.index = NgramIndex(self.max_n, keep=3)
@@ -246,7 +253,7 @@ class MixedSchedule(TreeSchedule):
         self._drafted = self._probe = False
         self._step_ms, self._plain_rate = 1.0, 0.0
         self._tags: list[list[object]] = []
-        self._start = 0
+        self._own = SourceStats(REQUEST_PRIOR_WEIGHT)
 
     def first(self, last_logits: torch.Tensor) -> int:
         b = super().first(last_logits)
@@ -257,6 +264,7 @@ class MixedSchedule(TreeSchedule):
             self.backoff.missed()
         self.index = NgramIndex(self.max_n, keep=3)
         self._segment, self._seen = None, 0
+        self._own = SourceStats(REQUEST_PRIOR_WEIGHT)
         return b if self.drafts else 1
 
     # -- before the drafter ------------------------------------------------------------------------------------------
@@ -281,14 +289,18 @@ class MixedSchedule(TreeSchedule):
             firsts = {c.tokens[0] for c in found}
             found += [c for c in self.shared.cache.lookup(tokens, room, self.branches, exclude=own, source="cache")
                       if c.tokens[0] not in firsts][: self.branches - len(found)]
-        stats = self.shared.stats
-        self._chains = [(c.tokens, [stats.estimate(c.source, c.match, d) for d in range(1, len(c.tokens) + 1)],
+        shared, own = self.shared.stats, self._own
+
+        def estimate(source: str, feature: int, depth: int) -> float:  # the request's own rate, the method's as prior
+            return own.estimate(source, feature, depth, shared.estimate(source, feature, depth))
+
+        self._chains = [(c.tokens, [estimate(c.source, c.match, d) for d in range(1, len(c.tokens) + 1)],
                          [(c.source, c.match, d) for d in range(1, len(c.tokens) + 1)]) for c in found]
         recycled = self.shared.recycled if "recycle" in self.sources else None
         if recycled is not None and room > 0:
             for path, ranks in recycled.chains(request.state.pending, self.recycle_widths, room):
                 tags = [("recycle", r + 1, d) for d, r in enumerate(ranks, 1)]
-                self._chains.append((path, [stats.estimate(*t) for t in tags], tags))
+                self._chains.append((path, [estimate(*t) for t in tags], tags))
         self._drafted = self._probe = False
         if block_size > 1 and self.drafts:  # the free tree's rate decides whether the drafter runs
             free = merge_paths(DraftTree(), self._chains, self.max_nodes)[0].values if self._chains else []
@@ -306,14 +318,13 @@ class MixedSchedule(TreeSchedule):
         plus every ms its n rows add to it (a row that costs ~12% of a step alone costs ~70% of one request's share at 16
         on two cores: under load only nodes likely to be taken pay)."""
         if self.batch_costs is None or self.load <= 1:
-            return self.shared.observed.correct(self.costs(self.max_nodes + 1, start)[1][: nodes + 1])
+            return self.costs(self.max_nodes + 1, start)[1][: nodes + 1]  # corrected by ``observed``
         n, costs = self.load, self.batch_costs
         plain = costs.step_ms(n, 0, n)
         return [plain / n + costs.step_ms(n + k, 0, n) - plain for k in range(nodes + 1)]
 
     # -- the tree ---------------------------------------------------------------------------------------------------
     def choose_tree(self, tokens: torch.Tensor | None, probs: torch.Tensor | None, start: int) -> DraftTree:
-        self._start = start
         if tokens is None and not self._chains:  # nothing proposed: a plain step, priced as one
             self._tags = []
             self._step_ms = self._verify_ms(start, 0)[0]
@@ -333,12 +344,7 @@ class MixedSchedule(TreeSchedule):
         return tree.prefix(n)
 
     # -- after the verify -------------------------------------------------------------------------------------------
-    def verified(self, tree: DraftTree, path: list[int], tokens: list[int], logits: torch.Tensor,
-                 verify_ms: float | None = None) -> None:
-        if verify_ms is not None and self.load <= 1:  # the verify curve learns what this step's verify took
-            rows = len(tree) + 1
-            self.shared.observed.observe(rows, self.costs(max(self.max_nodes + 1, rows), self._start)[1][rows - 1],
-                                         verify_ms)
+    def verified(self, tree: DraftTree, path: list[int], tokens: list[int], logits: torch.Tensor) -> None:
         if self.shared.recycled is not None and "recycle" in self.sources:
             self.shared.recycled.update(tokens, logits)
         if self._drafted:  # what a drafted step yielded per (predicted) ms: the drafter's realized rate
@@ -350,12 +356,13 @@ class MixedSchedule(TreeSchedule):
             if self._probe:  # judged on the running rate, not one lucky step
                 self.backoff.paid() if self._drafted_rate > self._plain_rate else self.backoff.missed()
         taken = set(path)
-        stats = self.shared.stats
+        stats, own = self.shared.stats, self._own
         for j, (p, node_tags) in enumerate(zip(tree.parents, self._tags)):
             if p >= 0 and p not in taken:
                 continue
             for source, match, depth in node_tags:
                 stats.observe(source, match, depth, j in taken)
+                own.observe(source, match, depth, j in taken)
 
     def next(self, tau: int, block_size: int) -> int:
         return self._chosen if self.drafts else 1  # whether the drafter runs is ``prepare``'s choice, step by step

@@ -41,6 +41,8 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from pipeline.costs import ObservedCosts
+
 log = logging.getLogger(__name__)
 
 LABELS, SPLITS, PREDICTOR, CALIBRATION, COSTS, REQUEST = "labels", "splits", "predictor", "calibration", "costs", "request"
@@ -270,7 +272,8 @@ def _verify_width(hybrid: bool):
         calibration, latency = ctx.inputs.calibration, ctx.inputs.latency
         predictor = ctx.inputs.predictors["blockpilot"] if hybrid else None
         VerifyWidthSchedule(calibration, latency, b, predictor, **options)  # raises for B < 2 or a bad option
-        return Factory(lambda: VerifyWidthSchedule(calibration, latency, b, predictor, **options))
+        observed = ObservedCosts()
+        return Factory(lambda: _observing(VerifyWidthSchedule(calibration, latency, b, predictor, **options), observed))
 
     return build
 
@@ -284,7 +287,14 @@ def _tree(ctx: Context):
                "max_nodes": tree_max_nodes(ctx.options, ctx.decoder)}
     calibration, latency = ctx.inputs.calibration, ctx.inputs.latency
     TreeSchedule(calibration, latency, b, **options)  # raises for B < 2 or a bad option
-    return Factory(lambda: TreeSchedule(calibration, latency, b, **options))
+    observed = ObservedCosts()
+    return Factory(lambda: _observing(TreeSchedule(calibration, latency, b, **options), observed))
+
+
+def _observing(schedule, observed):
+    """``schedule`` with the method's ``ObservedCosts`` (one per method, its requests' verify times)."""
+    schedule.observed = observed
+    return schedule
 
 
 def _mixed(ctx: Context):

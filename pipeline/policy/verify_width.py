@@ -29,7 +29,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from pipeline.costs import CostModel
+from pipeline.costs import CostModel, ObservedCosts
 from pipeline.decoding.schedules import Schedule
 from pipeline.policy.calibration import AcceptanceCalibration
 from pipeline.policy.core import BackOff
@@ -54,6 +54,9 @@ class VerifyWidthSchedule(Schedule):
     """
 
     chooses_widths = True
+    observed: ObservedCosts | None = None
+    """The method's ``ObservedCosts`` (one per method, shared by its requests; the registry sets it), or None: the
+    cost model as measured."""
 
     def __init__(self, calibration: AcceptanceCalibration, costs: CostModel, block_size: int, predictor=None,
                  skip_drafts: bool = True, max_skip: int = 8, objective: str = "rate"):
@@ -79,13 +82,19 @@ class VerifyWidthSchedule(Schedule):
         self._step_ms = self._plain_ms = 0.0  # the last drafted step's cost, and a plain step's at its context
 
     def costs(self, b: int, context: int) -> tuple[float, list[float]]:
-        """(draft_ms of a block of b, [verify_ms of k+1 tokens for k = 0..b-1]) at a context length (ms)."""
+        """(draft_ms of a block of b, [verify_ms of k+1 tokens for k = 0..b-1]) at a context length (ms); the verify
+        curve corrected by the verifies' observed times where the method keeps them (``observed``)."""
         key = (int(b), int(context) // 16)
         if key not in self._costs:
             length = key[1] * 16 + 8
             self._costs[key] = (self.cost_model.draft_ms(b, length),
                                 [self.cost_model.verify_ms(q, length) for q in range(1, b + 1)])
-        return self._costs[key]
+        draft_ms, verify_ms = self._costs[key]
+        return (draft_ms, verify_ms) if self.observed is None else (draft_ms, self.observed.correct(verify_ms))
+
+    def timed_verify(self, rows: int, ms: float, start: int) -> None:
+        if self.observed is not None:
+            self.observed.observe(rows, self.cost_model.verify_ms(rows, int(start) // 16 * 16 + 8), ms)
 
     def first(self, last_logits: torch.Tensor) -> int:
         self._reset()
