@@ -141,15 +141,17 @@ class RecycledTokens:
 
 class SharedSources:
     """What the requests of one method share: the free nodes' ``SourceStats``, the suffix cache of earlier responses
-    (an ``NgramIndex`` of at most ``cache_tokens`` tokens; None: no cache) and the recycled candidates
-    (``RecycledTokens`` over ``vocab`` ids; None: none)."""
+    (an ``NgramIndex`` of at most ``cache_tokens`` tokens; None: no cache), the recycled candidates
+    (``RecycledTokens`` over ``vocab`` ids; None: none) and the method's ``ObservedCosts`` (None: the cost model as
+    measured; the method table gives one, a test with a synthetic cost model none)."""
 
-    def __init__(self, cache_tokens: int | None = 65536, max_n: int = 4, vocab: int | None = None):
+    def __init__(self, cache_tokens: int | None = 65536, max_n: int = 4, vocab: int | None = None,
+                 observed: ObservedCosts | None = None):
         self.stats = SourceStats()
         self.cache = NgramIndex(max_n, keep=3, max_tokens=cache_tokens) if cache_tokens else None
         self.recycled = RecycledTokens(vocab) if vocab else None
         self.drafted_rate: float | None = None  # the drafted steps' realized tokens per predicted ms, all requests
-        self.observed = ObservedCosts()  # the batch-1 verify curve corrected by the verifies' observed times
+        self.observed = observed  # the batch-1 verify curve corrected by the verifies' observed times (None: as measured)
 
 
 def merge_paths(tree: DraftTree, chains: list[tuple[list[int], list[float], list[object]]], max_nodes: int

@@ -314,7 +314,7 @@ def _mixed(ctx: Context):
                "top_k": int(ctx.option("tree", "top_k", TOP_K)), "max_nodes": int(max_nodes),
                "max_n": max_n, "branches": branches, "sources": sources if drafter else [s for s in sources if s != "drafter"]}
     shared = SharedSources(cache_tokens if "cache" in sources else 0, max_n,
-                           int(ctx.decoder.lm_head.shape[0]) if "recycle" in sources else None)
+                           int(ctx.decoder.lm_head.shape[0]) if "recycle" in sources else None, ObservedCosts())
     calibration, latency = ctx.inputs.calibration, ctx.inputs.latency
     options["batch_costs"] = ctx.inputs.batch_costs  # a batching server's (loaded for serve.max_batch=auto), else None
     MixedSchedule(calibration, latency, b, shared, **options)  # raises for a bad option
