@@ -21,7 +21,6 @@ plugin, ``pipeline.integrations.vllm``) can read a calibration.
 from __future__ import annotations
 
 import functools
-
 import json
 from dataclasses import dataclass, field
 from pathlib import Path

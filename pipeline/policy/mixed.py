@@ -10,9 +10,9 @@ Each step (``pipeline.decoding.step``):
    node's conditional acceptance estimated by ``SourceStats`` (observed acceptance by source, match length or rank,
    and depth, shared by the requests of one method, with a prior; then the request's own, with the method's as its
    prior); the free tree's best size and expected tokens per ms are taken on the measured verify costs, corrected by
-   the verifies' observed times (``pipeline.costs.ObservedCosts``; no draft cost). The drafter runs when its drafted steps have yielded
-   more tokens per ms (realized: tokens taken over the step's predicted cost, a running mean per request seeded by
-   the method's) than this free tree promises, else it looks again after 1, 2, 4, ... ``max_skip`` steps: where a
+   the verifies' observed times (``pipeline.costs.ObservedCosts``; no draft cost). The drafter runs when its drafted
+   steps have yielded more tokens per ms (realized: tokens taken over the step's predicted cost, a running mean per
+   request seeded by the method's) than this free tree promises, else it looks again after 1, 2, 4, ... ``max_skip`` steps: where a
    long match already fills the tree the cost model wants, or where the drafter does not pay, its draft is saved;
 2. ``choose_tree``: the drafter's best-first tree (``TreeSchedule``: its calibrated top-k candidates) and the free
    chains merged into one trie (``merge_paths``: a token proposed at the same place by two sources is one node, its

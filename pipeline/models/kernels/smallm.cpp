@@ -729,8 +729,7 @@ void attend_row_fixed(const float* __restrict q, const float* __restrict k, int6
 template <int NV>
 void attend_queries_fixed(const float* const* qs, int64_t nq, const float* __restrict k, int64_t ks,
                           const float* __restrict v, int64_t vs, int64_t shared, const int64_t* ns, const KeySlots* slots,
-                          float scale, float* __restrict scores, int64_t stride, float* const* outs,
-                          float* __restrict acc) {
+                          float scale, float* __restrict scores, int64_t stride, float* const* outs) {
   const __m256 sv = _mm256_set1_ps(scale);
   int64_t t = 0;
   for (; t + 4 <= shared; t += 4) {
@@ -790,7 +789,6 @@ void attend_queries_fixed(const float* const* qs, int64_t nq, const float* __res
 #pragma GCC unroll 16
     for (int w = 0; w < NV; ++w) _mm256_storeu_ps(outs[j] + 8 * w, _mm256_mul_ps(o[w], iv));
   }
-  (void)acc;
 }
 
 }  // namespace
@@ -871,7 +869,7 @@ torch::Tensor attend_rows(torch::Tensor q, c10::optional<torch::Tensor> k_new, c
     grouped = rows[i] <= 1 || (causal ? lengths[i] - rows[i] : lengths[i]) >= 2 * rows[i];
   if (grouped) {
     at::parallel_for(0, N * Hq, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, acc;
+      std::vector<float> scores;
       std::vector<const float*> qs;
       std::vector<float*> outs;
       std::vector<int64_t> ns;
@@ -895,7 +893,6 @@ torch::Tensor attend_rows(torch::Tensor q, c10::optional<torch::Tensor> k_new, c
         }
         const int64_t shared = causal ? base : lengths[i];
         if (static_cast<int64_t>(scores.size()) < nq * longest) scores.resize(nq * longest);
-        if (static_cast<int64_t>(acc.size()) < nq * D) acc.resize(nq * D);
         const float* kp = k.data_ptr<float>() + kh * k.stride(0);
         const float* vp = v.data_ptr<float>() + kh * v.stride(0);
         if (nq == 1) {  // one row: its query and output stay in registers (attend_row_fixed)
@@ -903,10 +900,10 @@ torch::Tensor attend_rows(torch::Tensor q, c10::optional<torch::Tensor> k_new, c
           else attend_row_fixed<16>(qs[0], kp, k.stride(1), vp, v.stride(1), ns[0], sc, scores.data(), outs[0], slots[0]);
         } else if (D == 64)
           attend_queries_fixed<8>(qs.data(), nq, kp, k.stride(1), vp, v.stride(1), shared, ns.data(), slots.data(), sc,
-                                  scores.data(), longest, outs.data(), acc.data());
+                                  scores.data(), longest, outs.data());
         else
           attend_queries_fixed<16>(qs.data(), nq, kp, k.stride(1), vp, v.stride(1), shared, ns.data(), slots.data(), sc,
-                                   scores.data(), longest, outs.data(), acc.data());
+                                   scores.data(), longest, outs.data());
       }
     });
     return out;
