@@ -1,4 +1,4 @@
-"""The batched step (``pipeline.decoding.batched``, ``pipeline.models.batched_forward``): every request's rows bit
+"""The batched step (``pipeline.decoding.batched``, ``pipeline.models.forward``): every request's rows bit
 for bit those of its decode alone, and every request's text its autoregressive text, whatever shares the step.
 
 - the smallm kernel's rows are invariant at every row count 1..64 in every packed form; ``packed_linear`` is not
@@ -21,7 +21,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import DynamicCache
 
 from conftest import require
 from pipeline import PROJECT_ROOT
@@ -31,7 +30,7 @@ from pipeline.decoding.scheduler import decode_all
 from pipeline.decoding.schedules import BatchPolicy
 from pipeline.decoding.schedules import FixedSchedule
 from pipeline.models.backend import EXACT_FORMATS, SMALLM_MAX_ROWS, PackedLinear, pack_smallm, set_backend, smallm_available
-from pipeline.models.batched_forward import BatchedForward, chunked, segment_rows
+from pipeline.models.forward import by_rows
 from pipeline.models.target import new_cache
 
 needs_smallm = pytest.mark.skipif(not smallm_available(), reason="the smallm kernel does not build on this CPU")
@@ -77,35 +76,24 @@ def test_smallm_rows_invariant(fmt):
     with torch.inference_mode():
         single = torch.cat([linear(x[i: i + 1]) for i in range(64)])
         for rows in (1, 5, 32, 33, 48, 64):
-            assert torch.equal(chunked(linear, x[None, :rows])[0][0], single[:rows]), rows
+            assert torch.equal(by_rows(linear, x[:rows]), single[:rows]), rows
 
 
-def test_batched_linear_calls_stay_on_the_row_invariant_path():
-    """Every call the batched forward's ``chunked`` and ``segment_rows`` hand a linear has at most ``SMALLM_MAX_ROWS``
-    rows (``packed_linear`` sends wider calls to PyTorch's GEMM, which is not row-invariant), except a segment that
-    was that wide alone (it runs alone, as its solo forward did); the outputs are each input's own, in order."""
+def test_head_calls_stay_on_the_row_invariant_path():
+    """Every call ``by_rows`` hands a head has at most ``SMALLM_MAX_ROWS`` rows (``packed_linear`` sends wider calls to
+    PyTorch's GEMM, which is not row-invariant); the outputs are each row's own, in order."""
     calls: list[int] = []
 
-    def linear(x):
-        calls.append(x.shape[1])
-        return [x * 2, x + 1]  # fused linears return a list
+    def head(x):
+        calls.append(x.shape[0])
+        return x * 2
 
     g = torch.Generator().manual_seed(0)
     for rows in (1, SMALLM_MAX_ROWS, SMALLM_MAX_ROWS + 1, 3 * SMALLM_MAX_ROWS + 5):
         calls.clear()
-        x = torch.randn(1, rows, 4, generator=g)
-        doubled, shifted = chunked(linear, x)
+        x = torch.randn(rows, 4, generator=g)
+        assert torch.equal(by_rows(head, x), x * 2)
         assert max(calls) <= SMALLM_MAX_ROWS and sum(calls) == rows, (rows, calls)
-        assert torch.equal(doubled, x * 2) and torch.equal(shifted, x + 1)
-    calls.clear()
-    sizes = (5, SMALLM_MAX_ROWS + 8, SMALLM_MAX_ROWS - 2, 3)
-    parts = [torch.randn(1, n, 4, generator=g) for n in sizes]
-    outs = segment_rows(linear, parts)
-    long = SMALLM_MAX_ROWS + 8
-    assert calls.count(long) == 1 and all(c <= SMALLM_MAX_ROWS for c in calls if c != long)
-    assert sum(calls) == sum(sizes)
-    for part, (doubled, shifted) in zip(parts, outs):
-        assert torch.equal(doubled, part * 2) and torch.equal(shifted, part + 1)
 
 
 @needs_smallm
@@ -181,8 +169,8 @@ def _contexts(decoder, lengths, seed=0):
 @needs_smallm
 def test_batched_forwards_are_bit_identical_to_solo(tiny, arch, restore_eager):
     decoder = SpeculativeDecoder(tiny.target(arch), tiny.drafter(arch, "random"), backend="smallm")
-    batched = BatchedForward(decoder)
-    assert batched.exact and batched.exact_draft
+    batched = decoder.forward
+    assert batched.exact and decoder.native_draft is not None
     lengths, widths = [3, 40, 7, 12, 25, 9], [1, 4, 16, 9, 2, 12]  # 44 verified rows in all: two chunks
     g = torch.Generator().manual_seed(3)
     blocks = [torch.randint(3, decoder.lm_head.shape[0], (1, q), generator=g) for q in widths]
@@ -203,17 +191,16 @@ def test_batched_forwards_are_bit_identical_to_solo(tiny, arch, restore_eager):
     def caches():
         out = []
         for (_, _, f), n, p in zip(solo, lengths, pending):
-            dc = DynamicCache()
+            dc = decoder.new_draft_cache()
             if n > p:
-                decoder.drafter(decoder.embed(drafts[0][:, :1]), f[:, : n - p], torch.arange(0, n - p + 1)[None], cache=dc)
+                decoder.draft_forward(decoder.embed(drafts[0][:, :1]), f[:, : n - p], torch.arange(0, n - p + 1)[None], dc)
                 dc.crop(-1)
             out.append(dc)
         return out
 
     with torch.inference_mode():
         solo_caches, batch_caches = caches(), caches()
-        forward = decoder.fast_draft
-        alone = [forward(decoder.embed(b), f[:, n - p:], torch.arange(n - p, n + b.shape[1])[None], cache=dc)
+        alone = [decoder.draft_forward(decoder.embed(b), f[:, n - p:], torch.arange(n - p, n + b.shape[1])[None], dc)
                  for b, (_, _, f), n, p, dc in zip(drafts, solo, lengths, pending, solo_caches)]
         hidden = batched.draft_hidden(drafts, [f[:, n - p:] for (_, _, f), n, p in zip(solo, lengths, pending)], lengths,
                                       batch_caches)
@@ -315,7 +302,7 @@ def test_plain_steps_and_skipped_drafts(trained_decoder, tiny, restore_eager):
 
 def test_eager_runs_each_request_alone_and_exactly(tiny):
     decoder = tiny.decoder("llama", "trained")  # eager: GEMMs are not row-invariant
-    assert not BatchedForward(decoder).exact
+    assert not decoder.forward.exact
     tok = decoder.target.tokenizer
     prompts = [torch.tensor([tok(t)["input_ids"]]) for t in ["def add(a, b):", "Natalia sold clips to 48 of"]]
     configs = [DecodeConfig(20, 0.7, 3), DecodeConfig(20)]
@@ -353,7 +340,7 @@ def test_real_target_batched_methods_equal_batch1_ar(compose_config):
     drafter_dir = PROJECT_ROOT / "data" / "drafters" / "smollm2-135m-instruct-dflash-b8"
     require((drafter_dir / "config.json").exists(), "the shipped drafter is not there (make draft)")
     decoder = build_decoder(compose_config("evaluate", ["model.precision=exact"]).model)
-    assert decoder.backend == "smallm" and BatchedForward(decoder).exact
+    assert decoder.backend == "smallm" and decoder.forward.exact
     prompts = [chat_input_ids(decoder.target.tokenizer, p.turns) for p in load_prompt_set("humaneval", limit=4)]
     configs = [DecodeConfig(24), DecodeConfig(16), DecodeConfig(24, 0.8, 5), DecodeConfig(20)]
     ar = [decoder.generate(p, 1, c).output_ids for p, c in zip(prompts, configs)]

@@ -32,7 +32,7 @@ def test_bench_step_cli_writes_the_documented_keys(tiny, tmp_path):
     for name, fig in data["by_backend"].items():  # the forward path that ran, and whether it is batch-invariant
         assert fig["forward_path"]["backend"].split(":")[0] == name
         assert fig["forward_path"]["batch_invariant"] is batch_invariant(name)
-        assert fig["forward_path"]["draft_precision"] == "exact"  # the model's draft_precision, not auto's choice
+        assert fig["forward_path"]["drafter"] in ("native exact", "transformers")  # the model's, not auto's choice
     assert data["kv_cache"] == "dynamic" and set(data["by_kv_cache"]) == {"dynamic", "preallocated"}
     assert data["by_kv_cache"]["dynamic"] == data["by_backend"]  # by_backend: the first KV cache's
     assert all(set(per) == {auto, "eager"} for per in data["by_kv_cache"].values())

@@ -41,21 +41,22 @@ def _context(decoder, length: int, seed: int = 0):
 
 
 @needs_smallm
-def test_native_stack_matches_the_per_layer_forward(smallm_decoder):
+def test_native_stack_matches_transformers_forward(smallm_decoder):
     dec = smallm_decoder
-    assert dec.fast is not None and dec.fast.native and dec.forward_path()["native_stack"]
-    assert dec.forward_path()["isa"] == kernel.smallm_kernel().isa()
+    native_target = dec.native
+    assert dec.native is not None and dec.forward_path()["target"] == "native"
+    assert dec.forward_path()["backend"].split()[1] == kernel.smallm_kernel().isa()
     g = torch.Generator().manual_seed(1)
     for width in (1, 3, 8, 16):
         block = torch.randint(3, dec.lm_head.shape[0], (1, width), generator=g)
         cache = _context(dec, 21)
         got = {}
         for native in (True, False):
-            dec.fast.native = native
+            dec.native = native_target if native else None
             with torch.inference_mode():
                 got[native] = dec.target_forward(block, cache, 21, want_features=True)
             crop_to(cache, 21)
-        dec.fast.native = True
+        dec.native = native_target
         (nl, nf), (pl, pf) = got[True], got[False]
         assert nl.shape == pl.shape and nf.shape == pf.shape
         torch.testing.assert_close(nl, pl, rtol=1e-4, atol=1e-4)
@@ -68,12 +69,13 @@ def test_a_long_prefill_runs_on_the_native_stack_and_matches_transformers_forwar
     """A prefill chunk of more than ``SMALLM_MAX_ROWS`` tokens is one native call (exact products); its last logits
     and every position's drafter features match transformers' own forward of the prompt to rounding, and it leaves
     the keys/values the following steps read (the next step's logits match too)."""
-    from pipeline.models.backend import SMALLM_MAX_ROWS, packed_kind
+    from pipeline.models.backend import SMALLM_MAX_ROWS
     from pipeline.models.native import NativeStack
 
     dec = smallm_decoder
     n = SMALLM_MAX_ROWS + 19
-    assert dec.fast.takes(n) and dec.fast.native_stack(packed_kind(dec.base)) is not None
+    native_target = dec.native
+    assert native_target.stack() is not None
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(3, dec.lm_head.shape[0], (1, n + 1), generator=g)
     calls = []
@@ -84,13 +86,14 @@ def test_a_long_prefill_runs_on_the_native_stack_and_matches_transformers_forwar
     for native in (True, False):
         calls.clear()
         if not native:  # the same prefill on transformers' forward
-            monkeypatch.setattr(dec.fast, "takes", lambda rows: rows <= SMALLM_MAX_ROWS)
+            dec.native = None
         cache = new_cache(dec.model, dec.kv_cache)
         with torch.inference_mode():
             prefill = dec.target_forward(ids[:, :n], cache, 0, want_features=True, last_only=True)
             step = dec.target_forward(ids[:, n:], cache, n, want_features=True)
-        assert calls == ([n, 1] if native else [1])  # the prefill in one native call, or none
+        assert calls == ([n, 1] if native else [])  # the prefill in one native call, or none
         got[native] = (prefill, step)
+    dec.native = native_target
     (nl, nf), (ns, _) = got[True]
     (pl, pf), (ps, _) = got[False]
     torch.testing.assert_close(nl, pl, rtol=1e-4, atol=1e-4)
@@ -102,8 +105,6 @@ def test_a_long_prefill_runs_on_the_native_stack_and_matches_transformers_forwar
 @needs_smallm
 def test_native_rows_are_the_same_bits_alone_in_a_verify_and_beside_other_requests(smallm_decoder):
     dec = smallm_decoder
-    from pipeline.models.batched_forward import BatchedForward
-
     g = torch.Generator().manual_seed(2)
     block = torch.randint(3, dec.lm_head.shape[0], (1, 16), generator=g)
     cache = _context(dec, 30)
@@ -115,7 +116,7 @@ def test_native_rows_are_the_same_bits_alone_in_a_verify_and_beside_other_reques
             assert torch.equal(alone[0], wide[j]) and torch.equal(features[0, 0], wide_features[0, j]), j
         others = [_context(dec, n, seed=n) for n in (5, 44)]
         crop_to(cache, 30)
-        batched = BatchedForward(dec).target([block, block[:, :3], block[:, :1]], [cache, *others], [30, 5, 44],
+        batched = dec.forward.target([block, block[:, :3], block[:, :1]], [cache, *others], [30, 5, 44],
                                              [True, True, False])
     assert torch.equal(batched[0][0], wide) and torch.equal(batched[0][1], wide_features)
 
@@ -225,7 +226,7 @@ def test_int8_precision_is_lossless_against_its_own_ar_and_close_to_exact(tiny):
         exact = SpeculativeDecoder(target, drafter, backend="smallm")
         int8 = SpeculativeDecoder(target, drafter, backend="smallm", precision="int8")
         assert int8.forward_path()["precision"] == "int8" and exact.forward_path()["precision"] == "exact"
-        assert (int8.forward_path()["head_precision"], exact.forward_path()["head_precision"]) == ("int8", "exact")
+        assert (int8.head.precision, exact.head.precision) == ("int8", "exact")
         weight = int8.head.weight  # bench_step's floor reads the int8 rows' bytes, not the float32 weight's
         assert exact.head.nbytes < int8.head.nbytes < 0.35 * weight.numel() * weight.element_size()
         # the q4 layers and the q8 head do run on the int8 products: logits close to the exact ones, not equal
@@ -377,9 +378,8 @@ def test_native_draft_matches_the_drafters_own_forward(tiny, arch, precision):
     drafter = tiny.drafter(arch, "random")
     dec = SpeculativeDecoder(tiny.target(arch), drafter, backend="smallm", draft_precision=precision)
     try:
-        assert dec.draft_precision == precision and dec.forward_path()["draft_precision"] == precision
-        fast = dec.fast_draft
-        assert fast is not None and fast.native_stack() is not None
+        assert dec.draft_precision == precision and dec.forward_path()["drafter"] == f"native {precision}"
+        assert dec.native_draft is not None and dec.native_draft.native_stack() is not None
         assert isinstance(dec.new_draft_cache(), PreallocatedCache)
         reference = {"bf16": _bf16_reference, "int8": _int8_reference}.get(precision, lambda d: d)(drafter)
         # bf16 / int8: an activation near a rounding boundary may round apart
@@ -392,9 +392,8 @@ def test_native_draft_matches_the_drafters_own_forward(tiny, arch, precision):
             positions = torch.arange(0, context + width)[None]
             with torch.inference_mode():
                 native_cache, own_cache = PreallocatedCache(), DynamicCache()
-                got = fast(dec.embed(block), features, positions, cache=native_cache)
-                want = reference(dec.embed(block), features, positions, cache=own_cache,
-                                 fused=None if precision != "exact" else fast.products())
+                got = dec.draft_forward(dec.embed(block), features, positions, native_cache)
+                want = reference(dec.embed(block), features, positions, cache=own_cache)
             torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
             for mine, theirs in zip(native_cache.layers, own_cache.layers):
                 torch.testing.assert_close(mine.keys, theirs.keys, rtol=tolerance, atol=tolerance)

@@ -105,10 +105,9 @@ def test_a_released_weight_raises_where_a_path_needs_it(tiny):
     assert "embedding" not in report  # random float32 rows: the head's packed form is not q8, the table stays
     assert not isinstance(decoder.embed.weight, ReleasedWeight)
     ids = chat_input_ids(decoder.target.tokenizer, [PROMPTS[0]])
-    positions = torch.arange(ids.shape[1])[None]
     named = r"model\.layers\.0\.self_attn\.[qkv]_proj\.weight was released"
-    with pytest.raises(ReleasedWeightError, match=named):  # a cache the native stack cannot write: per-layer path
-        decoder.fast(ids, positions, DynamicCache())
+    with pytest.raises(ReleasedWeightError, match=named):  # a cache the native stack cannot write: transformers' path
+        decoder.target_forward(ids, DynamicCache(), 0, want_features=False)
     with pytest.raises(ReleasedWeightError, match=r"drafter\.[a-z0-9_.]+\.weight was released"):
         decoder.drafter.state_dict()
     set_backend(decoder.base, "eager")

@@ -221,7 +221,7 @@ def test_replay_equals_brute_force_on_every_draft_precision(tiny, restore_eager,
         drafter = copy.deepcopy(drafter)
         drafter.set_draft_vocab(torch.tensor(sorted(set(range(0, base.lm_head.shape[0], 2)) | set(sorted(seen)[::2]))))
     decoder = SpeculativeDecoder(tiny.target("llama"), drafter, backend="smallm", draft_precision=precision)
-    assert decoder.draft_precision == precision and decoder.fast_draft.native_stack() is not None
+    assert decoder.draft_precision == precision and decoder.native_draft.native_stack() is not None
     accepted = 0
     for temperature, seed in ((0.0, 0), (0.8, 1)):
         config = DecodeConfig(24, temperature, seed)
@@ -289,7 +289,7 @@ def test_replay_equals_brute_force_on_smollm2_on_every_draft_precision(compose_c
 
     require((SHIPPED_DRAFTER / "config.json").exists(), f"{SHIPPED_DRAFTER.relative_to(PROJECT_ROOT)} is missing")
     decoder = build_decoder(compose_config("evaluate", [f"model.draft_precision={precision}"]).model)
-    assert decoder.draft_precision == precision and decoder.fast_draft.native_stack() is not None
+    assert decoder.draft_precision == precision and decoder.native_draft.native_stack() is not None
     candidates = list(range(4, 13))
     accepted = 0
     for k, prompt in enumerate(load_prompt_set("humaneval", limit=3)):

@@ -2,8 +2,8 @@
 
 - ``grow`` is the best-first tree: parents before children, values non-increasing, every prefix the n-node subtree
   with the most expected tokens (against brute force over all subtrees of a small case);
-- a tree verify row gives the same bits as the causal row of its path (the kernel's per-row parents, native stack and
-  per-layer kernel), and close to it on transformers' forward with the dense ``tree_mask``; ``tree_mask`` against a
+- a tree verify row gives the same bits as the causal row of its path (the kernel's per-row parents on the native stack
+  nothing else), and close to it on transformers' forward with the dense ``tree_mask``; ``tree_mask`` against a
   mask built from the paths;
 - after a verify, ``compact`` leaves the cache a causal forward over the accepted path leaves, at every depth;
 - decoding with trees is lossless against ``ar`` at T=0 and gives ``ar``'s sampled text at T>0, on the tiny targets
@@ -23,7 +23,7 @@ from pipeline.costs import CostModel
 from pipeline.decoding import DecodeConfig, SpeculativeDecoder
 from pipeline.decoding import step
 from pipeline.decoding.trees import DraftTree, depth_exclusive, grow
-from pipeline.models.fast_forward import tree_mask
+from pipeline.models.forward import tree_mask
 from pipeline.models.backend import set_backend, smallm_available
 from pipeline.models.cache import compact
 from pipeline.models.target import new_cache
@@ -161,19 +161,14 @@ def _tree_against_paths(dec, exact: bool, seed: int = 3):
 
 
 @needs_smallm
-@pytest.mark.parametrize("native", [True, False])
-def test_tree_rows_are_the_bits_of_their_paths_on_the_kernel(smallm_decoder, native):
-    dec = smallm_decoder
-    dec.fast.native = native
-    try:
-        _tree_against_paths(dec, exact=True)
-    finally:
-        dec.fast.native = True
+def test_tree_rows_are_the_bits_of_their_paths_on_the_kernel(smallm_decoder):
+    assert smallm_decoder.native is not None
+    _tree_against_paths(smallm_decoder, exact=True)
 
 
 def test_tree_rows_match_their_paths_with_the_dense_mask(tiny, arch):
     dec = tiny.decoder(arch, "random")  # eager: transformers' forward with tree_mask
-    assert dec.fast is None
+    assert dec.native is None
     _tree_against_paths(dec, exact=False)
 
 

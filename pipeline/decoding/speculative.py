@@ -19,13 +19,11 @@ from transformers import DynamicCache
 from pipeline.decoding.requests import DecodeConfig, DecodeState, PrefillResult, Request, RequestStats, as_schedule
 from pipeline.decoding.sampling import PositionKeyedSampler
 from pipeline.decoding.schedules import Schedule
-from pipeline.models.backend import LMHead, resolve_backend, set_backend
-from pipeline.models.cache import resolve_kv_cache
+from pipeline.models.cache import PreallocatedCache
 from pipeline.models.clock import now
 from pipeline.models.drafter import DFlashDrafter, check_compatible
-from pipeline.models.fast_forward import fast_draft_for, fast_forward_for, runs_native, tree_mask
-from pipeline.models.native import Bf16Head, Int8Head, resolve_draft_precision, resolve_precision
-from pipeline.models.target import Target, logit_head, new_cache
+from pipeline.models.forward import Forward, forward_for
+from pipeline.models.target import Target, new_cache
 
 
 class PromptTooLongError(ValueError):
@@ -46,12 +44,10 @@ class SpeculativeDecoder:
             modules, so prefill, autoregressive steps, drafts and verifies all run on it.
         kv_cache: the target's KV cache (``pipeline.models.target.new_cache``): ``dynamic``, ``preallocated`` or
             ``auto``; kept resolved in ``self.kv_cache``.
-        fast_forward: run the target's decode steps (up to ``SMALLM_MAX_ROWS`` tokens) on
-            ``pipeline.models.fast_forward.FastForward``, bit-identical to transformers' forward with less
-            overhead: ``auto`` (on a packed backend when the target's architecture is supported), True (raises
-            when unsupported) or False. Prefill chunks take its native stack where it runs on exact products
-            (``FastForward.takes``), else transformers' forward. ``self.fast`` holds it or None.
-            The same setting puts the drafter's draft forward on ``FastDraft`` (``self.fast_draft``, or None).
+        fast_forward: ``model.fast_forward``: run the target's and the drafter's forwards on the native stacks
+            (``pipeline.models.forward``): ``auto`` (where they can run), True (required: raises naming why not) or
+            False (transformers' forward). ``self.native`` and ``self.native_draft`` hold them or None; which forward
+            runs is chosen once, by ``pipeline.models.forward.forward_for``.
         precision: ``exact`` (every product on the weights' exact float32 values; the reference), ``int8`` (the native
             stack's 4-bit products on activations quantized to int8 per group of 32, AVX-512 VNNI, prefills included;
             the q8 LM head on int8 products too) or ``auto`` (``int8`` where the target runs on the native stack and
@@ -95,45 +91,22 @@ class SpeculativeDecoder:
             check_compatible(drafter, target.model.config, target.name)
             self.draft_head = drafter.draft_head(self.lm_head)  # [N, H] rows the drafter scores
             self.draft_vocab = drafter.draft_vocab
-        self.backend = resolve_backend(backend, self.model.device, self.model.dtype)
-        resolve_kv_cache(kv_cache)  # an unknown name fails before the backend is set
-        set_backend(self.base, self.backend)
-        if drafter is not None:
-            set_backend(drafter, self.backend)
+        path = forward_for(target.model, drafter, self.draft_head, backend, kv_cache, fast_forward, precision,
+                           draft_precision)
+        self.backend, self.precision, self.kv_cache = path.backend, path.precision, path.kv_cache
+        self.native, self.draft_precision, self.native_draft = path.native, path.draft_precision, path.native_draft
         # [..., H] -> [..., V] target logits as the model computes them (bias, scaling, softcapping), in float32 for a
         # bf16/fp16 model (a bf16 product rounds logits to bf16's grid: ties a verify and single steps break differently)
-        self.head = logit_head(target.model).with_backend(self.backend, float32=True)
-        precision = resolve_precision(precision, runs_native(self.base, fast_forward, self.backend))
-        self.precision = precision
-        if precision == "int8":
-            self.head = self.head.on_int8()  # a q8 LM head (SmolLM2's) on int8 products too
-        self.fast = fast_forward_for(self.base, fast_forward, self.backend, precision)
-        if self.fast is not None and drafter is not None:
-            self.fast.set_taps([i + 1 for i in drafter.target_layer_ids])
-        self.kv_cache = resolve_kv_cache(kv_cache, self.fast.attention if self.fast is not None else "sdpa")
-        self.draft_precision = resolve_draft_precision(draft_precision) if drafter is not None else "exact"
-        self.fast_draft = fast_draft_for(drafter, fast_forward, self.backend, self.draft_precision)
-        if self.draft_precision != "exact" and (self.fast_draft is None or self.fast_draft.native_stack() is None):
-            if draft_precision not in (None, "auto"):
-                raise ValueError(f"model.draft_precision={draft_precision} runs on the native draft forward (the smallm "
-                                 "backend in float32, fast_forward on); use model.draft_precision=auto or exact")
-            self.draft_precision = "exact"
-            self.fast_draft = fast_draft_for(drafter, fast_forward, self.backend)
-        self.drafter_head = None if drafter is None else (
-            Bf16Head(self.draft_head) if self.draft_precision == "bf16"
-            else Int8Head.quantized(self.draft_head) if self.draft_precision == "int8"
-            else LMHead(self.draft_head, self.backend, float32=True))
+        self.head, self.drafter_head = path.head, path.drafter_head
         self.max_context = int(getattr(target.model.config, "max_position_embeddings", 1 << 30))
         self.stop_ids = set(target.stop_token_ids())
         self.prefix_cache = None  # a PrefixCache (pipeline.decoding.prefix_cache) the prefills consult, or None
 
     @functools.cached_property
-    def forward(self):
-        """The forwards every decode step runs (``pipeline.models.batched_forward.BatchedForward``: one target and one
+    def forward(self) -> Forward:
+        """The forwards every decode step and prefill runs (``pipeline.models.forward.Forward``: one target and one
         drafter forward over the rows of any number of requests, each request's rows bit for bit its forward alone)."""
-        from pipeline.models.batched_forward import BatchedForward
-
-        return BatchedForward(self)
+        return Forward(self)
 
     @functools.cached_property
     def kv_bytes_per_token(self) -> int:
@@ -150,38 +123,33 @@ class SpeculativeDecoder:
     @property
     def prefill_invariant(self) -> bool:
         """Whether a prefill's bits (last logits, features, the cache's keys and values) do not depend on how the prompt
-        is split into forwards: every chunk runs on the native stack (``FastForward.takes`` any length; each row's
-        products and attention are one fixed computation whatever the chunk). Only then does a prefill resume from a
-        prefix cache's hit (``prefix_cache``): elsewhere (transformers' forward picks kernels by shape) a hit could
-        change the last bits, and a prompt's output would depend on what was served before it."""
-        from pipeline.models.backend import packed_kind
-
-        return self.fast is not None and self.fast.native_stack(packed_kind(self.base)) is not None
+        is split into forwards: the target runs on the native stack (each row's products and attention are one fixed
+        computation whatever the chunk). Only then does a prefill resume from a prefix cache's hit (``prefix_cache``):
+        elsewhere (transformers' forward picks kernels by shape) a hit could change the last bits, and a prompt's output
+        would depend on what was served before it."""
+        return self.native is not None
 
     def forward_path(self) -> dict:
-        """What this decoder's timings and exactness depend on beyond the models: the backend (with a hash of its kernel
-        and formats), the lean target and draft forwards, the KV cache, and ``batch_invariant``: whether each row's
-        result is the same bits whatever the rows sharing the call (``pipeline.models.backend.batch_invariant``), on
-        which float32 losslessness (every B's output = autoregressive) rests. Where False, speculative outputs can
-        differ from autoregressive ones by near-ties: report the exact-match rate (``bench_label check=true``).
-        ``kernel_failure``: why ``smallm`` was not used, when ``auto`` fell back because its build failed. Cache keys
-        of timed results include it; results.json and the bench JSONs record it."""
-        from pipeline.models.backend import SMALLM, backend_signature, batch_invariant, kernel_failure
-        from pipeline.models.kernel import kernel_isa
+        """What this decoder's timings and exactness depend on beyond the models, in six keys: ``backend`` (the linears'
+        backend with a hash of its kernel and formats, and its ISA), ``target`` (``native`` or ``transformers <dtype>
+        <device>``, and why ``auto`` fell back where the kernel's build failed), ``precision`` (the target's products: exact or
+        int8), ``drafter`` (``native <draft precision>``, ``transformers`` or None), ``kv_cache``, and
+        ``batch_invariant``: whether each row's result is the same bits whatever the rows sharing the call, on which
+        losslessness (every B's output = autoregressive) rests; where False, speculative outputs can differ from
+        autoregressive ones by near-ties (report the exact-match rate: ``bench_label check=true``). Cache keys of timed
+        results include it; results.json, /health and the bench JSONs record it."""
+        from pipeline.models.backend import SMALLM, backend_signature, batch_invariant
+        from pipeline.models.kernel import kernel_failure, kernel_isa
 
-        path = {"backend": backend_signature(self.backend), "fast_forward": self.fast is not None,
-                "attention": self.fast.attention if self.fast is not None else "sdpa",
-                "fast_draft": self.fast_draft is not None, "kv_cache": self.kv_cache,
-                "batch_invariant": batch_invariant(self.backend) and self.device.type == "cpu",
-                "dtype": str(self.model.dtype).removeprefix("torch."), "device": str(self.device),
-                "native_stack": bool(self.fast is not None and self.fast.native and self.backend in SMALLM),
-                "native_draft": bool(self.fast_draft is not None and self.fast_draft.native_stack() is not None),
-                "precision": self.precision, "head_precision": self.head.precision, "draft_precision": self.draft_precision}
-        if self.backend in SMALLM:
-            path["isa"] = kernel_isa()
-        if kernel_failure() is not None:
-            path["kernel_failure"] = kernel_failure()
-        return path
+        failure = kernel_failure()
+        backend = backend_signature(self.backend) + (f" {kernel_isa()}" if self.backend in SMALLM else "")
+        target = "native" if self.native is not None else f"transformers {str(self.model.dtype)[6:]} {self.device}"
+        target += f" (smallm failed: {failure})" if failure else ""
+        drafter = None if self.drafter is None else (f"native {self.draft_precision}" if self.native_draft is not None
+                                                     else "transformers")
+        return {"backend": backend, "target": target, "precision": self.precision, "drafter": drafter,
+                "kv_cache": self.kv_cache,
+                "batch_invariant": batch_invariant(self.backend) and self.device.type == "cpu"}
 
     # ---------------------------------------------------------------------------------------------
     def check_block_size(self, block_size: int) -> None:
@@ -212,8 +180,8 @@ class SpeculativeDecoder:
     # ---------------------------------------------------------------------------------------------
     def target_forward(self, ids: torch.Tensor, cache: DynamicCache, start: int, want_features: bool,
                        last_only: bool = False, parents: list[int] | None = None):
-        """Target forward over ``ids`` [1, q] at positions start..start+q-1, appending to ``cache`` (a request's forward
-        alone: its prefill chunks; a step's verify runs on ``self.forward``, ``pipeline.decoding.step``).
+        """Target forward over ``ids`` [1, q] at positions start..start+q-1, appending to ``cache``: a request's forward
+        alone (its prefill chunks), on ``self.forward`` as every step's.
 
         Args:
             want_features: also return the drafter's context features of the q positions.
@@ -223,36 +191,25 @@ class SpeculativeDecoder:
         Returns:
             (logits [q or 1, V] float32, features [1, q, n_taps*H] or None).
         """
-        from pipeline.models.batched_forward import row_depths
-
-        if self.forward.takes(ids.shape[1]):  # the step's own forward (one native call), the same bits
-            (logits, features), = self.forward.target([ids], [cache], [start], [want_features],
-                                                      None if parents is None else [parents])
-            return (logits[-1:] if last_only else logits), features
-        positions = (start + row_depths(parents, ids.shape[1], self.device))[None]
-        if self.fast is not None and self.fast.takes(ids.shape[1]):
-            last, hidden_states = self.fast(ids, positions, cache, output_hidden_states=want_features, parents=parents)
-        else:
-            mask = None if parents is None else tree_mask(parents, cache.get_seq_length(), self.model.dtype, self.device)
-            out = self.base(input_ids=ids, position_ids=positions, cache=cache, use_cache=True,
-                            output_hidden_states=want_features, attention_mask=mask)
-            last, hidden_states = out.last_hidden_state, out.hidden_states
-        hidden = last[0, -1:] if last_only else last[0]
-        logits = self.head(hidden).float()
-        features = self.drafter.extract_context(hidden_states) if want_features else None
+        (logits, features), = self.forward.target([ids], [cache], [start], [want_features],
+                                                  None if parents is None else [parents], last_only=last_only)
         return logits, features
 
     def draft_forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, cache
                       ) -> torch.Tensor:
-        """The drafter's forward as this decoder runs it (``FastDraft`` where set, on its draft precision; else the
-        drafter's own): block embeddings [1, b, H] with pending context features [1, c, F] at ``positions``
+        """The drafter's forward as this decoder runs it (the native draft stack where it runs, on its draft precision;
+        else the drafter's own): block embeddings [1, b, H] with pending context features [1, c, F] at ``positions``
         [1, c + b], appended to the draft ``cache`` -> the final states [1, b, H]."""
-        forward = self.fast_draft if self.fast_draft is not None else self.drafter
-        return forward(embeds, features, positions, cache=cache)
+        if self.native_draft is not None:
+            got = self.native_draft([embeds], [features], [positions], [cache])
+            if got is not None:
+                return got[0]
+        return self.drafter(embeds, features, positions, cache=cache)
 
     def new_draft_cache(self):
         """An empty drafter cache for this decoder's draft forward (preallocated on the native draft path)."""
-        return self.fast_draft.new_cache() if self.fast_draft is not None else DynamicCache()
+        native = self.native_draft is not None and self.native_draft.native_stack() is not None
+        return PreallocatedCache() if native else DynamicCache()
 
     def new_state(self, prefill: PrefillResult, use_drafter: bool) -> DecodeState:
         """The state right after ``prefill``: its cache, features and first token (shared, not copied)."""

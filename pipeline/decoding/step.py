@@ -17,8 +17,8 @@ stage's timings. A step (``advance``):
    own token from the root (``DraftTree.walk``: the longest accepted path plus the bonus token, position-keyed at T>0,
    so lossless at every T), moves the accepted path's keys/values behind the context and keeps their drafter features.
 
-The forwards are ``pipeline.models.batched_forward.BatchedForward``'s, whose rows are bit for bit those of a request's
-forward alone, so a request's text does not depend on the batch it shares a step with.
+The forwards are ``pipeline.models.forward.Forward``'s (the native stack's rows are bit for bit those of a request's
+forward alone), so a request's text does not depend on the batch it shares a step with.
 """
 
 from __future__ import annotations

@@ -110,7 +110,6 @@ def bench_batch(cfg: DictConfig) -> dict:
     from pipeline.decoding.batched import BatchedDecoder
     from pipeline.decoding.scheduler import decode_all
     from pipeline.decoding.build import build_decoder
-    from pipeline.models.batched_forward import BatchedForward
     from pipeline.policy import setup
 
     b = cfg.bench
@@ -185,7 +184,7 @@ def bench_batch(cfg: DictConfig) -> dict:
         "costs": costs.to_dict() if costs is not None else None,
         "info": {"host": platform.node(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                  "target": decoder.target.name, "drafter": str(cfg.model.drafter), "forward": decoder.forward_path(),
-                 "exact_batching": BatchedForward(decoder).exact},
+                 "exact_batching": decoder.forward.exact},
     }
 
 

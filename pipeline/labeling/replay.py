@@ -226,8 +226,7 @@ def _shares_context(decoder: SpeculativeDecoder) -> bool:
     ``DraftStack``, where a context position's keys/values are a fixed computation of its own features and position,
     whatever the rows of the call (elsewhere a product over many rows may round differently with their number, so
     every candidate projects its context exactly as its own decode does)."""
-    fast = decoder.fast_draft
-    return fast is not None and fast.native_stack() is not None
+    return decoder.native_draft is not None and decoder.native_draft.native_stack() is not None
 
 
 def _draft(decoder: SpeculativeDecoder, trace: Trace, states: list[_State]) -> list[torch.Tensor]:

@@ -206,7 +206,7 @@ class PreallocatedLayer(DynamicLayer):
         """Make room for ``q`` new tokens after the cached ones and count them in, without writing them: the caller
         writes their keys/values into the buffers at positions ``length - q .. length - 1`` (the smallm kernel's
         ``attend`` does, in the same call as the attention). Cheaper than ``update`` when many requests append every
-        layer (``pipeline.models.batched_forward``).
+        layer (``pipeline.models.forward``).
 
         Args:
             like: (kv_heads, head_dim, dtype) of the states: a layer with no buffer yet (a fresh cache) gets one of

@@ -1,8 +1,8 @@
 """The native stacks: a whole target forward (``Stack``) and a whole DFlash draft forward (``DraftStack``) as one call
 of the smallm kernel (``kernels/smallm.cpp``), and what they are built from: each weight in the packed form the kernel
 streams (``_spec``; ``vnni_layout`` for ``model.precision=int8``), each pre-norm layer's products and norms
-(``_layer_specs``). ``FastForward`` and ``FastDraft`` (``pipeline.models.fast_forward``) run them where the model and
-backend allow, the per-layer forward elsewhere.
+(``_layer_specs``). ``pipeline.models.forward`` runs them where the model and backend allow, transformers' own
+forward elsewhere.
 """
 
 from __future__ import annotations

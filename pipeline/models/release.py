@@ -77,15 +77,10 @@ def _nbytes(t) -> int:
 
 def unreleasable(decoder) -> str | None:
     """Why ``decoder``'s weights cannot be released (None when they can): its target must run on the native stack,
-    every forward of any length, on preallocated caches (``FastForward.run_native``'s condition)."""
-    from pipeline.models.backend import SMALLM, packed_kind
-
-    fast = decoder.fast
-    if decoder.backend not in SMALLM or fast is None or fast.native_stack(packed_kind(decoder.base)) is None:
+    every forward of any length, on preallocated caches (``pipeline.models.forward.forward_for`` chose it)."""
+    if decoder.native is None or decoder.native.stack() is None:
         return ("the target does not run on the native stack (model.backend=smallm or auto in float32, "
-                "model.fast_forward on, a supported target)")
-    if decoder.kv_cache != "preallocated":
-        return f"model.kv_cache={decoder.kv_cache}: the native stack writes preallocated caches only"
+                "model.fast_forward on, model.kv_cache preallocated or auto, a supported target)")
     return None
 
 
@@ -143,7 +138,7 @@ def _release_linears(modules, prefix: str, report: dict, part: str) -> None:
 
 
 def _rebuild(owner, freeze: bool) -> None:
-    """Build the native stack of ``owner`` (a ``NativeStack`` or a ``FastDraft``) again from the weights as they are now
+    """Build the native stack of ``owner`` (a ``NativeStack`` or a ``NativeDraft``) again from the weights as they are now
     (kept ones copied out of file mappings); with ``freeze``, stop it from checking its weights for changes (it would
     rebuild from released ones)."""
     owner._stack = None
@@ -269,16 +264,16 @@ def release_unused_weights(decoder, keep_drafter: bool = False) -> dict[str, int
     Raises:
         ValueError: where the target does not run on the native stack (``unreleasable``).
     """
-    from pipeline.models.backend import SMALLM, LMHead, packed_kind
+    from pipeline.models.backend import LMHead
 
     if getattr(decoder, "released_weights", None) is not None:
         return {}
     reason = unreleasable(decoder)
     if reason is not None:
         raise ValueError(f"release_unused_weights: {reason}; its forward reads the float32 weights")
-    fast, drafter, fast_draft = decoder.fast, decoder.drafter, decoder.fast_draft
-    native_draft = fast_draft is not None and fast_draft.native and packed_kind(drafter) in SMALLM
-    release_drafter = drafter is not None and native_draft and not keep_drafter  # else its own forward may run
+    drafter, native_draft = decoder.drafter, decoder.native_draft
+    native_draft = native_draft if native_draft is not None and native_draft.native_stack() is not None else None
+    release_drafter = drafter is not None and native_draft is not None and not keep_drafter  # else its own forward may run
     released = [decoder.base.layers] + ([drafter] if release_drafter else [])
     ids = {id(m.weight) for part in released for m in part.modules() if isinstance(m, nn.Linear)}
     # a recording server's replay reads a whole-vocabulary drafter's head rows: the float32 table itself
@@ -288,14 +283,11 @@ def release_unused_weights(decoder, keep_drafter: bool = False) -> dict[str, int
     kept = [t for model in (decoder.model, drafter) if model is not None
             for t in (*model.parameters(), *model.buffers()) if id(t) not in ids]
     report = {"copied_out": _own(kept, _file_mapped())}
-    _rebuild(fast.native_stack(packed_kind(decoder.base)), freeze=True)  # its norms: the copies, not the mapping
-    fast._fused.clear()  # the per-layer path's packed products
-    fast._layers.clear()
+    _rebuild(decoder.native.stack(), freeze=True)  # its norms: the copies, not the mapping
     _release_linears(decoder.base.layers, "model.layers.", report, "target_layers")
-    if native_draft:
-        _rebuild(fast_draft, freeze=release_drafter)
+    if native_draft is not None:
+        _rebuild(native_draft, freeze=release_drafter)
     if release_drafter:
-        fast_draft._fused.clear()
         _release_linears(drafter, "drafter.", report, "drafter_layers")
         if decoder.draft_head is not decoder.lm_head and not isinstance(decoder.drafter_head, LMHead):
             report["draft_head"] = _nbytes(decoder.draft_head)  # its int8 / bf16 head holds its own rows

@@ -1,7 +1,7 @@
 """The cost of a batched step on this machine (``pipeline.costs.BatchCostModel``): measured, checked, cached.
 
 ``measure_batch_costs`` prefills enough random prompts of ``context`` tokens, then times, as points of one interleaved
-measurement (``pipeline.costs.timer``), with ``pipeline.models.batched_forward``:
+measurement (``pipeline.costs.timer``), with ``pipeline.models.forward``:
 
 - the target forward over R total rows (the LM head and each request's sampling included), for R in ``rows``, the rows
   split over the fewest requests that hold them (at most ``max_block`` rows each), and q = min(B, max rows) rows as
@@ -38,7 +38,6 @@ class BatchPoints:
 
     def __init__(self, decoder, block_size: int, context: int, need: int, seed: int = 0):
         from pipeline.decoding.sampling import PositionKeyedSampler
-        from pipeline.models.batched_forward import BatchedForward
 
         self.decoder, self.context = decoder, int(context)
         self.has_drafter = decoder.drafter is not None
@@ -48,7 +47,7 @@ class BatchPoints:
         if context + self.max_block + 1 > decoder.max_context:
             raise ValueError(f"batch cost context {context} + B {self.max_block} exceeds the target's "
                              f"{decoder.max_context} positions; use a shorter context")
-        self.forward = BatchedForward(decoder)
+        self.forward = decoder.forward
         vocab = decoder.lm_head.shape[0]
         gen = torch.Generator().manual_seed(seed)
         self.sampler = PositionKeyedSampler(0.0, seed, vocab)

@@ -17,10 +17,6 @@ normalised (``hidden_norm``) into context features; in every layer the block's q
 ``keys``, ``values``, ``visible``, ``attend``; ``DFlashDecoderLayer.feed_forward``), so a caller that arranges the rows
 differently (BlockPilot's replay labelling packs several blocks into one pass) runs the same code.
 
-Fused products (an option of ``forward``): ``fused`` gives, per layer, callables that compute q/k/v, and gate/up, as
-one product each, for runtimes whose concatenated product gives the separate products' bits (BlockPilot's packed CPU
-kernel, ``pipeline.models.fast_forward.FastDraft``); the context rows' queries are then computed and dropped.
-
 Rotary: ``inv_freq`` stays float32 when the model is cast (``.to(torch.bfloat16)``), as z-lab's loader keeps it; a
 bfloat16 ``inv_freq`` turns the angle at position 1,000 by up to ~1 rad.
 
@@ -123,15 +119,11 @@ class DFlashAttention(nn.Module):
         self.is_causal = layer_type == "sliding_attention" if is_causal is None else bool(is_causal)
         self.sliding_window = int(config.sliding_window) if layer_type == "sliding_attention" else None
 
-    def project(self, hidden: torch.Tensor, context: torch.Tensor | None, qkv=None):
+    def project(self, hidden: torch.Tensor, context: torch.Tensor | None):
         """Raw products: q [b, q, heads*d] of the block rows ``hidden`` [b, q, H], and k, v [b, c+q, kv_heads*d] of
-        [``context`` [b, c, H] ; hidden] (``context`` None: the block rows only). ``qkv``: one product for all three
-        (x -> [q, k, v]) over every row, the context rows' queries dropped; None: ``q_proj``, ``k_proj``, ``v_proj``."""
+        [``context`` [b, c, H] ; hidden] (``context`` None: the block rows only)."""
         kv_in = hidden if context is None else torch.cat([context, hidden], dim=1)
-        if qkv is None:
-            return self.q_proj(hidden), self.k_proj(kv_in), self.v_proj(kv_in)
-        q, k, v = qkv(kv_in)
-        return q[:, kv_in.shape[1] - hidden.shape[1]:], k, v
+        return self.q_proj(hidden), self.k_proj(kv_in), self.v_proj(kv_in)
 
     def queries(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Raw queries [b, n, heads*d] at the positions of cos/sin [b, n, d] -> normed, rotated [b, heads, n, d]."""
@@ -167,10 +159,10 @@ class DFlashAttention(nn.Module):
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1))
 
-    def forward(self, hidden, context, cos, sin, attention_mask=None, past_key_values=None, qkv=None):
+    def forward(self, hidden, context, cos, sin, attention_mask=None, past_key_values=None):
         """hidden [b, q, H] (normed); context [b, c, H]; cos/sin [b, c+q, d]; mask bool [b|1, 1, q, keys] or None."""
         q_len = hidden.shape[1]
-        q, k, v = self.project(hidden, context, qkv)
+        q, k, v = self.project(hidden, context)
         q, k, v = self.queries(q, cos[:, -q_len:], sin[:, -q_len:]), self.keys(k, cos, sin), self.values(v)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
@@ -191,19 +183,13 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def feed_forward(self, hidden: torch.Tensor, gate_up=None) -> torch.Tensor:
-        """``hidden + mlp(post_attention_layernorm(hidden))``; ``gate_up``: one product x -> [gate, up], or None."""
-        x = self.post_attention_layernorm(hidden)
-        if gate_up is None:
-            return hidden + self.mlp(x)
-        gate, up = gate_up(x)
-        return hidden + self.mlp.down_proj(self.mlp.act_fn(gate) * up)
+    def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden + mlp(post_attention_layernorm(hidden))``."""
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
-    def forward(self, hidden, context, cos, sin, attention_mask=None, past_key_values=None, fused=None):
-        """fused: (qkv, gate_up) one-product callables, or None (see ``DFlashDraftModel.forward``)."""
-        qkv, gate_up = fused if fused is not None else (None, None)
-        attn = self.self_attn(self.input_layernorm(hidden), context, cos, sin, attention_mask, past_key_values, qkv)
-        return self.feed_forward(hidden + attn, gate_up)
+    def forward(self, hidden, context, cos, sin, attention_mask=None, past_key_values=None):
+        attn = self.self_attn(self.input_layernorm(hidden), context, cos, sin, attention_mask, past_key_values)
+        return self.feed_forward(hidden + attn)
 
 
 class DFlashDraftModel(Qwen3PreTrainedModel):
@@ -287,7 +273,7 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
 
     def forward(self, noise_embedding=None, target_hidden=None, position_ids=None, attention_mask=None,
-                past_key_values=None, use_cache=False, cache=None, fused=None, **kwargs) -> torch.Tensor:
+                past_key_values=None, use_cache=False, cache=None, **kwargs) -> torch.Tensor:
         """Hidden states [b, q, H] of the block positions (final norm applied), in ``noise_embedding``'s dtype.
 
         Call it with z-lab's keywords; BlockPilot also calls it positionally, in the order below.
@@ -299,8 +285,6 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
             attention_mask: bool [b|1, 1, q, keys] (True = may attend) or None (all visible).
             past_key_values: a ``DynamicCache`` of projected context keys/values (``cache``: the same, BlockPilot's
                 name); the block's are appended too, so the caller crops it back to the context.
-            fused: per layer a (qkv, gate_up) pair of one-product callables (x -> [q, k, v], x -> [gate, up]) or None:
-                the fast path of a runtime whose concatenated products equal the separate ones bit for bit.
         """
         past_key_values = cache if past_key_values is None else past_key_values
         out_dtype = noise_embedding.dtype
@@ -308,8 +292,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         context = self.hidden_norm(self.fc(target_hidden.to(dtype)))
         hidden = noise_embedding.to(dtype)
         cos, sin = self.rotary_emb(hidden, position_ids)
-        for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, context, cos, sin, attention_mask, past_key_values, fused[i] if fused else None)
+        for layer in self.layers:
+            hidden = layer(hidden, context, cos, sin, attention_mask, past_key_values)
         return self.norm(hidden).to(out_dtype)
 
     def context_keys_values(self, target_hidden: torch.Tensor, position_ids: torch.Tensor) -> list[tuple]:
