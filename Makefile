@@ -110,6 +110,11 @@ $(VLLM_STAMP): pyproject.toml
 	  $(VLLM_PY) -m pip uninstall --yes torchvision torchaudio torchcodec; \
 	fi
 	$(VLLM_PY) -c 'import pandas' 2>/dev/null || $(VLLM_PY) -m pip install --no-input pandas  # for the Spec-Bench loader of vllm bench serve
+	@# vLLM's suffix decoding (eval method vllm_suffix) imports ArcticInference's suffix trees: PyPI has its source only;
+	@# its build pins torch to this environment's (a CPU build here) and builds the suffix-tree extension alone (no CUDA)
+	$(VLLM_PY) -c 'import arctic_inference.suffix_decoding' 2>/dev/null || { \
+	  $(VLLM_PY) -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' > $(VLLM_VENV)/arctic-constraint.txt && \
+	  PIP_CONSTRAINT=$(VLLM_VENV)/arctic-constraint.txt $(VLLM_PY) -m pip install --no-input --no-deps arctic-inference==0.3.0; }
 	$(VLLM_PY) -m pip install --no-input --no-deps -e .
 	$(VLLM_PY) -m pipeline.integrations.vllm.check
 	@touch $@

@@ -28,8 +28,29 @@ PROMPTS = ["def add(a, b):", "Natalia sold clips to 48 of her friends", "The qui
 
 @pytest.fixture
 def small_headroom(monkeypatch):
-    """One spare token per new buffer: the decodes below grow every layer's buffer several times."""
+    """One spare token per new buffer and no request-sized first buffer: the decodes below grow every layer's buffer
+    several times."""
+    import pipeline.decoding.speculative as speculative
+
     monkeypatch.setattr(cache_module, "HEADROOM", 1)
+    monkeypatch.setattr(speculative, "new_cache", lambda model, kind="auto", tokens=None: new_cache(model, kind))
+
+
+def test_a_requests_cache_is_sized_once_for_its_decode(trained_decoder):
+    """A request's target cache is allocated once for its prompt, its max_new_tokens and a verify's rows: decoding
+    with drafts to its last token never grows a layer's buffer (no copy, no doubled capacity)."""
+    from pipeline.models.backend import SMALLM_MAX_ROWS
+
+    dec = SpeculativeDecoder(trained_decoder.target, trained_decoder.drafter, kv_cache="preallocated")
+    ids = chat_input_ids(dec.target.tokenizer, [PROMPTS[0]])
+    config = DecodeConfig(160, 0.0, 0)  # more than the default headroom: the request's size decides
+    prefill = dec.prefill(ids, config)
+    layers = prefill.cache.layers
+    buffers = [layer._key_buffer for layer in layers]
+    assert all(layer.capacity == ids.shape[1] + 160 + SMALLM_MAX_ROWS for layer in layers)
+    stats = dec.decode(prefill, 4, config)
+    assert len(stats.output_ids) > cache_module.HEADROOM and max(stats.taus) > 1  # past the old first buffer, drafting
+    assert all(layer._key_buffer is b for layer, b in zip(layers, buffers))
 
 
 def hf_greedy(target, ids: torch.Tensor, max_new_tokens: int, stop_ids) -> list[int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -82,6 +83,24 @@ def test_vllm_dflash_loads_the_shipped_drafter_and_drafts_as_ours(reference, tmp
         vllm += 1 + steps["num_accepted_draft_tokens"] / steps["num_spec_steps"]
     assert abs(vllm - ours) / ours < 0.2, (vllm, ours)  # a wrong vocabulary mapping would leave ~1 token per step
     assert counters["vllm:spec_decode_num_draft_tokens_total"] == K * counters["vllm:spec_decode_num_drafts_total"]
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_vllm_free_draft_sources_keep_our_text(reference, tmp_path, method):
+    """The eval stage's peers ``vllm_ngram`` / ``vllm_suffix``: vLLM's prompt-lookup proposer and its suffix decoding
+    (ArcticInference's suffix trees, built by make vllm) on the same target give our ``ar`` text and do accept drafts
+    (code repeats its own names)."""
+    if method == "suffix":
+        found = subprocess.run([str(VENV / "bin" / "python"), "-c", "import arctic_inference.suffix_decoding"],
+                               capture_output=True).returncode == 0
+        require(found, "vLLM's environment has no arctic-inference (vLLM's suffix decoding): make vllm")
+    with VllmServer(method=method, num_speculative_tokens=5, max_num_seqs=4, port=_port(),
+                    log_path=str(tmp_path / f"{method}.log"), startup_timeout_s=900) as server:
+        responses = [_chat(server, r["prompt"].turns[0]) for r in reference]
+        counters = server.spec_decode_counters()
+    for r, response in zip(reference, responses):
+        assert response["choices"][0]["token_ids"] == r["ids"], r["prompt"].id
+    assert counters["vllm:spec_decode_num_accepted_tokens_total"] > 0, counters
 
 
 def test_vllm_with_the_joint_plugin_is_lossless_and_trims(reference, tmp_path):

@@ -329,6 +329,15 @@ def test_the_launcher_command_and_environment(tmp_path, monkeypatch):
     assert ar.environment()["BLOCKPILOT_VLLM_POLICY"] == "off" and ar.model == "smollm2-135m-instruct"
     with pytest.raises(ValueError, match="vllm.policy=joint applies to dflash"):
         VllmServer(method="ar", policy="joint")
+    ngram = VllmServer(method="ngram", num_speculative_tokens=5, venv=str(venv)).command(target="/models/t")
+    assert json.loads(ngram[ngram.index("--speculative-config") + 1]) == {
+        "method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    suffix = VllmServer(method="suffix", num_speculative_tokens=6, venv=str(venv)).command(target="/models/t")
+    assert json.loads(suffix[suffix.index("--speculative-config") + 1]) == {"method": "suffix", "num_speculative_tokens": 6}
+    with pytest.raises(ValueError, match="vllm.policy=fixed applies to dflash"):
+        VllmServer(method="ngram", policy="fixed")
+    with pytest.raises(ValueError, match="ngram drafts K >= 1"):
+        VllmServer(method="ngram", num_speculative_tokens=0)
     with pytest.raises(ValueError, match="method must be one of"):
         VllmServer(method="eagle")
     with pytest.raises(FileNotFoundError, match="make vllm"):

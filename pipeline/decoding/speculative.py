@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from pipeline.decoding.requests import DecodeConfig, DecodeState, PrefillResult, Request, RequestStats, as_schedule
 from pipeline.decoding.sampling import PositionKeyedSampler
 from pipeline.decoding.schedules import Schedule
+from pipeline.models.backend import SMALLM_MAX_ROWS
 from pipeline.models.cache import PreallocatedCache
 from pipeline.models.clock import now
 from pipeline.models.drafter import DFlashDrafter, check_compatible
@@ -251,7 +252,8 @@ class SpeculativeDecoder:
         sampler = PositionKeyedSampler(config.temperature, config.seed, self.lm_head.shape[0])
         n = input_ids.shape[1]
         chunk = self.prefill_chunk or n
-        cache = new_cache(self.model, self.kv_cache)
+        # room for the prompt, every new token and a verify's rows: one buffer per layer, no growth while decoding
+        cache = new_cache(self.model, self.kv_cache, tokens=n + config.max_new_tokens + SMALLM_MAX_ROWS)
         want = want_features and self.drafter is not None
         features, spent, hit = [], 0.0, 0
         prefixes = self.prefix_cache

@@ -92,6 +92,9 @@ class PreallocatedLayer(DynamicLayer):
     Args:
         headroom: spare tokens allocated beyond the first update's length (None: the module's ``HEADROOM``, read
             when the layer is made); later growth doubles the capacity.
+        tokens: the most tokens the layer is known to hold (a request's prompt, its ``max_new_tokens`` and a verify's
+            rows, ``pipeline.models.target.new_cache``): the first buffer holds at least that many, so it never grows
+            (nor holds twice its need after a doubling); None: no such bound.
 
     ``keys`` / ``values`` are always ``buffer[:, :, :length]`` (or None before the first update), so every
     ``DynamicLayer`` method that only reads them (``get_seq_length``, ``get_mask_sizes``) works unchanged.
@@ -99,10 +102,12 @@ class PreallocatedLayer(DynamicLayer):
 
     _stale = False  # keys / values are out of date after ``reserve`` (refreshed when next read)
     _views = None  # (key buffer, value buffer, their [0] views) as ``reserve`` last returned them
+    tokens = 0  # the most tokens the layer is known to hold (0: unknown)
 
-    def __init__(self, headroom: int | None = None, **kwargs):
+    def __init__(self, headroom: int | None = None, tokens: int | None = None, **kwargs):
         super().__init__(**kwargs)
         self.headroom = int(HEADROOM if headroom is None else headroom)
+        self.tokens = int(tokens or 0)
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
         self._length = 0
@@ -191,7 +196,7 @@ class PreallocatedLayer(DynamicLayer):
         q = key_states.shape[-2]
         needed = self._length + q
         if needed > self.capacity:  # grow geometrically (the first buffer: the prefill + headroom)
-            self._reallocate(max(needed, 2 * self.capacity) if self.capacity else needed + self.headroom,
+            self._reallocate(max(needed, 2 * self.capacity) if self.capacity else max(needed + self.headroom, self.tokens),
                              key_states, value_states)
         elif not self._writable():  # an inference-mode buffer outside inference mode, or one in an autograd graph
             self._reallocate(self.capacity, key_states, value_states)
@@ -219,8 +224,9 @@ class PreallocatedLayer(DynamicLayer):
             heads, dim, dtype = like
             if not self.is_initialized:
                 self.lazy_initialization(None, None)
-            self._key_buffer = torch.empty(1, heads, q + self.headroom, dim, dtype=dtype)
-            self._value_buffer = torch.empty(1, heads, q + self.headroom, dim, dtype=dtype)
+            size = max(q + self.headroom, self.tokens)
+            self._key_buffer = torch.empty(1, heads, size, dim, dtype=dtype)
+            self._value_buffer = torch.empty(1, heads, size, dim, dtype=dtype)
             self._length = 0
         views = self._views
         if views is None or views[0] is not self._key_buffer or views[1] is not self._value_buffer:
@@ -305,15 +311,17 @@ class PreallocatedCache(DynamicCache):
         config: the model's config, as for ``DynamicCache``: sliding-window / chunked / other layer kinds keep
             transformers' dynamic layers. Without one, layers are created lazily as ``PreallocatedLayer``.
         headroom: spare tokens of each layer's first buffer (see ``PreallocatedLayer``; None: ``HEADROOM``).
+        tokens: the most tokens each layer is known to hold (``PreallocatedLayer``), or None.
     """
 
     def __init__(self, config=None, headroom: int | None = None, offloading: bool = False,
-                 offload_only_non_sliding: bool = False):
+                 offload_only_non_sliding: bool = False, tokens: int | None = None):
         super().__init__(config=config, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
         self.headroom = int(HEADROOM if headroom is None else headroom)
+        layer = functools.partial(PreallocatedLayer, self.headroom, tokens)
         if self.layer_class_to_replicate is DynamicLayer:  # no config: layers made lazily, at their first update
-            self.layer_class_to_replicate = functools.partial(PreallocatedLayer, self.headroom)
-        self.layers = [PreallocatedLayer(self.headroom) if type(layer) is DynamicLayer else layer for layer in self.layers]
+            self.layer_class_to_replicate = layer
+        self.layers = [layer() if type(x) is DynamicLayer else x for x in self.layers]
 
 
 def reserve_rows(caches, rows, layers: int, like: tuple[int, int, torch.dtype]) -> tuple[list, list, list] | None:

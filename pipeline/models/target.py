@@ -166,7 +166,7 @@ def target_config(name_or_path: str):
 
 
 # -- the target's cache and logits, computed the way the model's own forward does ----------------------
-def new_cache(model: PreTrainedModel, kind: str | None = "auto"):
+def new_cache(model: PreTrainedModel, kind: str | None = "auto", tokens: int | None = None):
     """An empty KV cache for ``model`` that the decoder can roll back, built from the config (sliding-window layers
     get transformers' sliding layers) with past recording on, as z-lab's code does, so that a sliding-window layer
     can be cropped after a verify step once the window is full (without it transformers raises at B > 1). Crop it
@@ -176,6 +176,8 @@ def new_cache(model: PreTrainedModel, kind: str | None = "auto"):
         kind: ``dynamic`` (transformers' ``DynamicCache``: every append concatenates), ``preallocated``
             (``pipeline.models.cache.PreallocatedCache``: full-attention layers write into spare capacity), or
             ``auto`` / None (``pipeline.models.cache.DEFAULT_KV_CACHE``, the measured faster one).
+        tokens: the most tokens the cache will hold (a request's prompt, its ``max_new_tokens`` and a verify's rows):
+            a preallocated layer's first buffer holds them, so it neither grows nor doubles past its need.
     Returns:
         ``transformers.DynamicCache`` (``PreallocatedCache`` is one).
     Raises:
@@ -186,7 +188,8 @@ def new_cache(model: PreTrainedModel, kind: str | None = "auto"):
     from pipeline.models.cache import PreallocatedCache, resolve_kv_cache
 
     kind = resolve_kv_cache(kind)
-    cache = PreallocatedCache(config=model.config) if kind == "preallocated" else DynamicCache(config=model.config)
+    cache = (PreallocatedCache(config=model.config, tokens=tokens) if kind == "preallocated"
+             else DynamicCache(config=model.config))
     cache.activate_past_recording()
     return cache
 

@@ -9,8 +9,11 @@
         ...                                   # server.model is the served model's name
         print(server.spec_decode_counters())  # vLLM's /metrics counters of speculative decoding
 
-``method``: ``ar`` (no speculation) or ``dflash`` (vLLM's DFlash with our drafter folder, K =
-``num_speculative_tokens`` drafts per step). ``policy`` (dflash only): ``off`` (vLLM's own DFlash, every draft
+``method``: ``ar`` (no speculation), ``dflash`` (vLLM's DFlash with our drafter folder, K =
+``num_speculative_tokens`` drafts per step), ``ngram`` (vLLM's prompt-lookup proposer: the continuation of the
+longest match of the last ``prompt_lookup_min``..``prompt_lookup_max`` tokens in the request's own tokens, up to K) or
+``suffix`` (vLLM's suffix decoding, ArcticInference's suffix trees over the request and earlier responses; needs the
+``arctic-inference`` package in vLLM's environment). ``policy`` (dflash only): ``off`` (vLLM's own DFlash, every draft
 verified), ``fixed``, ``per_request`` or ``joint`` (BlockPilot's plugin: ``pipeline.integrations.vllm.plugin``,
 docs/vllm.md). The defaults serve the embedded default: the SmolLM2 target's HF folder (materialized once into
 ``data/cache/smollm2-135m-instruct`` by ``pipeline.models.target.cache_embedded_target``, which needs ``.venv``),
@@ -80,7 +83,9 @@ class VllmServer:
     """vLLM's OpenAI server as a subprocess (see the module docstring).
 
     Attributes (options):
-        method: ``ar`` or ``dflash``; num_speculative_tokens: K of dflash (vLLM's ``num_speculative_tokens``).
+        method: ``ar``, ``dflash``, ``ngram`` or ``suffix``; num_speculative_tokens: K, the most drafts a step
+            verifies (vLLM's ``num_speculative_tokens``); prompt_lookup_min / prompt_lookup_max: ``ngram``'s match
+            lengths (vLLM's fields of those names).
         policy: the plugin's policy for dflash: ``off`` (vLLM alone), ``fixed``, ``per_request``, ``joint``.
         host, port: where it listens (loopback by default); max_num_seqs: vLLM's concurrent requests.
         enforce_eager: no torch.compile (fast start); dtype: the models' dtype; max_model_len: the context.
@@ -109,6 +114,8 @@ class VllmServer:
     method: str = "dflash"
     num_speculative_tokens: int = 7
     policy: str = "off"
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
     host: str = "127.0.0.1"
     port: int = 8000
     max_num_seqs: int = 16
@@ -184,12 +191,14 @@ class VllmServer:
             cmd.append("--enforce-eager")
         if not self.prefix_caching:
             cmd.append("--no-enable-prefix-caching")
+        spec = {"method": self.method, "num_speculative_tokens": int(self.num_speculative_tokens)}
         if self.method == "dflash":
             drafter = Path(self.drafter) if self.drafter else SHIPPED_DRAFTER
-            drafter = drafter if drafter.is_absolute() else PROJECT_ROOT / drafter
-            cmd += ["--speculative-config", json.dumps({"method": "dflash", "model": str(drafter),
-                                                        "num_speculative_tokens": int(self.num_speculative_tokens)}),
-                    "--per-request-spec-decode-metrics", self.per_request_metrics]
+            spec["model"] = str(drafter if drafter.is_absolute() else PROJECT_ROOT / drafter)
+        elif self.method == "ngram":
+            spec.update(prompt_lookup_min=int(self.prompt_lookup_min), prompt_lookup_max=int(self.prompt_lookup_max))
+        if self.method != "ar":
+            cmd += ["--speculative-config", json.dumps(spec), "--per-request-spec-decode-metrics", self.per_request_metrics]
         return cmd + [str(a) for a in self.extra_args]
 
     def environment(self) -> dict[str, str]:

@@ -38,7 +38,9 @@ from pipeline.costs.margin import GATE_MARGIN
 
 VLLM_SERIES = "0.32."  # the vLLM release series whose internals the plugin wraps
 POLICIES = ("off", "fixed", "per_request", "joint")
-METHODS = ("ar", "dflash")  # vLLM without speculation, or with its DFlash drafter
+# vLLM without speculation, with its DFlash drafter, with its n-gram (prompt lookup) proposer, or with suffix decoding
+# (ArcticInference's suffix trees; needs the arctic-inference package in vLLM's environment)
+METHODS = ("ar", "dflash", "ngram", "suffix")
 # the plugin's policies' names before issue 41 (the registry's methods of those names gate and skip per request)
 RENAMED = {"verify_width": "per_request", "budget": "joint"}
 SPECULATE_KEY = "blockpilot_speculate"
@@ -130,10 +132,10 @@ def check_server(method: str, policy: str, num_speculative_tokens: int, key: str
     check_policy(policy, f"{key}.policy")
     if policy not in POLICIES:
         raise ValueError(f"{key}.policy (the plugin's policy) must be one of {list(POLICIES)}, got {policy!r}")
-    if method == "ar" and policy != "off":
+    if method != "dflash" and policy != "off":
         raise ValueError(f"{key}.policy={policy} applies to dflash: use {key}.method=dflash or {key}.policy=off")
-    if method == "dflash" and int(num_speculative_tokens) < 1:
-        raise ValueError(f"dflash drafts K >= 1 tokens per step, got {key}.num_speculative_tokens={num_speculative_tokens}")
+    if method != "ar" and int(num_speculative_tokens) < 1:
+        raise ValueError(f"{method} drafts K >= 1 tokens per step, got {key}.num_speculative_tokens={num_speculative_tokens}")
 
 
 def check_serve_vllm_config(cfg) -> None:

@@ -25,8 +25,10 @@ Methods (``METHODS``):
     speculative decoder);
   * ``vllm_ar`` / ``vllm_dflash`` / ``vllm_verify_width``: vLLM's OpenAI server on the same target and drafter (no
     speculation; its own DFlash verifying K = B - 1 drafts every step; DFlash with our plugin's ``per_request``
-    widths, ``pipeline.integrations.vllm``: not this table's ``verify_width``, see ``pipeline.policy.core``), each
-    request sent as the same prompt ids (``pipeline.policy.baselines``; eval only, needs ``make vllm``; options
+    widths, ``pipeline.integrations.vllm``: not this table's ``verify_width``, see ``pipeline.policy.core``);
+    ``vllm_ngram`` / ``vllm_suffix``: vLLM's free draft sources on the same target (its prompt-lookup proposer;
+    suffix decoding, where vLLM's environment has ``arctic-inference``), K = B - 1 of the fixed B; each request sent
+    as the same prompt ids (``pipeline.policy.baselines``; eval only, needs ``make vllm``; options
     ``policy.vllm_*``).
 
 Every builder returns a ``Factory``: a fresh schedule per request (``bind`` it to the request for the oracle) and the
@@ -350,7 +352,7 @@ def _vllm(name: str, method: str, policy: str = "off"):
         from pipeline.policy.baselines import VllmGenerate
 
         options = {k: v for k, v in (ctx.options.get(name) or {}).items() if v is not None}
-        if method == "dflash":  # vLLM's K: B - 1 of the fixed B unless policy.<method>.num_speculative_tokens says
+        if method != "ar":  # vLLM's K: B - 1 of the fixed B unless policy.<method>.num_speculative_tokens says
             options.setdefault("num_speculative_tokens", ctx.fixed_block_size - 1)
         peer = VllmGenerate({"method": method, "policy": policy, **options})
         return Factory(lambda: peer)
@@ -424,6 +426,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("vllm_dflash", frozenset({VLLM}), _vllm("vllm_dflash", "dflash"), gain_share=False, servable=_EVAL_ONLY_VLLM),
     Method("vllm_verify_width", frozenset({VLLM}), _vllm("vllm_verify_width", "dflash", "per_request"),
            gain_share=False, servable=_EVAL_ONLY_VLLM),
+    Method("vllm_ngram", frozenset({VLLM}), _vllm("vllm_ngram", "ngram"), gain_share=False, servable=_EVAL_ONLY_VLLM),
+    Method("vllm_suffix", frozenset({VLLM}), _vllm("vllm_suffix", "suffix"), gain_share=False, servable=_EVAL_ONLY_VLLM),
 )}
 SERVABLE = tuple(name for name, m in METHODS.items() if m.servable is None)
 EVALUABLE = tuple(name for name, m in METHODS.items() if not m.batched)  # what the eval stage can run
