@@ -215,14 +215,21 @@ def test_cuda_device_without_cuda_is_refused_before_weights_load(compose_config,
     assert check_device("cpu") == "cpu"
 
 
-# -- 7(c): position-keyed noise is made on the logits' device; the CPU's is unchanged bit for bit -------------------
-def test_cpu_noise_is_unchanged_and_made_where_the_logits_are():
+# -- 7(c): position-keyed noise is made on the logits' device, keyed by (seed, position) only ------------------------
+def test_cpu_noise_is_gumbel_keyed_by_position_and_made_where_the_logits_are():
+    import math
+
     from pipeline.decoding.sampling import PositionKeyedSampler
 
     sampler = PositionKeyedSampler(0.7, 12345, 300)
-    for position in (0, 7, 511):  # the formula labels and tests were made with (independent of the class's code)
+    for position in (0, 7, 511):  # the formula, independent of the class's code: -log(-log(U)), U from (seed, position)
         g = torch.Generator().manual_seed(12345 * 1_000_003 + position)
-        assert torch.equal(sampler.gumbel(position), -torch.empty(300).exponential_(generator=g).log_())
+        uniform = torch.rand(300, generator=g).clamp_(min=torch.finfo(torch.float32).tiny)
+        assert torch.equal(sampler.gumbel(position), -torch.log(-torch.log(uniform)))
+    assert torch.equal(PositionKeyedSampler(0.7, 12345, 300).gumbel(7), sampler.gumbel(7))  # a fresh sampler: the same
+    draws = torch.cat([PositionKeyedSampler(1.0, 3, 1000).gumbel(p) for p in range(200)])
+    assert abs(draws.mean().item() - 0.5772) < 0.01 and abs(draws.var().item() - math.pi ** 2 / 6) < 0.03  # Gumbel(0, 1)
+    assert torch.isfinite(draws).all()
     rows = sampler.noise([5, 6, 9], "cpu")
     assert rows.shape == (3, 300) and rows.device.type == "cpu" and torch.equal(rows[2], sampler.gumbel(9))
     logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(0))

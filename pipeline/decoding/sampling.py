@@ -38,22 +38,21 @@ class PositionKeyedSampler:
     def gumbel(self, position: int, device: torch.device | str | None = None) -> torch.Tensor:
         """Standard Gumbel noise [V] (float32) for one absolute position, cached per request and device.
 
-        On the CPU (``device`` None or ``cpu``) it is drawn from a CPU generator seeded with (seed, position), as it
-        always was (labels and tests made before stay valid). On another device it is drawn there, from a generator
-        of that device seeded the same way: no [V] row crosses the bus per step (19 MB per B=16 step for
-        Qwen3's 151,936-token vocabulary). Each device's noise depends only on (seed, position), so outputs stay
-        the same for every block size B on that device; a CUDA run's sampled text differs from a CPU run's.
+        Drawn as ``-log(-log(U))`` from uniforms U of a generator of ``device`` (CPU when None) seeded with (seed,
+        position): on the CPU 0.15 ms for SmolLM2's 49,152 ids, where ``exponential_`` took 0.84 ms (2026-12-06; the
+        noise of every sampled token, so ~14% of a T>0 step went to it); U is kept above float32's smallest normal, so
+        no id gets -inf noise. On another device it is drawn there: no [V] row crosses the bus per step (19 MB per
+        B=16 step for Qwen3's 151,936-token vocabulary). Each device's noise depends only on (seed, position), so
+        outputs stay the same for every block size B on that device; a CUDA run's sampled text differs from a CPU
+        run's, and texts sampled before 2026-12-06 (drawn with ``exponential_``) differ from today's.
         """
         device = _normalize(device)
         key = position if device.type == "cpu" else (position, str(device))
         noise = self._noise.get(key)
         if noise is None:
-            if device.type == "cpu":
-                generator = torch.Generator().manual_seed(self.seed * 1_000_003 + position)
-                noise = -torch.empty(self.vocab_size).exponential_(generator=generator).log_()
-            else:
-                generator = torch.Generator(device=device).manual_seed(self.seed * 1_000_003 + position)
-                noise = torch.empty(self.vocab_size, device=device).exponential_(generator=generator).log_().neg_()
+            generator = torch.Generator(device=device).manual_seed(self.seed * 1_000_003 + position)
+            uniform = torch.rand(self.vocab_size, device=device, generator=generator)
+            noise = uniform.clamp_(min=torch.finfo(torch.float32).tiny).log_().neg_().log_().neg_()
             self._noise[key] = noise
         return noise
 
