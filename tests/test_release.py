@@ -3,7 +3,7 @@ server's resident memory (``/health``, ``/metrics``).
 
 - a released decoder decodes the ids of an unreleased one (B=1, drafted, batched), on exact and int8 products, on a
   tiny target with a q8 tied embedding (its lookups then read the LM head's packed rows) and on the embedded SmolLM2;
-- a path that needs a released weight (transformers' forward, the per-layer fallback, a state dict, the drafter's
+- a path that needs a released weight (transformers' forward on either cache, a state dict, the drafter's
   head rows) raises ``ReleasedWeightError`` naming it; a decoder off the native stack is refused;
 - the server releases what it built (the drafter's weights, and a whole-vocabulary drafter's head rows, kept when it
   records) and reports its resident memory.

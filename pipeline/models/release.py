@@ -6,10 +6,10 @@ target forward is one call of the kernel's ``Stack`` and every draft forward one
 its own packed copies of the weights (q4 / q8 panels, the int8 VNNI layouts, bf16 pairs), and the LM heads on int8 or
 bf16 products hold theirs (``Int8Head``, ``Bf16Head``). The float32 parameters they were packed from are then read by
 nothing that runs: transformers' decoder layers (for the embedded SmolLM2, pages of the dequantized checkpoint's file
-mapping, resident once packed), the drafter's layers and its float32 head rows, and the packed copies the per-layer
-path would use. ``release_unused_weights`` builds the native stacks, then puts a ``ReleasedWeight`` in the place of each
+mapping, resident once packed), the drafter's layers and its float32 head rows, and the packed copies of transformers'
+forward on the smallm backend. ``release_unused_weights`` builds the native stacks, then puts a ``ReleasedWeight`` in the place of each
 such parameter: the same shape and dtype, no storage; any computation with it raises ``ReleasedWeightError`` naming the
-weight (transformers' own forward after ``set_backend(..., "eager")``, a per-layer fallback, a state dict, a replay).
+weight (transformers' own forward on any backend, a state dict, a replay).
 
 The embedding is looked up by every forward. Where it is tied to the LM head and the head's q8 packed rows expand to
 every one of its float32 values bit for bit (SmolLM2: GGUF Q8_0 rows), lookups read those rows instead
@@ -64,7 +64,7 @@ class ReleasedWeight(torch.Tensor):
         raise ReleasedWeightError(
             f"{', '.join(names) or 'a weight'} was released (pipeline.models.release.release_unused_weights: the "
             f"native forward of this decoder never reads its float32 values, so they were freed), and {func} needs "
-            "it: transformers' own forward, another backend, a per-layer fallback, a replay or a state dict need a "
+            "it: transformers' own forward (on any backend), a replay or a state dict need a "
             "decoder that was not released (build_decoder)")
 
     def __repr__(self):
@@ -256,8 +256,8 @@ def release_unused_weights(decoder, keep_drafter: bool = False) -> dict[str, int
         keep_drafter: keep the drafter's float32 weights and head rows (a replay of its drafts needs them:
             ``serve.record``).
     Returns:
-        bytes per part: ``target_layers`` and ``drafter_layers`` (float32 weights), ``packed_copies`` (the per-layer
-        path's packed linears; on exact products the native stack shares some), ``embedding`` (the tied float32 table,
+        bytes per part: ``target_layers`` and ``drafter_layers`` (float32 weights), ``packed_copies`` (the packed
+        linears of transformers' forward; on exact products the native stack shares some), ``embedding`` (the tied float32 table,
         where the head's q8 rows give it), ``draft_head`` (the drafter's float32 head rows), ``draft_lm_head`` (the
         drafter checkpoint's head rows, read only by ``save_pretrained``), ``copied_out`` (kept tensors copied out of
         file mappings: not freed). Empty when already released.
