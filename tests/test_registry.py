@@ -71,7 +71,7 @@ def test_every_method_builds_the_same_schedule_through_eval_and_serve(run, tiny)
     # every method the eval stage runs, with every input loaded; budget is the one batched-only method; the vLLM peers
     # run vLLM's server (tests/test_vllm.py)
     peers = sorted(m for m, d in METHODS.items() if registry.VLLM in d.needs)
-    assert peers == ["vllm_ar", "vllm_dflash", "vllm_verify_width"]
+    assert peers == ["vllm_ar", "vllm_dflash", "vllm_ngram", "vllm_suffix", "vllm_verify_width"]
     assert sorted(set(eval_factories) - set(peers)) == sorted(set(registry.EVALUABLE) - set(peers)) == sorted(ALL_METHODS)
     assert (set(peers) <= set(eval_factories)) == registry._vllm_installed()  # available where make vllm ran
     assert registry.BATCHED == ("budget",) and sorted(METHODS) == sorted(ALL_METHODS + ["budget"] + peers)
