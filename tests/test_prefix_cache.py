@@ -32,8 +32,8 @@ def config() -> LlamaConfig:
                        num_key_value_heads=HEADS, head_dim=DIM, vocab_size=16)
 
 
-def empty_cache(kind: str = "dynamic"):
-    return PreallocatedCache(config=config()) if kind == "preallocated" else DynamicCache(config=config())
+def empty_cache(kind: str = "dynamic", tokens: int | None = None):
+    return PreallocatedCache(config=config(), tokens=tokens) if kind == "preallocated" else DynamicCache(config=config())
 
 
 def prefix_states(ids) -> torch.Tensor:
@@ -60,8 +60,8 @@ def block_bytes(bt: int, features: bool) -> int:
 
 def assert_restores(cache: PrefixCache, ids, prefix, hit: int, kind: str = "dynamic") -> None:
     """The restored cache holds exactly the keys, values and features of a prefill of ``ids[:hit]``."""
-    target = empty_cache(kind)
-    features = cache.restore(prefix, target, capacity=len(ids))
+    target = empty_cache(kind, tokens=len(ids))
+    features = cache.restore(prefix, target)
     reference, ref_features = fake_prefill(ids[:hit], kind)
     assert target.get_seq_length() == hit
     for got, want in zip(target.layers, reference.layers):
@@ -240,16 +240,16 @@ def test_blocks_without_features_serve_only_requests_that_want_none():
 
 @pytest.mark.parametrize("kind", ["dynamic", "preallocated"])
 def test_a_restored_cache_is_the_requests_own(kind):
-    """Writes into a restored cache (the decode's) leave the stored blocks alone, and a preallocated layer gets room
-    for the whole prompt plus its headroom."""
+    """Writes into a restored cache (the decode's) leave the stored blocks alone, and a preallocated layer's buffer
+    holds the whole request it was sized for (its ``tokens``), beyond the prefix plus its headroom."""
     cache = PrefixCache(MIB, block_tokens=4)
     ids = list(range(20))
     cache.store(ids, fake_prefill(ids, kind)[0])
     hit, prefix = cache.lookup(ids)
-    mine = empty_cache(kind)
-    cache.restore(prefix, mine, capacity=len(ids))
+    mine = empty_cache(kind, tokens=hit + HEADROOM + 50)
+    cache.restore(prefix, mine)
     if kind == "preallocated":
-        assert all(type(layer) is PreallocatedLayer and layer.capacity == len(ids) + HEADROOM for layer in mine.layers)
+        assert all(type(layer) is PreallocatedLayer and layer.capacity == hit + HEADROOM + 50 for layer in mine.layers)
     for layer in mine.layers:
         layer.keys.fill_(-1.0)
         layer.update(torch.zeros(1, HEADS, 4, DIM), torch.zeros(1, HEADS, 4, DIM))

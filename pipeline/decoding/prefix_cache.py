@@ -198,13 +198,11 @@ class PrefixCache:
             self.hits += hit
         return (hit, CachedPrefix(chain, hit)) if chain else (0, None)
 
-    def restore(self, prefix: CachedPrefix, cache, capacity: int | None = None) -> torch.Tensor | None:
-        """Fill the empty ``cache`` (a request's, from ``pipeline.models.target.new_cache``) with ``prefix``'s keys and
-        values, copied: the request's cache shares no storage with the stored blocks (its decode writes into it).
+    def restore(self, prefix: CachedPrefix, cache) -> torch.Tensor | None:
+        """Fill the empty ``cache`` (a request's, from ``pipeline.models.target.new_cache``, sized for the whole request
+        by its ``tokens``) with ``prefix``'s keys and values, copied: the request's cache shares no storage with the
+        stored blocks (its decode writes into it).
 
-        Args:
-            capacity: tokens the request will hold (its prompt): a ``PreallocatedLayer``'s first buffer gets room for
-                them plus its headroom, as a one-forward prefill of the prompt allocates (None: the prefix only).
         Returns:
             [1, tokens, F] the prefix's drafter features (a new tensor), or None where its blocks hold none.
         Raises:
@@ -216,18 +214,10 @@ class PrefixCache:
         if kv.shape[0] != len(cache.layers):
             raise ValueError(f"the stored prefix has {kv.shape[0]} layers, the cache {len(cache.layers)}: one "
                              "PrefixCache serves one decoder")
-        extra = max(0, int(capacity) - prefix.tokens) if capacity is not None else 0
         for i, layer in enumerate(cache.layers):
             keys, values = kv[i, 0][None], kv[i, 1][None]
-            if isinstance(layer, PreallocatedLayer):
-                headroom = layer.headroom
-                layer.headroom = headroom + extra  # the first buffer: the whole prompt plus the usual headroom
-                try:
-                    layer.update(keys, values)  # copies into a buffer of its own
-                finally:
-                    layer.headroom = headroom
-            else:
-                layer.update(keys.clone(), values.clone())
+            # a preallocated layer copies into a buffer of its own; a dynamic one keeps the tensors it is given
+            layer.update(*((keys, values) if isinstance(layer, PreallocatedLayer) else (keys.clone(), values.clone())))
         return prefix.features()
 
     # -- store -----------------------------------------------------------------------------------------------------

@@ -201,11 +201,7 @@ class SpeculativeDecoder:
         """The drafter's forward as this decoder runs it (the native draft stack where it runs, on its draft precision;
         else the drafter's own): block embeddings [1, b, H] with pending context features [1, c, F] at ``positions``
         [1, c + b], appended to the draft ``cache`` -> the final states [1, b, H]."""
-        if self.native_draft is not None:
-            got = self.native_draft([embeds], [features], [positions], [cache])
-            if got is not None:
-                return got[0]
-        return self.drafter(embeds, features, positions, cache=cache)
+        return self.forward.draft_embedded([embeds], [features], [positions], [cache])[0]
 
     def new_draft_cache(self):
         """An empty drafter cache for this decoder's draft forward (preallocated on the native draft path)."""
@@ -263,7 +259,7 @@ class SpeculativeDecoder:
             t0 = now(self.device)
             hit, prefix = prefixes.lookup(input_ids[0], want_features=want)
             if prefix is not None:
-                cached = prefixes.restore(prefix, cache, capacity=n)  # room for the whole prompt: no growth after
+                cached = prefixes.restore(prefix, cache)
                 if want:
                     features.append(cached)
             spent += now(self.device) - t0

@@ -336,10 +336,16 @@ class Forward:
         Returns:
             per request the drafter's hidden states [1, b_i, H] (after its final norm).
         """
-        dec = self.decoder
-        embeds = [dec.embed(b) for b in blocks]
         positions = [torch.arange(s - f.shape[1], s + b.shape[1], device=b.device)[None]
                      for b, f, s in zip(blocks, features, starts)]
+        return self.draft_embedded([self.decoder.embed(b) for b in blocks], features, positions, caches)
+
+    @torch.inference_mode()
+    def draft_embedded(self, embeds: Sequence[torch.Tensor], features: Sequence[torch.Tensor],
+                       positions: Sequence[torch.Tensor], caches: Sequence) -> list[torch.Tensor]:
+        """``draft_hidden`` from the blocks' embeddings ``embeds[i]`` [1, b_i, H] at ``positions[i]`` [1, c_i + b_i]:
+        one native ``DraftStack`` call where it runs, else each request's drafter forward alone."""
+        dec = self.decoder
         if dec.native_draft is not None:
             got = dec.native_draft(embeds, features, positions, caches)
             if got is not None:
