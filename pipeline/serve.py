@@ -107,12 +107,15 @@ def build_engine(cfg: DictConfig, decoder=None, thread=None):
     from pipeline.config_checks import validate_config
     from pipeline.decoding.build import build_decoder
     from pipeline.decoding.prefix_cache import prefix_cache_for
+    from pipeline.models.release import pin_mmap_threshold
     from pipeline.policy import registry, setup
     from pipeline.serving.engine import Engine
 
     validate_config(cfg, "serve")
     s = cfg.serve
     own = decoder is None  # built here for this server's life: release_weights may free what its forward never reads
+    if own:
+        pin_mmap_threshold()  # large buffers mapped alone, handed back when freed (the serving peak)
     decoder = decoder or build_decoder(cfg.model)
     if own:
         release_weights(cfg, decoder)

@@ -323,6 +323,36 @@ def test_observed_costs_correct_each_row_count_by_its_observed_ratio():
         ObservedCosts(weight=0.0)
 
 
+def test_observed_row_cost_is_the_least_squares_slope_of_the_batched_steps():
+    """ms = a + b rows + c requests: the fit recovers b from steps whose drafted rows vary (numpy's lstsq as the
+    reference), none before evidence, and keeps its last fit while a batch drafts nothing."""
+    import numpy as np
+
+    from pipeline.costs.monitor import ObservedRowCost
+
+    rng = np.random.default_rng(0)
+    steps = [(n + int(rng.integers(0, 9)), n) for n in rng.integers(4, 17, size=64).tolist()]
+    ms = [3.0 + 0.93 * r + 0.41 * n + float(rng.normal(0, 0.2)) for r, n in steps]
+    rc = ObservedRowCost(window=64, refit=8)
+    for (r, n), m in list(zip(steps, ms))[:8]:
+        rc.observe(r, n, m)
+    assert rc.per_row() is None  # 8 steps: not yet fitted on 16
+    for (r, n), m in list(zip(steps, ms))[8:]:
+        rc.observe(r, n, m)
+    x = np.array([[1.0, r, n] for r, n in steps])
+    reference = np.linalg.lstsq(x, np.array(ms), rcond=None)[0][1]
+    assert rc.per_row() == pytest.approx(reference, rel=1e-9) and rc.per_row() == pytest.approx(0.93, abs=0.05)
+    for _ in range(128):  # plain steps only (a batch that drafts nothing): once the window holds no spread, no refit
+        rc.observe(16, 16, 3.0 + 1.34 * 16)
+    last = rc.per_row()
+    assert last == pytest.approx(0.93, abs=0.05)
+    rc.observe(16, 16, 99.0)
+    assert rc.per_row() == last
+    rc.observe(0, 16, 5.0)  # nothing verified: ignored
+    with pytest.raises(ValueError, match="ObservedRowCost"):
+        ObservedRowCost(window=4)
+
+
 def test_the_shape_check_finds_a_noisy_point_and_retiming_it_resolves_it():
     assert suspect_points({1: [67.0, 38.0, 40.0], 2: [70.0, 41.0, 43.0]}) == {(1, 0), (1, 1), (2, 0), (2, 1)}
     assert suspect_points({1: [10.0], 2: [30.0], 3: [12.0]}) == {(2, 0), (3, 0)}

@@ -208,6 +208,13 @@ def test_in_a_batched_step_a_tree_is_sized_on_what_its_rows_add_to_the_step():
         by_hand = max(range(len(values) + 1), key=lambda k: (1 + float(values[:k].sum())) / schedule._verify_ms(64, k)[k])
         assert counts[load] == by_hand
     assert counts[16] < counts[1] and counts[16] >= 1  # under load only the likely nodes pay
+    for n in range(4, 20):  # the batched steps measure a row at 1.5 ms: the curve under load prices it so
+        schedule.timed_verify(n + n % 5, 2.0 + 1.5 * (n + n % 5) + 0.1 * n, 64, requests=n)
+    assert schedule.shared.row_cost.per_row() == pytest.approx(1.5)
+    schedule.load = 16
+    assert schedule._verify_ms(64, 3) == pytest.approx([plain / 16 + 1.5 * k for k in range(4)])
+    schedule.load = 1
+    assert schedule._verify_ms(64, 3) == pytest.approx([6.0, 6.8, 7.6, 8.4])  # alone: still the batch-1 model
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -256,6 +263,7 @@ def test_trees_and_mixed_in_a_batched_step_equal_each_request_alone(tiny, restor
         got = decode_all(decoder, prompts, [make() for _ in prompts], configs, [0.0] * len(prompts))
         assert [r.stats.output_ids for r in got] == ar
         assert sum(len(t) for r in got for t, _ in r.stats.trees) > 20
+    assert len(shared.row_cost.steps) > 0  # each batched step's time went to its first request's schedule
 
 
 def test_bad_mixed_options_are_refused_before_any_model_loads():

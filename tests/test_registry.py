@@ -3,6 +3,7 @@ one config group (``conf/policy/``); both give the same schedule, and the server
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -194,3 +195,18 @@ def test_every_batched_method_is_the_same_object_graph_in_the_server_and_in_benc
                 assert engine.policy().cost_model.to_dict() == factory().cost_model.to_dict()
         finally:
             engine.close()
+
+
+def test_mixed_sizes_its_trees_on_the_batched_cost_model_where_many_requests_share_a_step(run, tiny):
+    """``mixed`` is load-sized: bench_batch (and the server) load the batched step cost model for it, and its schedules
+    price a node at what its row adds to a step of ``load`` requests; the eval stage (one request at a time) does not."""
+    from pipeline.evaluation.batched import sources
+
+    decoder = tiny.decoder("llama", "trained")
+    bench_cfg = bench_config(run, *COSTS, "bench.methods=[mixed]")
+    inputs = setup.load_inputs(bench_cfg, decoder, ["mixed"], sources(bench_cfg))
+    assert inputs.batch_costs is not None
+    schedule = setup.build_methods(bench_cfg, decoder, inputs, ["mixed"], sources(bench_cfg))["mixed"]()
+    assert schedule.batch_costs is inputs.batch_costs
+    one = dataclasses.replace(sources(bench_cfg), max_requests=1)
+    assert setup.load_inputs(bench_cfg, decoder, ["mixed"], one).batch_costs is None

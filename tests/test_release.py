@@ -147,6 +147,29 @@ def test_the_server_releases_what_it_built_and_reports_its_resident_memory(tiny)
         assert "process_resident_memory_bytes" in metrics
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt and mallinfo2 are glibc's")
+def test_a_pinned_mmap_threshold_maps_a_kv_sized_buffer_on_its_own():
+    import ctypes
+
+    from pipeline.models.release import MMAP_THRESHOLD, pin_mmap_threshold
+
+    class MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2: hblkhd, the bytes in mapped blocks
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL("libc.so.6")
+    if not hasattr(libc, "mallinfo2"):
+        pytest.skip("this glibc has no mallinfo2 (2.33+)")
+    libc.mallinfo2.restype = MallInfo2
+    big = torch.empty(16 * 2**20, dtype=torch.uint8)  # a freed 16 MiB mapped block raises an unpinned threshold to it
+    del big
+    assert pin_mmap_threshold()
+    before = libc.mallinfo2().hblkhd
+    buffer = torch.empty(2 * MMAP_THRESHOLD, dtype=torch.uint8)  # a request's layer of keys
+    assert libc.mallinfo2().hblkhd - before >= buffer.numel()
+    del buffer
+
+
 @needs_smallm
 def test_a_recording_server_keeps_what_its_replay_reads(tiny, q8_target):
     """The replay runs the drafter's own forward over its head rows: the drafter's weights stay, and so does the tied

@@ -75,10 +75,11 @@ class Schedule:
         """After a step's verify (``proposes`` only): the tree verified, its accepted nodes, and the target's logits
         [len(path) + 1, V] at the rows of the accepted path, whose input tokens are ``tokens``."""
 
-    def timed_verify(self, rows: int, ms: float, start: int) -> None:
-        """After the verify of a request decoded alone (not in a batched step, whose time its requests share): it
-        verified ``rows`` rows with its cache at ``start`` tokens in ``ms`` of wall time (a schedule that corrects its
-        cost curve by observed times reads it, ``pipeline.costs.ObservedCosts``)."""
+    def timed_verify(self, rows: int, ms: float, start: int, requests: int = 1) -> None:
+        """After a step's verify: ``rows`` rows verified in ``ms`` of wall time, by a request decoded alone (``requests``
+        1, its cache at ``start`` tokens) or by the ``requests`` requests of a batched step (told to the first one's
+        schedule). A schedule that corrects its costs by observed times reads it (``pipeline.costs.ObservedCosts``,
+        ``ObservedRowCost``)."""
 
 
 class ExternalDecode:

@@ -187,8 +187,8 @@ def advance(forward, policy: BatchPolicy, reqs: Sequence) -> tuple[list[list[int
     pendings = [r.state.pending for r in reqs]
     start, t0 = reqs[0].state.start, now(dec.device)
     results = verify(forward, [r.state for r in reqs], [r.sampler for r in reqs], trees)
-    if n == 1:  # a request alone: its verify's wall time, for a schedule that corrects its costs by what it observes
-        reqs[0].schedule.timed_verify(len(trees[0]) + 1, (now(dec.device) - t0) * 1e3, start)
+    # the verify's wall time, for a schedule that corrects its costs by what it observes (a batch's: the first's)
+    reqs[0].schedule.timed_verify(sum(len(t) + 1 for t in trees), (now(dec.device) - t0) * 1e3, start, n)
     news = []
     for i, (r, (new, path, (logits, rows))) in enumerate(zip(reqs, results)):
         s = r.state

@@ -248,6 +248,23 @@ def trim_heap() -> None:
         pass
 
 
+MMAP_THRESHOLD = 256 * 1024
+"""Allocations of at least this many bytes get mappings of their own (``pin_mmap_threshold``)."""
+
+
+def pin_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
+    """Pin glibc's mmap threshold at ``nbytes`` (``mallopt(M_MMAP_THRESHOLD)``): every allocation that large (a KV
+    buffer, a packed weight, a step's logits) gets a mapping of its own, handed back to the system when freed. Left
+    alone, glibc raises the threshold to the size of each mapped block freed (up to 32 MiB: the float32 weights
+    ``release_unused_weights`` frees), and later KV buffers land in the heap, where freed ones stay resident between
+    live ones: the server's peak at 16 requests, 2026-12-06, 977-993 MB unpinned against 920-939 MB pinned. Where there
+    is no glibc, nothing changes. Returns whether it was set."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, int(nbytes)))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 def release_unused_weights(decoder, keep_drafter: bool = False) -> dict[str, int]:
     """Free the float32 weights and packed copies ``decoder``'s native forward never reads (see the module doc), in
     place, for the life of the process; outputs are unchanged (the stacks are built from the same weights).

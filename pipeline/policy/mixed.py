@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.costs import CostModel, ObservedCosts
+from pipeline.costs.monitor import ObservedRowCost
 from pipeline.decoding.sources import Continuation, NgramIndex
 from pipeline.decoding.trees import DraftTree, grow
 from pipeline.policy.calibration import AcceptanceCalibration
@@ -44,6 +45,10 @@ MATCH_BUCKETS = (1, 2, 3, 4, 6, 9, 13)
 """Lower bounds of the match-length buckets of the free nodes' acceptance estimate."""
 DEPTH_BUCKETS = 8
 """Depths 1..8 estimated apart; deeper nodes share depth 8's estimate."""
+MIN_PATH_VALUE = 0.02
+"""A free chain ends where its path acceptance falls below this, and in a batched step also below what one more verified
+row adds over the request's share of the step (0.8 x, ``prepare``; ~45% at 16 requests on two cores): such a node
+never raises the step's tokens per ms, so it is neither estimated nor merged."""
 REQUEST_PRIOR_WEIGHT = 8.0
 """A request's own observed acceptance per bucket, over the method's estimate as a prior of this many observations: a
 request whose matches fare worse than the method's (chat, role play: few long matches) stops verifying them."""
@@ -152,6 +157,24 @@ class SharedSources:
         self.recycled = RecycledTokens(vocab) if vocab else None
         self.drafted_rate: float | None = None  # the drafted steps' realized tokens per predicted ms, all requests
         self.observed = observed  # the batch-1 verify curve corrected by the verifies' observed times (None: as measured)
+        self.row_cost = ObservedRowCost()  # what a verified row adds to a batched step, as the steps measure it
+        self._curves: dict[tuple, list[float]] = {}
+
+    def load_curve(self, costs, load: int, nodes: int) -> list[float]:
+        """A request's cost of a batched step of ``load`` requests with 0..``nodes`` nodes of its own verified: its share
+        of the others' plain step plus every ms its rows add (``costs``: a ``BatchCostModel``; a row at least what the
+        steps measured, ``row_cost``), kept per load, model tables and measured row cost (each request of a step reads
+        the same curve)."""
+        per_row = self.row_cost.per_row() or 0.0
+        key = (load, nodes, tuple(costs.verify_ms), costs.verify_per_request_ms, round(per_row, 3))
+        curve = self._curves.get(key)
+        if curve is None:
+            if len(self._curves) > 256:
+                self._curves.clear()
+            plain = costs.step_ms(load, 0, load)
+            curve = self._curves[key] = [plain / load + max(costs.step_ms(load + k, 0, load) - plain, per_row * k)
+                                         for k in range(nodes + 1)]
+        return curve
 
 
 def merge_paths(tree: DraftTree, chains: list[tuple[list[int], list[float], list[object]]], max_nodes: int
@@ -192,23 +215,18 @@ def merge_paths(tree: DraftTree, chains: list[tuple[list[int], list[float], list
         scale = 1.0 / sums[p] if sums[p] > 1.0 else 1.0
         depth[j] = 1 if p < 0 else depth[p] + 1
         value[j] = conds[j] * scale * (1.0 if p < 0 else value[p])
-    order = sorted(range(len(tokens)), key=lambda j: (-value[j], depth[j], j))[:max_nodes]
-    kept = set(order)
-    order = [j for j in order if all(a in kept for a in _ancestors(parents, j))]
+    kept: set[int] = set()  # best first: a parent (value >= its child's, shallower on ties) before its children
+    order = []
+    for j in sorted(range(len(tokens)), key=lambda j: (-value[j], depth[j], j))[:max_nodes]:
+        if parents[j] < 0 or parents[j] in kept:
+            kept.add(j)
+            order.append(j)
     where = {j: i for i, j in enumerate(order)}
     merged = DraftTree([tokens[j] for j in order], [where[parents[j]] if parents[j] >= 0 else -1 for j in order],
                        [depth[j] for j in order], [ranks[j] for j in order], [value[j] for j in order],
                        [tuple(sorted({t[0] for t in tags[j]} | ({"drafter"} if j < len(tree) else set())))
                         for j in order])
     return merged, [tags[j] for j in order]
-
-
-def _ancestors(parents: list[int], j: int) -> list[int]:
-    out, p = [], parents[j]
-    while p >= 0:
-        out.append(p)
-        p = parents[p]
-    return out
 
 
 class MixedSchedule(TreeSchedule):
@@ -296,13 +314,27 @@ class MixedSchedule(TreeSchedule):
         def estimate(source: str, feature: int, depth: int) -> float:  # the request's own rate, the method's as prior
             return own.estimate(source, feature, depth, shared.estimate(source, feature, depth))
 
-        self._chains = [(c.tokens, [estimate(c.source, c.match, d) for d in range(1, len(c.tokens) + 1)],
-                         [(c.source, c.match, d) for d in range(1, len(c.tokens) + 1)]) for c in found]
+        floor = MIN_PATH_VALUE
+        if self.batch_costs is not None and self.load > 1:  # under load: below a row's share of the step, nothing pays
+            curve = self._verify_ms(start, 1)
+            floor = max(floor, 0.8 * (curve[1] - curve[0]) / curve[0])
+
+        def chain(tokens: list[int], tags: list[tuple]) -> tuple[list[int], list[float], list[tuple]]:
+            conds, value = [], 1.0
+            for tag in tags:
+                a = estimate(*tag)
+                value *= a
+                if value < floor:
+                    break
+                conds.append(a)
+            return tokens[: len(conds)], conds, tags[: len(conds)]
+
+        self._chains = [chain(c.tokens, [(c.source, c.match, d) for d in range(1, len(c.tokens) + 1)]) for c in found]
         recycled = self.shared.recycled if "recycle" in self.sources else None
         if recycled is not None and room > 0:
             for path, ranks in recycled.chains(request.state.pending, self.recycle_widths, room):
-                tags = [("recycle", r + 1, d) for d, r in enumerate(ranks, 1)]
-                self._chains.append((path, [estimate(*t) for t in tags], tags))
+                self._chains.append(chain(path, [("recycle", r + 1, d) for d, r in enumerate(ranks, 1)]))
+        self._chains = [c for c in self._chains if c[0]]
         self._drafted = self._probe = False
         if block_size > 1 and self.drafts:  # the free tree's rate decides whether the drafter runs
             free = merge_paths(DraftTree(), self._chains, self.max_nodes)[0].values if self._chains else []
@@ -321,9 +353,13 @@ class MixedSchedule(TreeSchedule):
         on two cores: under load only nodes likely to be taken pay)."""
         if self.batch_costs is None or self.load <= 1:
             return self.costs(self.max_nodes + 1, start)[1][: nodes + 1]  # corrected by ``observed``
-        n, costs = self.load, self.batch_costs
-        plain = costs.step_ms(n, 0, n)
-        return [plain / n + costs.step_ms(n + k, 0, n) - plain for k in range(nodes + 1)]
+        return self.shared.load_curve(self.batch_costs, self.load, self.max_nodes)[: nodes + 1]
+
+    def timed_verify(self, rows: int, ms: float, start: int, requests: int = 1) -> None:
+        if requests > 1:
+            self.shared.row_cost.observe(rows, requests, ms)
+        else:
+            super().timed_verify(rows, ms, start)
 
     # -- the tree ---------------------------------------------------------------------------------------------------
     def choose_tree(self, tokens: torch.Tensor | None, probs: torch.Tensor | None, start: int) -> DraftTree:

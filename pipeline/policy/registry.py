@@ -390,6 +390,9 @@ class Method:
         label_split: whether it is scored on the dataset's test split (``eval.split=auto``).
         batched: whether only a batched decoder runs it (its ``Factory`` brings a batch-level policy; the server and bench_batch, not the
             eval stage).
+        load_sized: whether, decoding many requests per step (the server, bench_batch), it sizes its drafts on the
+            batched step cost model (then loaded for it: a row that costs ~17% of a step alone costs most of a
+            request's share at 16).
     """
 
     name: str
@@ -401,6 +404,7 @@ class Method:
     servable: str | None = None
     label_split: bool = False
     batched: bool = False
+    load_sized: bool = False
 
 
 _EVAL_ONLY_HF = "transformers' generate runs outside the server's speculative decoder; compare it in the eval stage"
@@ -418,7 +422,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("hybrid", frozenset({PREDICTOR, CALIBRATION, COSTS}), _verify_width(True), predictor="blockpilot",
            gain_share=False, label_split=True),
     Method("tree", frozenset({CALIBRATION, COSTS}), _tree, gain_share=False),
-    Method("mixed", frozenset({CALIBRATION, COSTS}), _mixed, gain_share=False),
+    Method("mixed", frozenset({CALIBRATION, COSTS}), _mixed, gain_share=False, load_sized=True),
     Method("budget", frozenset({CALIBRATION, BATCH_COSTS}), _budget, gain_share=False, batched=True),
     Method("hf_generate", frozenset(), _hf(False), gain_share=False, servable=_EVAL_ONLY_HF),
     Method("hf_prompt_lookup", frozenset(), _hf(True), gain_share=False, servable=_EVAL_ONLY_HF),

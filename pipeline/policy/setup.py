@@ -125,6 +125,8 @@ def load_inputs(cfg, decoder, methods, src: Sources, inputs: registry.PolicyInpu
         load_verify_width(inputs, decoder, options, run_dir / "verify_width" if run_dir else None,
                                    cfg.model.get("drafter"), widths(cfg, decoder, src) if decoder is not None else [],
                                    cfg if registry.COSTS in needs else None)
+    if src.max_requests > 1 and any(m.load_sized for m in wanted):  # its trees sized on what a row adds under load
+        needs.add(registry.BATCH_COSTS)
     if registry.BATCH_COSTS in needs and inputs.batch_costs is None:
         b = drafted_block_size(cfg, decoder, src)
         try:
@@ -326,5 +328,5 @@ def load_batch_costs(inputs: registry.PolicyInputs, decoder, options: Mapping, m
         inputs.batch_costs.update(costs)
         return
     inputs.batch_costs = costs
-    log.info("budget: batched step cost model for B=%d and up to %d requests (%s)", block_size, max_requests,
+    log.info("batched step cost model for B=%d and up to %d requests (%s)", block_size, max_requests,
              settings.get("cache") or "measured now, not cached")

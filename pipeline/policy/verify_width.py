@@ -92,8 +92,8 @@ class VerifyWidthSchedule(Schedule):
         draft_ms, verify_ms = self._costs[key]
         return (draft_ms, verify_ms) if self.observed is None else (draft_ms, self.observed.correct(verify_ms))
 
-    def timed_verify(self, rows: int, ms: float, start: int) -> None:
-        if self.observed is not None:
+    def timed_verify(self, rows: int, ms: float, start: int, requests: int = 1) -> None:
+        if self.observed is not None and requests == 1:
             self.observed.observe(rows, self.cost_model.verify_ms(rows, int(start) // 16 * 16 + 8), ms)
 
     def first(self, last_logits: torch.Tensor) -> int:
