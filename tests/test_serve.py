@@ -378,6 +378,10 @@ def test_a_stale_cost_model_is_measured_again_only_while_no_request_waits(tiny, 
     checks = []
     assert not watch.measure_pending(lambda: checks.append(1) or len(checks) > 3)  # a request arrives mid-measurement
     assert set(watch.pending) == {"batch"} and {p: p.stat().st_mtime_ns for p in costs_dir.glob("*.json")} == stored
+    forwards, real = [], trained_decoder.target_forward  # a request already waits: not one prompt prefilled for it
+    monkeypatch.setattr(trained_decoder, "target_forward", lambda *a, **k: forwards.append(1) or real(*a, **k))
+    assert not watch.measure_pending(lambda: True) and not forwards and set(watch.pending) == {"batch"}
+    monkeypatch.setattr(trained_decoder, "target_forward", real)
     assert watch.measure_pending(lambda: False) and not watch.pending
 
 

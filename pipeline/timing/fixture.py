@@ -65,9 +65,11 @@ def random_ids(decoder, length: int, generator: torch.Generator) -> torch.Tensor
 
 def prefill(decoder, ids: torch.Tensor, features: bool = True) -> tuple[object, torch.Tensor, torch.Tensor | None]:
     """(a new target cache holding ``ids``, the last position's logits, their features for the drafter when
-    ``features`` and it has one)."""
+    ``features`` and it has one). A yield point of ``yielding``: a measurement that prefills many prompts before its
+    first timed run (the batched cost model's 64) stops before each of them once a request waits."""
     from pipeline.models.target import new_cache
 
+    yield_if_waiting()
     cache = new_cache(decoder.model, decoder.kv_cache)
     logits, feats = decoder.target_forward(ids, cache, 0, want_features=features and decoder.drafter is not None,
                                            last_only=True)
@@ -107,15 +109,20 @@ def yielding(waiting: Callable[[], bool]) -> Iterator[None]:
         _owner.waiting = before
 
 
+def yield_if_waiting() -> None:
+    """The ``yielding`` check: raise ``MeasurementYielded`` when this thread's owner has work waiting (nothing else)."""
+    waiting = getattr(_owner, "waiting", None)
+    if waiting is not None and waiting():
+        raise MeasurementYielded("work is waiting: the measurement stops and is taken again when idle")
+
+
 def _sync(decoder) -> Callable[[], None]:
     """The device's synchronize before and after each timed run, and the ``yielding`` check."""
     device = decoder.device
 
     def sync() -> None:
         synchronize(device)
-        waiting = getattr(_owner, "waiting", None)
-        if waiting is not None and waiting():
-            raise MeasurementYielded("work is waiting: the measurement stops and is taken again when idle")
+        yield_if_waiting()
 
     return sync
 
