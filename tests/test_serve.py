@@ -387,13 +387,14 @@ def test_a_stale_cost_model_is_measured_again_only_while_no_request_waits(tiny, 
 
 def test_max_batch_auto_takes_the_knee_of_the_batched_step_costs(tiny, tiny_run, trained_decoder, tmp_path,
                                                                   steady_clock):
-    """``serve.max_batch=auto`` (the default): the fewest requests reaching 90% of the most tokens/s of this machine's
+    """``serve.max_batch=auto`` (the default): the fewest requests reaching 95% of the most tokens/s of this machine's
     batched step costs; ``knee`` against the throughput curve computed by hand on a model of known shape."""
     from pipeline.costs.batched import BatchCostModel, knee
 
     costs = BatchCostModel([1, 256], [4.5, 132.0], [8], [2.0], verify_per_request_ms=0.1)  # verify(R) = 4 + 0.5 R
     rate = [n / (4.0 + 0.5 * n + 0.1 * (n - 1)) for n in range(1, 65)]
-    assert knee(costs, 64) == next(n for n, r in enumerate(rate, 1) if r >= 0.9 * max(rate)) == 30
+    assert knee(costs, 64) == next(n for n, r in enumerate(rate, 1) if r >= 0.95 * max(rate)) == 41
+    assert knee(costs, 64, share=0.9) == 30
     assert knee(costs, 1) == 1 and knee(BatchCostModel([1, 2], [1.0, 2.0], [8], [2.0]), 64) == 1  # no gain: one
     with pytest.raises(ValueError, match="limit >= 1"):
         knee(costs, 0)
