@@ -281,6 +281,57 @@ def test_the_int8_head_is_the_integer_product_of_its_quantized_rows_and_each_row
 
 
 @needs_vnni
+def _amx_granted() -> bool:
+    if not (smallm_available() and kernel.cpu_isa() == "avx512" and "avx512_vnni" in kernel.cpu_flags()):
+        return False
+    was = kernel.kernel_isa().endswith("+amx")
+    granted = kernel.set_amx(True)
+    kernel.set_amx(was)
+    return granted
+
+
+@pytest.mark.skipif(not _amx_granted(), reason="this CPU lacks AMX-INT8 (or Linux does not grant this process its tile "
+                    "state): the int8 products run on AVX-512 VNNI alone")
+def test_the_int8_products_on_amx_tiles_are_the_same_bits_as_on_vnni_alone_and_batched():
+    """``linear_q4_int8`` and ``linear_q8_int8`` of 12 or more rows run on AMX tiles where the CPU has them: the same
+    integer sums per group and the same scaling order as the VNNI path, so every row's bits are the VNNI path's and its
+    own alone, at row counts around the tile sizes (whole, balanced, padded) and a prefill chunk's."""
+    from pipeline.models.native import q8_corrections, q8_quantize, q8_vnni_layout, vnni_layout
+
+    smallm = kernel.smallm_kernel()
+    was = kernel.kernel_isa().endswith("+amx")
+    g = torch.Generator().manual_seed(3)
+    try:
+        for n, k in ((1536, 576), (576, 1536), (40, 64)):  # the last: a part panel of 8 columns
+            panels = (n + 15) // 16
+            w = vnni_layout(torch.randint(0, 256, (panels, k, 8), dtype=torch.uint8, generator=g))
+            d = torch.rand(panels, k // 32, 16, generator=g) * 0.01
+            m = torch.randn(panels, k // 32, 16, generator=g) * 0.01
+            for rows in (1, 11, 12, 16, 17, 33, 256):
+                x = torch.randn(rows, k, generator=g) * 3
+                kernel.set_amx(False)
+                vnni = smallm.linear_q4_int8(x, w, d, m, n)
+                assert kernel.set_amx(True)
+                amx = smallm.linear_q4_int8(x, w, d, m, n)
+                assert torch.equal(amx, vnni), (n, k, rows)
+                alone = torch.cat([smallm.linear_q4_int8(x[i: i + 1], w, d, m, n) for i in range(rows)])
+                assert torch.equal(alone, amx), (n, k, rows)
+            q8 = q8_quantize(torch.randn(n, k, generator=g))  # the int8 head's and drafts' q8 products
+            w8, c8 = q8_vnni_layout(q8.q), q8_corrections(q8.q)
+            for rows in (1, 12, 17, 64):
+                x = torch.randn(rows, k, generator=g)
+                kernel.set_amx(False)
+                vnni = smallm.linear_q8_int8(x, w8, q8.d, c8, n)
+                kernel.set_amx(True)
+                amx = smallm.linear_q8_int8(x, w8, q8.d, c8, n)
+                assert torch.equal(amx, vnni), ("q8", n, k, rows)
+                alone = torch.cat([smallm.linear_q8_int8(x[i: i + 1], w8, q8.d, c8, n) for i in range(rows)])
+                assert torch.equal(alone, amx), ("q8", n, k, rows)
+        assert kernel.kernel_isa() == "avx512+amx"
+    finally:
+        kernel.set_amx(was)
+
+
 def test_a_drafters_weights_round_to_q8_by_gguf_rule_and_its_int8_head_multiplies_them():
     """``q8_quantize`` (the drafter's int8 products): per row and group of 32, d = absmax / 127 and q = round(w / d), so
     the weight it stands for is within d / 2 of each value and a group's largest value is +-127 d; a weight already

@@ -40,6 +40,8 @@ LOCK_WAIT_S = 300.0  # a build takes ~1 min; a lock older than this was left by 
 _KERNEL_NAME = "blockpilot_smallm"
 ISA_ENV = "BLOCKPILOT_SMALLM_ISA"
 """Forces the kernel's instruction set (``avx2`` or ``avx512``; one this CPU has); unset: the widest it has."""
+AMX_ENV = "BLOCKPILOT_AMX"
+"""0: the kernel's int8 products never run on AMX tiles (AVX-512 VNNI alone, the same bits); unset: where the CPU has them."""
 ISAS = ("avx512", "avx2")  # widest first
 _ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
               "avx2": ["-mavx2", "-mfma", "-mf16c"]}
@@ -154,6 +156,8 @@ def smallm_kernel():
         _module = cpp_extension.load(name, [str(SMALLM_SOURCE)],
                                      extra_cflags=["-O3", *_ISA_FLAGS[isa], "-fopenmp", "-ffp-contract=off"],
                                      extra_ldflags=["-fopenmp"], verbose=False)
+        global _amx
+        _amx = bool(_module.set_amx(os.environ.get(AMX_ENV, "1") != "0"))
     except KernelUnavailableError:
         raise
     except Exception as err:  # compiler, ninja or header problems
@@ -166,6 +170,20 @@ _module = None  # the loaded extension
 
 
 def kernel_isa() -> str | None:
-    """The instruction set of the smallm kernel loaded in this process (``avx512`` | ``avx2``), or None when it is not
-    loaded (not built yet, or unavailable here)."""
-    return _module.isa() if _module is not None else None
+    """The instruction set of the smallm kernel loaded in this process (``avx512`` | ``avx2``, ``+amx`` where its int8
+    products of several rows run on AMX tiles), or None when it is not loaded (not built yet, or unavailable here)."""
+    if _module is None:
+        return None
+    return _module.isa() + ("+amx" if _amx else "")
+
+
+def set_amx(on: bool) -> bool:
+    """Run the kernel's int8 products of 4 or more rows on AMX tiles (on) or AVX-512 VNNI alone (off); the same bits
+    either way (``smallm.cpp`` q4_int8_panels_amx). Granted only where the CPU has AMX-INT8 and Linux lets this process
+    use the tile state. Returns whether they now run on AMX (loads the kernel)."""
+    global _amx
+    _amx = bool(smallm_kernel().set_amx(bool(on)))
+    return _amx
+
+
+_amx = False  # the loaded kernel's int8 products run on AMX (set_amx)

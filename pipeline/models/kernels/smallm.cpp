@@ -19,6 +19,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -1025,6 +1028,129 @@ void q4_int8_panels(int64_t begin, int64_t end, const uint8_t* wp, const float* 
     });
 }
 
+// The same product on AMX tiles (Intel CPUs with AMX-INT8, where Linux grants the tile state): per panel and group,
+// the 16 columns' 32 weights unpacked once into a B tile (the VNNI chunks' nibbles are already its rows), each tile of
+// 16 rows' int8 activations times it in one TDPBSUD (signed x unsigned bytes, int32 sums: the very integers
+// group_dots adds), then each row's scales as q4_int8_tile applies them, in the same order: the same bits as the VNNI
+// path at any M, so a row keeps its value alone or in a batch whichever path runs. Used for calls of kAmxRows rows or
+// more (set_amx(false): never).
+constexpr int64_t kAmxRows = 12;
+constexpr int64_t kAmxRowsQ8 = 4;  // the q8 products (the int8 head, int8 drafts): no nibbles to unpack
+bool g_amx = false;  // AMX granted and asked for (set_amx)
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_available() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return false;  // TILE, INT8
+  return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+}
+
+// One group's sums of one tile of rows into ct, on tiles C, A, B (one of two sets, so that consecutive groups overlap;
+// the tile intrinsics take literal tile numbers); DOT: _tile_dpbsud (signed activations, q4's unsigned nibbles) or
+// _tile_dpbusd (unsigned activations, q8's signed weights).
+#define AMX_GROUP(DOT, C, A, B, bt, x, K, ct) \
+  do {                                        \
+    _tile_loadd(B, bt, 64);                   \
+    _tile_zero(C);                            \
+    _tile_loadd(A, x, K);                     \
+    DOT(C, A, B);                             \
+    _tile_stored(C, ct, 64);                  \
+  } while (0)
+
+// Tiles 0-2 and 3-5: two sets of C (h rows x 16 int32 sums), A (h rows x one group's 32 bytes), B (8 rows x 64 bytes).
+__attribute__((target("amx-tile")))
+inline void amx_config(int64_t h) {
+  TileConfig cfg;
+  for (int s = 0; s < 2; ++s) {
+    cfg.rows[3 * s] = h; cfg.colsb[3 * s] = 64;
+    cfg.rows[3 * s + 1] = h; cfg.colsb[3 * s + 1] = 32;
+    cfg.rows[3 * s + 2] = 8; cfg.colsb[3 * s + 2] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Balanced tiles of h rows (4, 8, 12 or 16) for M rows, and the rows they span (those past M zeros).
+inline int64_t amx_height(int64_t M) {
+  const int64_t tiles = (M + 15) / 16;
+  return ((M + tiles - 1) / tiles + 3) / 4 * 4;
+}
+inline int64_t amx_padded(int64_t M) { return (M + 15) / 16 * amx_height(M); }
+
+// One tile of MT rows (xt: its first row's int8 activations, K apart; dx, sx its scales) against one panel's G groups
+// (bts: their B tiles, 512 bytes each), the running sums in registers; group g + 1's tile product overlaps group g's
+// scaling.
+template <int MT>
+__attribute__((target("amx-tile,amx-int8,avx512bw,avx512f")))
+void q4_int8_tile_amx(const uint8_t* bts, const int8_t* xt, const float* dxp, const float* sxp, const float* dwp,
+                      const float* mwp, int64_t K, int64_t G, float* y, int64_t ldy, int64_t rows, __mmask16 keep) {
+  alignas(64) int32_t ct[2][16 * 16];
+  __m512 acc[MT];
+#pragma GCC unroll 16
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  AMX_GROUP(_tile_dpbsud, 0, 1, 2, bts, xt, K, ct[0]);
+  for (int64_t g = 0; g < G; ++g) {
+    if (g + 1 < G) {
+      if (g & 1) AMX_GROUP(_tile_dpbsud, 0, 1, 2, bts + (g + 1) * 512, xt + (g + 1) * kGroup, K, ct[0]);
+      else AMX_GROUP(_tile_dpbsud, 3, 4, 5, bts + (g + 1) * 512, xt + (g + 1) * kGroup, K, ct[1]);
+    }
+    const int32_t* cg = ct[g & 1];
+    const __m512 dw = _mm512_loadu_ps(dwp + g * kPanel), mw = _mm512_loadu_ps(mwp + g * kPanel);
+#pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i) {
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dxp[i * G + g]));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cg + i * 16)), scale,
+                               _mm512_fmadd_ps(mw, _mm512_set1_ps(sxp[i * G + g]), acc[i]));
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < MT; ++i)
+    if (i < rows) _mm512_mask_storeu_ps(y + i * ldy, keep, acc[i]);
+}
+
+// Panels [begin, end) of the product: each panel's B tiles unpacked once, then its row tiles (xq, dx and sx hold whole
+// tiles of h rows (4, 8, 12 or 16), the rows past M zeros).
+__attribute__((target("amx-tile,amx-int8,avx512bw,avx512f")))
+void q4_int8_panels_amx(int64_t begin, int64_t end, const uint8_t* wp, const float* dp, const float* mp,
+                        const int8_t* xqp, const float* dxp, const float* sxp, int64_t M, int64_t K, int64_t G,
+                        float* yp, int64_t n, int64_t h) {
+  amx_config(h);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  std::vector<uint8_t> btv(G * 512 + 64);
+  uint8_t* bts = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(btv.data()) + 63) & ~uintptr_t(63));
+  for (int64_t p = begin; p < end; ++p) {
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* src = wp + (p * G + g) * 256;
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        const __m512i v = _mm512_loadu_si512(src + u * 64);
+        _mm512_store_si512(bts + g * 512 + u * 64, _mm512_and_si512(v, low));
+        _mm512_store_si512(bts + g * 512 + (u + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+      }
+    }
+    const int64_t n0 = p * kPanel, ncols = std::min(kPanel, n - n0);
+    const __mmask16 keep = ncols >= kPanel ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
+    const float* dwp = dp + p * G * kPanel;
+    const float* mwp = mp + p * G * kPanel;
+    for (int64_t r0 = 0; r0 < M; r0 += h) {
+      const int64_t rows = std::min<int64_t>(h, M - r0);
+      const int8_t* xt = xqp + r0 * K;
+      float* y = yp + r0 * n + n0;
+      switch (h) {
+        case 16: q4_int8_tile_amx<16>(bts, xt, dxp + r0 * G, sxp + r0 * G, dwp, mwp, K, G, y, n, rows, keep); break;
+        case 12: q4_int8_tile_amx<12>(bts, xt, dxp + r0 * G, sxp + r0 * G, dwp, mwp, K, G, y, n, rows, keep); break;
+        case 8: q4_int8_tile_amx<8>(bts, xt, dxp + r0 * G, sxp + r0 * G, dwp, mwp, K, G, y, n, rows, keep); break;
+        default: q4_int8_tile_amx<4>(bts, xt, dxp + r0 * G, sxp + r0 * G, dwp, mwp, K, G, y, n, rows, keep); break;
+      }
+    }
+  }
+  _tile_release();
+}
+
 // Activations [M, K] -> int8 per row and group of 32: q = round-to-nearest-even(x * 127 / max|x|), d_x = max|x| / 127,
 // s_x = d_x * sum q (each row's values from its own inputs only).
 __attribute__((target("avx512bw,avx512f")))
@@ -1050,11 +1176,16 @@ void quantize_rows(const float* xp, int64_t M, int64_t K, int8_t* xq, float* dx,
 void matmul_q4_int8(const uint8_t* wp, const float* dp, const float* mp, int64_t P, int64_t K, const float* xp,
                     int64_t M, float* yp, int64_t n) {
   const int64_t G = K / kGroup;
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> dx(M * G), sx(M * G);
+  const bool amx = g_amx && M >= kAmxRows;
+  const int64_t h = amx_height(M), padded = amx ? amx_padded(M) : M;  // AMX: whole tiles of h rows
+  std::vector<int8_t> xq(padded * K);
+  std::vector<float> dx(padded * G), sx(padded * G);
   quantize_rows(xp, M, K, xq.data(), dx.data(), sx.data());
   at::parallel_for(0, P, 4, [&](int64_t begin, int64_t end) {
-    q4_int8_panels(begin, end, wp, dp, mp, xq.data(), dx.data(), sx.data(), M, K, G, yp, n);
+    if (amx)
+      q4_int8_panels_amx(begin, end, wp, dp, mp, xq.data(), dx.data(), sx.data(), M, K, G, yp, n, h);
+    else
+      q4_int8_panels(begin, end, wp, dp, mp, xq.data(), dx.data(), sx.data(), M, K, G, yp, n);
   });
 }
 
@@ -1104,16 +1235,77 @@ void q8_int8_panels(int64_t begin, int64_t end, const int8_t* wp, const float* d
     });
 }
 
+// The same on AMX tiles (as q4_int8_panels_amx): the q8 chunks are already B tiles, loaded as they lie; TDPBUSD's
+// sums are group_dots' integers.
+template <int MT>
+__attribute__((target("amx-tile,amx-int8,avx512bw,avx512f")))
+void q8_int8_tile_amx(const int8_t* wt, const uint8_t* xt, const float* dxp, const float* dwp, const int32_t* cwp,
+                      int64_t K, int64_t G, float* y, int64_t ldy, int64_t rows, __mmask16 keep) {
+  alignas(64) int32_t ct[2][16 * 16];
+  __m512 acc[MT];
+#pragma GCC unroll 16
+  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
+  AMX_GROUP(_tile_dpbusd, 0, 1, 2, wt, xt, K, ct[0]);
+  for (int64_t g = 0; g < G; ++g) {
+    if (g + 1 < G) {
+      if (g & 1) AMX_GROUP(_tile_dpbusd, 0, 1, 2, wt + (g + 1) * 512, xt + (g + 1) * kGroup, K, ct[0]);
+      else AMX_GROUP(_tile_dpbusd, 3, 4, 5, wt + (g + 1) * 512, xt + (g + 1) * kGroup, K, ct[1]);
+    }
+    const int32_t* cg = ct[g & 1];
+    const __m512 dw = _mm512_loadu_ps(dwp + g * kPanel);
+    const __m512i c8 = _mm512_loadu_si512(cwp + g * kPanel);
+#pragma GCC unroll 16
+    for (int i = 0; i < MT; ++i) {
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dxp[i * G + g]));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(cg + i * 16), c8)), scale, acc[i]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < MT; ++i)
+    if (i < rows) _mm512_mask_storeu_ps(y + i * ldy, keep, acc[i]);
+}
+
+__attribute__((target("amx-tile,amx-int8,avx512bw,avx512f")))
+void q8_int8_panels_amx(int64_t begin, int64_t end, const int8_t* wp, const float* dp, const int32_t* cp,
+                        const uint8_t* xu, const float* dxp, int64_t M, int64_t K, int64_t G, float* yp, int64_t n,
+                        int64_t h) {
+  amx_config(h);
+  for (int64_t p = begin; p < end; ++p) {
+    const int64_t n0 = p * kPanel, ncols = std::min(kPanel, n - n0);
+    const __mmask16 keep = ncols >= kPanel ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
+    const int8_t* wt = wp + p * G * 512;
+    const float* dwp = dp + p * G * kPanel;
+    const int32_t* cwp = cp + p * G * kPanel;
+    for (int64_t r0 = 0; r0 < M; r0 += h) {
+      const int64_t rows = std::min<int64_t>(h, M - r0);
+      const uint8_t* xt = xu + r0 * K;
+      float* y = yp + r0 * n + n0;
+      switch (h) {
+        case 16: q8_int8_tile_amx<16>(wt, xt, dxp + r0 * G, dwp, cwp, K, G, y, n, rows, keep); break;
+        case 12: q8_int8_tile_amx<12>(wt, xt, dxp + r0 * G, dwp, cwp, K, G, y, n, rows, keep); break;
+        case 8: q8_int8_tile_amx<8>(wt, xt, dxp + r0 * G, dwp, cwp, K, G, y, n, rows, keep); break;
+        default: q8_int8_tile_amx<4>(wt, xt, dxp + r0 * G, dwp, cwp, K, G, y, n, rows, keep); break;
+      }
+    }
+  }
+  _tile_release();
+}
+
 void matmul_q8_int8(const int8_t* wp, const float* dp, const int32_t* cp, int64_t P, int64_t K, const float* xp,
                     int64_t M, float* yp, int64_t n) {
   const int64_t G = K / kGroup;
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> dx(M * G), sx(M * G);
+  const bool amx = g_amx && M >= kAmxRowsQ8;
+  const int64_t h = amx_height(M), padded = amx ? amx_padded(M) : M;  // AMX: whole tiles of h rows
+  std::vector<int8_t> xq(padded * K);
+  std::vector<float> dx(padded * G), sx(padded * G);
   quantize_rows(xp, M, K, xq.data(), dx.data(), sx.data());
-  std::vector<uint8_t> xu(M * K);
-  for (int64_t e = 0; e < M * K; ++e) xu[e] = static_cast<uint8_t>(static_cast<int32_t>(xq[e]) + 128);
+  std::vector<uint8_t> xu(padded * K);
+  for (int64_t e = 0; e < padded * K; ++e) xu[e] = static_cast<uint8_t>(static_cast<int32_t>(xq[e]) + 128);
   at::parallel_for(0, P, 4, [&](int64_t begin, int64_t end) {
-    q8_int8_panels(begin, end, wp, dp, cp, xu.data(), dx.data(), M, K, G, yp, n);
+    if (amx)
+      q8_int8_panels_amx(begin, end, wp, dp, cp, xu.data(), dx.data(), M, K, G, yp, n, h);
+    else
+      q8_int8_panels(begin, end, wp, dp, cp, xu.data(), dx.data(), M, K, G, yp, n);
   });
 }
 
@@ -1624,6 +1816,18 @@ std::string isa() {
 #endif
 }
 
+// Whether the int8 products run on AMX tiles where they can (kAmxRows rows or more): on asks for it, granted only
+// where the CPU has AMX-INT8 and the kernel lets this process use the tile state. Returns whether they now do.
+bool set_amx(bool on) {
+#ifdef __AVX512F__
+  static const bool granted = amx_available();
+  g_amx = on && granted;
+  return g_amx;
+#else
+  return false && on;
+#endif
+}
+
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack W [N, K] into [ceil(N/16), K, 16] panels");
@@ -1640,6 +1844,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "bf16 weights (pairs) x bf16 activations (AVX-512 BF16)");
 #endif
   m.def("isa", &isa, "the instruction set this build's products use (avx512 | avx2)");
+  m.def("set_amx", &set_amx, "int8 products of 4 or more rows on AMX tiles where the CPU and kernel allow it; returns "
+        "whether they now run there", pybind11::arg("on"));
   pybind11::class_<Stack>(m, "Stack", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, torch::Tensor>())
       .def("add_layer", &Stack::add_layer)
