@@ -147,27 +147,44 @@ def test_the_server_releases_what_it_built_and_reports_its_resident_memory(tiny)
         assert "process_resident_memory_bytes" in metrics
 
 
+_PIN_PROBE = r"""
+import ctypes, json, sys, torch
+from pipeline.models.release import MMAP_THRESHOLD, pin_mmap_threshold
+
+class MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2: hblkhd, the bytes in mapped blocks
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                                "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+if not hasattr(libc, "mallinfo2"):
+    print(json.dumps(None)); sys.exit()
+libc.mallinfo2.restype = MallInfo2
+big = torch.empty(16 * 2**20, dtype=torch.uint8)  # a freed 16 MiB mapped block raises an unpinned threshold to it
+del big
+pinned = pin_mmap_threshold() if sys.argv[1] == "pin" else False
+before = libc.mallinfo2().hblkhd
+buffer = torch.empty(2 * MMAP_THRESHOLD, dtype=torch.uint8)  # a request's layer of keys
+print(json.dumps({"pinned": pinned, "mapped": libc.mallinfo2().hblkhd - before, "size": buffer.numel()}))
+"""
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt and mallinfo2 are glibc's")
 def test_a_pinned_mmap_threshold_maps_a_kv_sized_buffer_on_its_own():
-    import ctypes
+    """In a fresh process (a server's start; a long test run's heap has free chunks a buffer may reuse): unpinned, a
+    buffer of twice the threshold lands in the heap after a 16 MiB block was freed; pinned, it gets a mapping."""
+    import json
+    import subprocess
 
-    from pipeline.models.release import MMAP_THRESHOLD, pin_mmap_threshold
-
-    class MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2: hblkhd, the bytes in mapped blocks
-        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-    libc = ctypes.CDLL("libc.so.6")
-    if not hasattr(libc, "mallinfo2"):
-        pytest.skip("this glibc has no mallinfo2 (2.33+)")
-    libc.mallinfo2.restype = MallInfo2
-    big = torch.empty(16 * 2**20, dtype=torch.uint8)  # a freed 16 MiB mapped block raises an unpinned threshold to it
-    del big
-    assert pin_mmap_threshold()
-    before = libc.mallinfo2().hblkhd
-    buffer = torch.empty(2 * MMAP_THRESHOLD, dtype=torch.uint8)  # a request's layer of keys
-    assert libc.mallinfo2().hblkhd - before >= buffer.numel()
-    del buffer
+    got = {}
+    for mode in ("pin", "unpinned"):
+        done = subprocess.run([sys.executable, "-c", _PIN_PROBE, mode], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        got[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+        if got[mode] is None:
+            pytest.skip("this glibc has no mallinfo2 (2.33+)")
+    assert got["pin"]["pinned"] and got["pin"]["mapped"] >= got["pin"]["size"]
+    assert got["unpinned"]["mapped"] == 0
 
 
 @needs_smallm
