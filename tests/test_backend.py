@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 from pipeline import PROJECT_ROOT
 from pipeline.models.backend import (EXACT_ROWS_ENV, SMALLM, SMALLM_MAX_ROWS, KernelUnavailableError, LMHead, PackedLinear,
@@ -315,6 +316,7 @@ def fresh_kernel_state(monkeypatch):
 
     monkeypatch.setattr(kernel, "_module", None)
     monkeypatch.setattr(kernel, "_failure", None)
+    monkeypatch.setattr(kernel, "_amx", kernel._amx)  # restored after: the real module's AMX state is the process's
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     return kernel
 
@@ -367,7 +369,7 @@ def test_a_fresh_build_lock_is_waited_for(fresh_kernel_state, monkeypatch, tmp_p
     from torch.utils import cpp_extension
 
     monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
-    sentinel = object()
+    sentinel = types.SimpleNamespace(set_amx=lambda on: False)  # the loaded module (asked once whether AMX runs)
     monkeypatch.setattr(cpp_extension, "load", lambda *a, **k: sentinel)
     lock = tmp_path / "lock"
     lock.touch()

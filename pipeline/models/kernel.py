@@ -156,13 +156,13 @@ def smallm_kernel():
         _module = cpp_extension.load(name, [str(SMALLM_SOURCE)],
                                      extra_cflags=["-O3", *_ISA_FLAGS[isa], "-fopenmp", "-ffp-contract=off"],
                                      extra_ldflags=["-fopenmp"], verbose=False)
-        global _amx
-        _amx = bool(_module.set_amx(os.environ.get(AMX_ENV, "1") != "0"))
     except KernelUnavailableError:
         raise
     except Exception as err:  # compiler, ninja or header problems
         raise _fail(f"could not build the smallm kernel ({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}); "
                     "install a C++ compiler and ninja, or use model.backend=onednn") from err
+    global _amx
+    _amx = bool(_module.set_amx(os.environ.get(AMX_ENV, "1") != "0"))  # where the CPU and Linux allow it
     return _module
 
 
@@ -178,8 +178,8 @@ def kernel_isa() -> str | None:
 
 
 def set_amx(on: bool) -> bool:
-    """Run the kernel's int8 products of 4 or more rows on AMX tiles (on) or AVX-512 VNNI alone (off); the same bits
-    either way (``smallm.cpp`` q4_int8_panels_amx). Granted only where the CPU has AMX-INT8 and Linux lets this process
+    """Run the kernel's int8 products of several rows (q4 from 12, q8 from 4) on AMX tiles (on) or AVX-512 VNNI alone
+    (off); the same bits either way (``smallm.cpp`` q4_int8_panels_amx). Granted only where the CPU has AMX-INT8 and Linux lets this process
     use the tile state. Returns whether they now run on AMX (loads the kernel)."""
     global _amx
     _amx = bool(smallm_kernel().set_amx(bool(on)))

@@ -1050,17 +1050,26 @@ bool amx_available() {
   return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
 }
 
-// One group's sums of one tile of rows into ct, on tiles C, A, B (one of two sets, so that consecutive groups overlap;
-// the tile intrinsics take literal tile numbers); DOT: _tile_dpbsud (signed activations, q4's unsigned nibbles) or
-// _tile_dpbusd (unsigned activations, q8's signed weights).
-#define AMX_GROUP(DOT, C, A, B, bt, x, K, ct) \
-  do {                                        \
-    _tile_loadd(B, bt, 64);                   \
-    _tile_zero(C);                            \
-    _tile_loadd(A, x, K);                     \
-    DOT(C, A, B);                             \
-    _tile_stored(C, ct, 64);                  \
-  } while (0)
+// One group's sums of one tile of rows into ct, on tile set S (C, A, B = 0, 1, 2 or 3, 4, 5: two sets, so that
+// consecutive groups overlap; the tile intrinsics take literal numbers). Q8: TDPBUSD (unsigned activations, q8's signed
+// weights), else TDPBSUD (signed activations, q4's unsigned nibbles).
+template <bool Q8, int S>
+__attribute__((target("amx-tile,amx-int8")))
+inline void amx_group(const uint8_t* bt, const uint8_t* x, int64_t K, int32_t* ct) {
+  if constexpr (S == 0) {
+    _tile_loadd(2, bt, 64);
+    _tile_zero(0);
+    _tile_loadd(1, x, K);
+    if constexpr (Q8) _tile_dpbusd(0, 1, 2); else _tile_dpbsud(0, 1, 2);
+    _tile_stored(0, ct, 64);
+  } else {
+    _tile_loadd(5, bt, 64);
+    _tile_zero(3);
+    _tile_loadd(4, x, K);
+    if constexpr (Q8) _tile_dpbusd(3, 4, 5); else _tile_dpbsud(3, 4, 5);
+    _tile_stored(3, ct, 64);
+  }
+}
 
 // Tiles 0-2 and 3-5: two sets of C (h rows x 16 int32 sums), A (h rows x one group's 32 bytes), B (8 rows x 64 bytes).
 __attribute__((target("amx-tile")))
@@ -1081,35 +1090,69 @@ inline int64_t amx_height(int64_t M) {
 }
 inline int64_t amx_padded(int64_t M) { return (M + 15) / 16 * amx_height(M); }
 
-// One tile of MT rows (xt: its first row's int8 activations, K apart; dx, sx its scales) against one panel's G groups
-// (bts: their B tiles, 512 bytes each), the running sums in registers; group g + 1's tile product overlaps group g's
-// scaling.
-template <int MT>
+// One tile of MT rows (xt: its first row's activations, K apart; dx, sx its scales) against one panel's G groups (bt:
+// their B tiles, 512 bytes each; dw its scales, m its offsets (q4, float) or corrections c8 (q8, int32)), the running
+// sums in registers, each row's scales applied as q4_int8_tile / q8_int8_tile apply them; group g + 1's tile product
+// overlaps group g's scaling.
+template <int MT, bool Q8>
 __attribute__((target("amx-tile,amx-int8,avx512bw,avx512f")))
-void q4_int8_tile_amx(const uint8_t* bts, const int8_t* xt, const float* dxp, const float* sxp, const float* dwp,
-                      const float* mwp, int64_t K, int64_t G, float* y, int64_t ldy, int64_t rows, __mmask16 keep) {
+void int8_tile_amx(const uint8_t* bt, const uint8_t* xt, const float* dxp, const float* sxp, const float* dwp,
+                   const void* mp, int64_t K, int64_t G, float* y, int64_t ldy, int64_t rows, __mmask16 keep) {
   alignas(64) int32_t ct[2][16 * 16];
   __m512 acc[MT];
 #pragma GCC unroll 16
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
-  AMX_GROUP(_tile_dpbsud, 0, 1, 2, bts, xt, K, ct[0]);
+  amx_group<Q8, 0>(bt, xt, K, ct[0]);
   for (int64_t g = 0; g < G; ++g) {
     if (g + 1 < G) {
-      if (g & 1) AMX_GROUP(_tile_dpbsud, 0, 1, 2, bts + (g + 1) * 512, xt + (g + 1) * kGroup, K, ct[0]);
-      else AMX_GROUP(_tile_dpbsud, 3, 4, 5, bts + (g + 1) * 512, xt + (g + 1) * kGroup, K, ct[1]);
+      if (g & 1) amx_group<Q8, 0>(bt + (g + 1) * 512, xt + (g + 1) * kGroup, K, ct[0]);
+      else amx_group<Q8, 1>(bt + (g + 1) * 512, xt + (g + 1) * kGroup, K, ct[1]);
     }
     const int32_t* cg = ct[g & 1];
-    const __m512 dw = _mm512_loadu_ps(dwp + g * kPanel), mw = _mm512_loadu_ps(mwp + g * kPanel);
+    const __m512 dw = _mm512_loadu_ps(dwp + g * kPanel);
+    if constexpr (Q8) {
+      const __m512i c8 = _mm512_loadu_si512(static_cast<const int32_t*>(mp) + g * kPanel);
 #pragma GCC unroll 16
-    for (int i = 0; i < MT; ++i) {
-      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dxp[i * G + g]));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cg + i * 16)), scale,
-                               _mm512_fmadd_ps(mw, _mm512_set1_ps(sxp[i * G + g]), acc[i]));
+      for (int i = 0; i < MT; ++i) {
+        const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dxp[i * G + g]));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(cg + i * 16), c8)), scale,
+                                 acc[i]);
+      }
+    } else {
+      const __m512 mw = _mm512_loadu_ps(static_cast<const float*>(mp) + g * kPanel);
+#pragma GCC unroll 16
+      for (int i = 0; i < MT; ++i) {
+        const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dxp[i * G + g]));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cg + i * 16)), scale,
+                                 _mm512_fmadd_ps(mw, _mm512_set1_ps(sxp[i * G + g]), acc[i]));
+      }
     }
   }
 #pragma GCC unroll 16
   for (int i = 0; i < MT; ++i)
     if (i < rows) _mm512_mask_storeu_ps(y + i * ldy, keep, acc[i]);
+}
+
+// One panel p (its B tiles bt, scales dw, offsets or corrections m) for all M rows in tiles of h (4, 8, 12 or 16; x, dx
+// and sx hold whole tiles, the rows past M zeros).
+template <bool Q8>
+__attribute__((target("amx-tile,amx-int8,avx512bw,avx512f")))
+void int8_panel_amx(int64_t p, const uint8_t* bt, const float* dwp, const void* mp, const uint8_t* x, const float* dxp,
+                    const float* sxp, int64_t M, int64_t K, int64_t G, float* yp, int64_t n, int64_t h) {
+  const int64_t n0 = p * kPanel, ncols = std::min(kPanel, n - n0);
+  const __mmask16 keep = ncols >= kPanel ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
+  for (int64_t r0 = 0; r0 < M; r0 += h) {
+    const int64_t rows = std::min<int64_t>(h, M - r0);
+    const uint8_t* xt = x + r0 * K;
+    const float *dx = dxp + r0 * G, *sx = sxp + r0 * G;
+    float* y = yp + r0 * n + n0;
+    switch (h) {
+      case 16: int8_tile_amx<16, Q8>(bt, xt, dx, sx, dwp, mp, K, G, y, n, rows, keep); break;
+      case 12: int8_tile_amx<12, Q8>(bt, xt, dx, sx, dwp, mp, K, G, y, n, rows, keep); break;
+      case 8: int8_tile_amx<8, Q8>(bt, xt, dx, sx, dwp, mp, K, G, y, n, rows, keep); break;
+      default: int8_tile_amx<4, Q8>(bt, xt, dx, sx, dwp, mp, K, G, y, n, rows, keep); break;
+    }
+  }
 }
 
 // Panels [begin, end) of the product: each panel's B tiles unpacked once, then its row tiles (xq, dx and sx hold whole
@@ -1132,21 +1175,8 @@ void q4_int8_panels_amx(int64_t begin, int64_t end, const uint8_t* wp, const flo
         _mm512_store_si512(bts + g * 512 + (u + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
       }
     }
-    const int64_t n0 = p * kPanel, ncols = std::min(kPanel, n - n0);
-    const __mmask16 keep = ncols >= kPanel ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
-    const float* dwp = dp + p * G * kPanel;
-    const float* mwp = mp + p * G * kPanel;
-    for (int64_t r0 = 0; r0 < M; r0 += h) {
-      const int64_t rows = std::min<int64_t>(h, M - r0);
-      const int8_t* xt = xqp + r0 * K;
-      float* y = yp + r0 * n + n0;
-      switch (h) {
-        case 16: q4_int8_tile_amx<16>(bts, xt, dxp + r0 * G, sxp + r0 * G, dwp, mwp, K, G, y, n, rows, keep); break;
-        case 12: q4_int8_tile_amx<12>(bts, xt, dxp + r0 * G, sxp + r0 * G, dwp, mwp, K, G, y, n, rows, keep); break;
-        case 8: q4_int8_tile_amx<8>(bts, xt, dxp + r0 * G, sxp + r0 * G, dwp, mwp, K, G, y, n, rows, keep); break;
-        default: q4_int8_tile_amx<4>(bts, xt, dxp + r0 * G, sxp + r0 * G, dwp, mwp, K, G, y, n, rows, keep); break;
-      }
-    }
+    int8_panel_amx<false>(p, bts, dp + p * G * kPanel, mp + p * G * kPanel, reinterpret_cast<const uint8_t*>(xqp), dxp,
+                          sxp, M, K, G, yp, n, h);
   }
   _tile_release();
 }
@@ -1237,57 +1267,14 @@ void q8_int8_panels(int64_t begin, int64_t end, const int8_t* wp, const float* d
 
 // The same on AMX tiles (as q4_int8_panels_amx): the q8 chunks are already B tiles, loaded as they lie; TDPBUSD's
 // sums are group_dots' integers.
-template <int MT>
-__attribute__((target("amx-tile,amx-int8,avx512bw,avx512f")))
-void q8_int8_tile_amx(const int8_t* wt, const uint8_t* xt, const float* dxp, const float* dwp, const int32_t* cwp,
-                      int64_t K, int64_t G, float* y, int64_t ldy, int64_t rows, __mmask16 keep) {
-  alignas(64) int32_t ct[2][16 * 16];
-  __m512 acc[MT];
-#pragma GCC unroll 16
-  for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
-  AMX_GROUP(_tile_dpbusd, 0, 1, 2, wt, xt, K, ct[0]);
-  for (int64_t g = 0; g < G; ++g) {
-    if (g + 1 < G) {
-      if (g & 1) AMX_GROUP(_tile_dpbusd, 0, 1, 2, wt + (g + 1) * 512, xt + (g + 1) * kGroup, K, ct[0]);
-      else AMX_GROUP(_tile_dpbusd, 3, 4, 5, wt + (g + 1) * 512, xt + (g + 1) * kGroup, K, ct[1]);
-    }
-    const int32_t* cg = ct[g & 1];
-    const __m512 dw = _mm512_loadu_ps(dwp + g * kPanel);
-    const __m512i c8 = _mm512_loadu_si512(cwp + g * kPanel);
-#pragma GCC unroll 16
-    for (int i = 0; i < MT; ++i) {
-      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dxp[i * G + g]));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(cg + i * 16), c8)), scale, acc[i]);
-    }
-  }
-#pragma GCC unroll 16
-  for (int i = 0; i < MT; ++i)
-    if (i < rows) _mm512_mask_storeu_ps(y + i * ldy, keep, acc[i]);
-}
-
 __attribute__((target("amx-tile,amx-int8,avx512bw,avx512f")))
 void q8_int8_panels_amx(int64_t begin, int64_t end, const int8_t* wp, const float* dp, const int32_t* cp,
-                        const uint8_t* xu, const float* dxp, int64_t M, int64_t K, int64_t G, float* yp, int64_t n,
-                        int64_t h) {
+                        const uint8_t* xu, const float* dxp, const float* sxp, int64_t M, int64_t K, int64_t G,
+                        float* yp, int64_t n, int64_t h) {
   amx_config(h);
-  for (int64_t p = begin; p < end; ++p) {
-    const int64_t n0 = p * kPanel, ncols = std::min(kPanel, n - n0);
-    const __mmask16 keep = ncols >= kPanel ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
-    const int8_t* wt = wp + p * G * 512;
-    const float* dwp = dp + p * G * kPanel;
-    const int32_t* cwp = cp + p * G * kPanel;
-    for (int64_t r0 = 0; r0 < M; r0 += h) {
-      const int64_t rows = std::min<int64_t>(h, M - r0);
-      const uint8_t* xt = xu + r0 * K;
-      float* y = yp + r0 * n + n0;
-      switch (h) {
-        case 16: q8_int8_tile_amx<16>(wt, xt, dxp + r0 * G, dwp, cwp, K, G, y, n, rows, keep); break;
-        case 12: q8_int8_tile_amx<12>(wt, xt, dxp + r0 * G, dwp, cwp, K, G, y, n, rows, keep); break;
-        case 8: q8_int8_tile_amx<8>(wt, xt, dxp + r0 * G, dwp, cwp, K, G, y, n, rows, keep); break;
-        default: q8_int8_tile_amx<4>(wt, xt, dxp + r0 * G, dwp, cwp, K, G, y, n, rows, keep); break;
-      }
-    }
-  }
+  for (int64_t p = begin; p < end; ++p)
+    int8_panel_amx<true>(p, reinterpret_cast<const uint8_t*>(wp + p * G * 512), dp + p * G * kPanel,
+                         cp + p * G * kPanel, xu, dxp, sxp, M, K, G, yp, n, h);
   _tile_release();
 }
 
@@ -1303,7 +1290,7 @@ void matmul_q8_int8(const int8_t* wp, const float* dp, const int32_t* cp, int64_
   for (int64_t e = 0; e < padded * K; ++e) xu[e] = static_cast<uint8_t>(static_cast<int32_t>(xq[e]) + 128);
   at::parallel_for(0, P, 4, [&](int64_t begin, int64_t end) {
     if (amx)
-      q8_int8_panels_amx(begin, end, wp, dp, cp, xu.data(), dx.data(), M, K, G, yp, n, h);
+      q8_int8_panels_amx(begin, end, wp, dp, cp, xu.data(), dx.data(), sx.data(), M, K, G, yp, n, h);
     else
       q8_int8_panels(begin, end, wp, dp, cp, xu.data(), dx.data(), M, K, G, yp, n);
   });
