@@ -25,6 +25,8 @@ import logging
 import math
 import statistics
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 
@@ -182,21 +184,6 @@ class ObservedRowCost:
     def _fit(self) -> float | None:
         if len(self.steps) < 16 or statistics.pstdev([r - n for r, n, _ in self.steps]) < self.min_spread:
             return self._per_row
-        # normal equations of ms ~ a + b rows + c requests (3 x 3, Cramer's rule)
-        s = [[0.0] * 4 for _ in range(3)]
-        for r, n, ms in self.steps:
-            x = (1.0, r, n)
-            for i in range(3):
-                for j in range(3):
-                    s[i][j] += x[i] * x[j]
-                s[i][3] += x[i] * ms
-
-        def det(m):
-            return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
-                    + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
-
-        d = det([row[:3] for row in s])
-        if abs(d) < 1e-9:
-            return self._per_row
-        b = det([[row[0], row[3], row[2]] for row in s]) / d
+        x = np.array([(1.0, r, n) for r, n, _ in self.steps])
+        b = float(np.linalg.lstsq(x, np.array([ms for _, _, ms in self.steps]), rcond=None)[0][1])
         return b if b > 0 else self._per_row

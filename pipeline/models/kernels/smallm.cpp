@@ -1030,10 +1030,10 @@ void q4_int8_panels(int64_t begin, int64_t end, const uint8_t* wp, const float* 
 
 // The same product on AMX tiles (Intel CPUs with AMX-INT8, where Linux grants the tile state): per panel and group,
 // the 16 columns' 32 weights unpacked once into a B tile (the VNNI chunks' nibbles are already its rows), each tile of
-// 16 rows' int8 activations times it in one TDPBSUD (signed x unsigned bytes, int32 sums: the very integers
+// up to 16 rows' int8 activations times it in one TDPBSUD (signed x unsigned bytes, int32 sums: the very integers
 // group_dots adds), then each row's scales as q4_int8_tile applies them, in the same order: the same bits as the VNNI
 // path at any M, so a row keeps its value alone or in a batch whichever path runs. Used for calls of kAmxRows rows or
-// more (set_amx(false): never).
+// more (q8: kAmxRowsQ8; set_amx(false): never).
 constexpr int64_t kAmxRows = 12;
 constexpr int64_t kAmxRowsQ8 = 4;  // the q8 products (the int8 head, int8 drafts): no nibbles to unpack
 bool g_amx = false;  // AMX granted and asked for (set_amx)
