@@ -25,8 +25,6 @@ import logging
 import math
 import statistics
 
-import numpy as np
-
 log = logging.getLogger(__name__)
 
 
@@ -184,6 +182,8 @@ class ObservedRowCost:
     def _fit(self) -> float | None:
         if len(self.steps) < 16 or statistics.pstdev([r - n for r, n, _ in self.steps]) < self.min_spread:
             return self._per_row
+        import numpy as np  # here, not at the top: importing the cost model loads no numpy (vLLM's process reads it)
+
         x = np.array([(1.0, r, n) for r, n, _ in self.steps])
         b = float(np.linalg.lstsq(x, np.array([ms for _, _, ms in self.steps]), rcond=None)[0][1])
         return b if b > 0 else self._per_row
