@@ -296,7 +296,7 @@ def test_the_int8_products_on_amx_tiles_are_the_same_bits_as_on_vnni_alone_and_b
     """``linear_q4_int8`` and ``linear_q8_int8`` of 12 or more rows run on AMX tiles where the CPU has them: the same
     integer sums per group and the same scaling order as the VNNI path, so every row's bits are the VNNI path's and its
     own alone, at row counts around the tile sizes (whole, balanced, padded) and a prefill chunk's."""
-    from pipeline.models.native import q8_corrections, q8_quantize, q8_vnni_layout, vnni_layout
+    from pipeline.models.native import q4_scales, q8_corrections, q8_quantize, q8_vnni_layout, vnni_layout
 
     smallm = kernel.smallm_kernel()
     was = kernel.kernel_isa().endswith("+amx")
@@ -305,16 +305,16 @@ def test_the_int8_products_on_amx_tiles_are_the_same_bits_as_on_vnni_alone_and_b
         for n, k in ((1536, 576), (576, 1536), (40, 64)):  # the last: a part panel of 8 columns
             panels = (n + 15) // 16
             w = vnni_layout(torch.randint(0, 256, (panels, k, 8), dtype=torch.uint8, generator=g))
-            d = torch.rand(panels, k // 32, 16, generator=g) * 0.01
-            m = torch.randn(panels, k // 32, 16, generator=g) * 0.01
+            scales = q4_scales((torch.rand(panels, k // 32, 16, generator=g) * 0.01).half().float(),
+                               (torch.randn(panels, k // 32, 16, generator=g) * 0.01).half().float())
             for rows in (1, 11, 12, 16, 17, 33, 256):
                 x = torch.randn(rows, k, generator=g) * 3
                 kernel.set_amx(False)
-                vnni = smallm.linear_q4_int8(x, w, d, m, n)
+                vnni = smallm.linear_q4_int8(x, w, scales, n)
                 assert kernel.set_amx(True)
-                amx = smallm.linear_q4_int8(x, w, d, m, n)
+                amx = smallm.linear_q4_int8(x, w, scales, n)
                 assert torch.equal(amx, vnni), (n, k, rows)
-                alone = torch.cat([smallm.linear_q4_int8(x[i: i + 1], w, d, m, n) for i in range(rows)])
+                alone = torch.cat([smallm.linear_q4_int8(x[i: i + 1], w, scales, n) for i in range(rows)])
                 assert torch.equal(alone, amx), (n, k, rows)
             q8 = q8_quantize(torch.randn(n, k, generator=g))  # the int8 head's and drafts' q8 products
             w8, c8 = q8_vnni_layout(q8.q), q8_corrections(q8.q)

@@ -251,7 +251,7 @@ def _affine_blocks(w: torch.Tensor, signed: bool):
     bit for bit, in blocks of 32 along K; None when some block is not of that form.
 
     The scale of a GGUF block is a float16 near its range / 15 (q4) or absmax / 127 (q8) and a q4 block's
-    minimum is its offset, so a few float16 candidates around those are tried for each block.
+    minimum is its offset (a float16), so a few float16 candidates around those are tried for each block.
     """
     n, k = w.shape
     if n > 64 and _affine_blocks(w[:64], signed) is None:  # a quick refusal on a few rows first
@@ -271,6 +271,8 @@ def _affine_blocks(w: torch.Tensor, signed: bool):
         q = torch.where(positive, q, 0.0) + 0.0  # no -0.0: the kernel's integer q converts to +0.0
         rebuilt = d * q if signed else (d * q) + m  # two roundings, as the kernel computes it
         ok = (rebuilt.view(torch.int32) == bits).all(-1, keepdim=True) & ~found
+        if m is not None:  # a GGUF Q4_1 block's offset is a float16 (linear_q4_int8 streams it so)
+            ok &= m.half().float() == m
         q_out, d_out = torch.where(ok, q, q_out), torch.where(ok, d, d_out)
         found |= ok
         if bool(found.all()):

@@ -165,13 +165,28 @@ def vnni_layout(q: torch.Tensor) -> torch.Tensor:
     return (quads[:, :, :4] | (quads[:, :, 4:] << 4)).contiguous().view(P, K // 32, 4, 64)
 
 
+def q4_scales(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """q4 scales and offsets [P, K / 32, 16] float32 -> [P, K / 32, 32] float16 (each group's 16 d, then its 16 m):
+    ``linear_q4_int8``'s scales, the same values at half the bytes (a GGUF Q4_1 block stores both as float16).
+
+    Raises:
+        ValueError: when some value is not a float16 (not a GGUF block's: ``pack_smallm`` packs no such q4).
+    """
+    both = torch.cat([d, m], dim=-1)
+    half = both.half()
+    if not torch.equal(half.float(), both):
+        raise ValueError("q4 scales or offsets that float16 does not hold exactly (not a GGUF Q4_1 block's)")
+    return half.contiguous()
+
+
 def _spec(weight: SmallmWeight, bias: torch.Tensor | None = None, precision: str = "exact") -> tuple:
     """A packed weight as the native stack takes it: (format code, panels, scales, offsets, float32 panels, N,
     exact_rows, bias). With ``precision="int8"`` a q4 weight goes in the VNNI layout (int8 activations)."""
     empty = torch.empty(0)
     bias = None if bias is None else bias.detach().float()
     if precision == "int8" and weight.fmt == "q4":
-        return (_Q4_INT8, vnni_layout(weight.q), weight.d, weight.m, empty, weight.n, weight.exact_rows, bias)
+        return (_Q4_INT8, vnni_layout(weight.q), q4_scales(weight.d, weight.m), empty, empty, weight.n,
+                weight.exact_rows, bias)
     code = 0 if weight.fmt == "f32" else _FORMAT_CODE[weight.fmt]
     return (code, weight.q, weight.d, weight.m, weight.f32 if weight.f32 is not None else empty, weight.n,
             weight.exact_rows, bias)

@@ -944,7 +944,10 @@ torch::Tensor attend(torch::Tensor q, c10::optional<torch::Tensor> k_new, c10::o
 // The reduced-precision product of model.precision=int8 (AVX-512 VNNI builds on CPUs with VNNI): q4 weights times
 // activations quantized to int8 per row and per group of 32 (d_x = max|x| / 127), with AVX-512 VNNI integer dot
 // products, as llama.cpp computes Q4_1 x Q8_1: y[r, c] = sum_g d_w[c,g] d_x[r,g] sum_k q_w q_x + m_w[c,g] d_x[r,g] sum_k q_x.
-// Weights: vnni [P, G, 4, 64] bytes, chunk u's byte 4c + b = q[4u + b][c] | q[4(u + 4) + b][c] << 4.
+// Weights: vnni [P, G, 4, 64] bytes, chunk u's byte 4c + b = q[4u + b][c] | q[4(u + 4) + b][c] << 4; scales s
+// [P, G, 32] float16, a panel's 16 d_w then its 16 m_w per group: the GGUF's own float16 values (Q4_1 stores them so),
+// widened exactly to float32 in registers, so the products are those of float32 scales at half their bytes (a 1-row
+// call streams 0.625 bytes a weight, not 0.75).
 #ifdef __AVX512F__
 // sum[i] = row i's integer dot product with one group's 8 weight chunks (x: the rows' int8 bytes from the group's
 // first, K apart), in two chains (k 0-15 and 16-31, added exactly) with the rows side by side, so the VPDPBUSD latency
@@ -969,10 +972,14 @@ inline void group_dots(const __m512i* w, const uint8_t* x, int64_t K, __m512i* s
   for (int i = 0; i < MT; ++i) sum[i] = _mm512_add_epi32(s[i], t[i]);
 }
 
+// 16 float16 scales -> float32 (exact).
+__attribute__((target("avx512f")))
+inline __m512 scales16(const uint16_t* s) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s))); }
+
 // One panel's rows r0 .. r0 + MT - 1 (group_dots per group, then each row's scales).
 template <int MT>
 __attribute__((target("avx512vnni,avx512bw,avx512f")))
-void q4_int8_tile(int64_t p, int64_t r0, const uint8_t* wp, const float* dp, const float* mp, const int8_t* xqp,
+void q4_int8_tile(int64_t p, int64_t r0, const uint8_t* wp, const uint16_t* sp, const int8_t* xqp,
                   const float* dxp, const float* sxp, int64_t K, int64_t G, float* yp, int64_t n) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[MT];
@@ -987,7 +994,7 @@ void q4_int8_tile(int64_t p, int64_t r0, const uint8_t* wp, const float* dp, con
       w[u] = _mm512_and_si512(v, low);
       w[u + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
-    const __m512 dw = _mm512_loadu_ps(dp + (p * G + g) * kPanel), mw = _mm512_loadu_ps(mp + (p * G + g) * kPanel);
+    const __m512 dw = scales16(sp + (p * G + g) * 2 * kPanel), mw = scales16(sp + (p * G + g) * 2 * kPanel + kPanel);
     __m512i sum[MT];
     group_dots<MT, true>(w, reinterpret_cast<const uint8_t*>(xqp) + r0 * K + g * kGroup, K, sum);
 #pragma GCC unroll 8
@@ -1015,15 +1022,15 @@ inline void int8_tiles(int64_t M, const Tile& tile) {
   }
 }
 
-void q4_int8_panels(int64_t begin, int64_t end, const uint8_t* wp, const float* dp, const float* mp, const int8_t* xqp,
+void q4_int8_panels(int64_t begin, int64_t end, const uint8_t* wp, const uint16_t* sp, const int8_t* xqp,
                     const float* dxp, const float* sxp, int64_t M, int64_t K, int64_t G, float* yp, int64_t n) {
   for (int64_t p = begin; p < end; ++p)
     int8_tiles(M, [&](int64_t r0, int64_t mt) {
       switch (mt) {
-        case 4: q4_int8_tile<4>(p, r0, wp, dp, mp, xqp, dxp, sxp, K, G, yp, n); break;
-        case 3: q4_int8_tile<3>(p, r0, wp, dp, mp, xqp, dxp, sxp, K, G, yp, n); break;
-        case 2: q4_int8_tile<2>(p, r0, wp, dp, mp, xqp, dxp, sxp, K, G, yp, n); break;
-        default: q4_int8_tile<1>(p, r0, wp, dp, mp, xqp, dxp, sxp, K, G, yp, n); break;
+        case 4: q4_int8_tile<4>(p, r0, wp, sp, xqp, dxp, sxp, K, G, yp, n); break;
+        case 3: q4_int8_tile<3>(p, r0, wp, sp, xqp, dxp, sxp, K, G, yp, n); break;
+        case 2: q4_int8_tile<2>(p, r0, wp, sp, xqp, dxp, sxp, K, G, yp, n); break;
+        default: q4_int8_tile<1>(p, r0, wp, sp, xqp, dxp, sxp, K, G, yp, n); break;
       }
     });
 }
@@ -1091,12 +1098,13 @@ inline int64_t amx_height(int64_t M) {
 inline int64_t amx_padded(int64_t M) { return (M + 15) / 16 * amx_height(M); }
 
 // One tile of MT rows (xt: its first row's activations, K apart; dx, sx its scales) against one panel's G groups (bt:
-// their B tiles, 512 bytes each; dw its scales, m its offsets (q4, float) or corrections c8 (q8, int32)), the running
+// their B tiles, 512 bytes each; ws its scales: q4's float16 d and m per group (32 a group), q8's float32 d (16 a
+// group) with m its corrections c8 (int32)), the running
 // sums in registers, each row's scales applied as q4_int8_tile / q8_int8_tile apply them; group g + 1's tile product
 // overlaps group g's scaling.
 template <int MT, bool Q8>
 __attribute__((target("amx-tile,amx-int8,avx512bw,avx512f")))
-void int8_tile_amx(const uint8_t* bt, const uint8_t* xt, const float* dxp, const float* sxp, const float* dwp,
+void int8_tile_amx(const uint8_t* bt, const uint8_t* xt, const float* dxp, const float* sxp, const void* ws,
                    const void* mp, int64_t K, int64_t G, float* y, int64_t ldy, int64_t rows, __mmask16 keep) {
   alignas(64) int32_t ct[2][16 * 16];
   __m512 acc[MT];
@@ -1109,8 +1117,8 @@ void int8_tile_amx(const uint8_t* bt, const uint8_t* xt, const float* dxp, const
       else amx_group<Q8, 1>(bt + (g + 1) * 512, xt + (g + 1) * kGroup, K, ct[1]);
     }
     const int32_t* cg = ct[g & 1];
-    const __m512 dw = _mm512_loadu_ps(dwp + g * kPanel);
     if constexpr (Q8) {
+      const __m512 dw = _mm512_loadu_ps(static_cast<const float*>(ws) + g * kPanel);
       const __m512i c8 = _mm512_loadu_si512(static_cast<const int32_t*>(mp) + g * kPanel);
 #pragma GCC unroll 16
       for (int i = 0; i < MT; ++i) {
@@ -1119,7 +1127,8 @@ void int8_tile_amx(const uint8_t* bt, const uint8_t* xt, const float* dxp, const
                                  acc[i]);
       }
     } else {
-      const __m512 mw = _mm512_loadu_ps(static_cast<const float*>(mp) + g * kPanel);
+      const uint16_t* s = static_cast<const uint16_t*>(ws) + g * 2 * kPanel;
+      const __m512 dw = scales16(s), mw = scales16(s + kPanel);
 #pragma GCC unroll 16
       for (int i = 0; i < MT; ++i) {
         const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dxp[i * G + g]));
@@ -1137,7 +1146,7 @@ void int8_tile_amx(const uint8_t* bt, const uint8_t* xt, const float* dxp, const
 // and sx hold whole tiles, the rows past M zeros).
 template <bool Q8>
 __attribute__((target("amx-tile,amx-int8,avx512bw,avx512f")))
-void int8_panel_amx(int64_t p, const uint8_t* bt, const float* dwp, const void* mp, const uint8_t* x, const float* dxp,
+void int8_panel_amx(int64_t p, const uint8_t* bt, const void* ws, const void* mp, const uint8_t* x, const float* dxp,
                     const float* sxp, int64_t M, int64_t K, int64_t G, float* yp, int64_t n, int64_t h) {
   const int64_t n0 = p * kPanel, ncols = std::min(kPanel, n - n0);
   const __mmask16 keep = ncols >= kPanel ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
@@ -1147,10 +1156,10 @@ void int8_panel_amx(int64_t p, const uint8_t* bt, const float* dwp, const void* 
     const float *dx = dxp + r0 * G, *sx = sxp + r0 * G;
     float* y = yp + r0 * n + n0;
     switch (h) {
-      case 16: int8_tile_amx<16, Q8>(bt, xt, dx, sx, dwp, mp, K, G, y, n, rows, keep); break;
-      case 12: int8_tile_amx<12, Q8>(bt, xt, dx, sx, dwp, mp, K, G, y, n, rows, keep); break;
-      case 8: int8_tile_amx<8, Q8>(bt, xt, dx, sx, dwp, mp, K, G, y, n, rows, keep); break;
-      default: int8_tile_amx<4, Q8>(bt, xt, dx, sx, dwp, mp, K, G, y, n, rows, keep); break;
+      case 16: int8_tile_amx<16, Q8>(bt, xt, dx, sx, ws, mp, K, G, y, n, rows, keep); break;
+      case 12: int8_tile_amx<12, Q8>(bt, xt, dx, sx, ws, mp, K, G, y, n, rows, keep); break;
+      case 8: int8_tile_amx<8, Q8>(bt, xt, dx, sx, ws, mp, K, G, y, n, rows, keep); break;
+      default: int8_tile_amx<4, Q8>(bt, xt, dx, sx, ws, mp, K, G, y, n, rows, keep); break;
     }
   }
 }
@@ -1158,7 +1167,7 @@ void int8_panel_amx(int64_t p, const uint8_t* bt, const float* dwp, const void* 
 // Panels [begin, end) of the product: each panel's B tiles unpacked once, then its row tiles (xq, dx and sx hold whole
 // tiles of h rows (4, 8, 12 or 16), the rows past M zeros).
 __attribute__((target("amx-tile,amx-int8,avx512bw,avx512f")))
-void q4_int8_panels_amx(int64_t begin, int64_t end, const uint8_t* wp, const float* dp, const float* mp,
+void q4_int8_panels_amx(int64_t begin, int64_t end, const uint8_t* wp, const uint16_t* sp,
                         const int8_t* xqp, const float* dxp, const float* sxp, int64_t M, int64_t K, int64_t G,
                         float* yp, int64_t n, int64_t h) {
   amx_config(h);
@@ -1175,7 +1184,7 @@ void q4_int8_panels_amx(int64_t begin, int64_t end, const uint8_t* wp, const flo
         _mm512_store_si512(bts + g * 512 + (u + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
       }
     }
-    int8_panel_amx<false>(p, bts, dp + p * G * kPanel, mp + p * G * kPanel, reinterpret_cast<const uint8_t*>(xqp), dxp,
+    int8_panel_amx<false>(p, bts, sp + p * G * 2 * kPanel, nullptr, reinterpret_cast<const uint8_t*>(xqp), dxp,
                           sxp, M, K, G, yp, n, h);
   }
   _tile_release();
@@ -1201,9 +1210,9 @@ void quantize_rows(const float* xp, int64_t M, int64_t K, int8_t* xq, float* dx,
     }
 }
 
-// y [M, n] = x [M, K] @ W^T for q4 weights in the VNNI layout above (P panels, scales d and offsets m [P, G, 16]),
+// y [M, n] = x [M, K] @ W^T for q4 weights in the VNNI layout above (P panels, float16 scales s [P, G, 32]),
 // the activations quantized to int8 per row and group of 32 here. Each row's result depends on its own values only.
-void matmul_q4_int8(const uint8_t* wp, const float* dp, const float* mp, int64_t P, int64_t K, const float* xp,
+void matmul_q4_int8(const uint8_t* wp, const uint16_t* sp, int64_t P, int64_t K, const float* xp,
                     int64_t M, float* yp, int64_t n) {
   const int64_t G = K / kGroup;
   const bool amx = g_amx && M >= kAmxRows;
@@ -1213,9 +1222,9 @@ void matmul_q4_int8(const uint8_t* wp, const float* dp, const float* mp, int64_t
   quantize_rows(xp, M, K, xq.data(), dx.data(), sx.data());
   at::parallel_for(0, P, 4, [&](int64_t begin, int64_t end) {
     if (amx)
-      q4_int8_panels_amx(begin, end, wp, dp, mp, xq.data(), dx.data(), sx.data(), M, K, G, yp, n, h);
+      q4_int8_panels_amx(begin, end, wp, sp, xq.data(), dx.data(), sx.data(), M, K, G, yp, n, h);
     else
-      q4_int8_panels(begin, end, wp, dp, mp, xq.data(), dx.data(), sx.data(), M, K, G, yp, n);
+      q4_int8_panels(begin, end, wp, sp, xq.data(), dx.data(), sx.data(), M, K, G, yp, n);
   });
 }
 
@@ -1393,13 +1402,15 @@ torch::Tensor linear_q8_int8(torch::Tensor x, torch::Tensor vnni, torch::Tensor 
   return y;
 }
 
-torch::Tensor linear_q4_int8(torch::Tensor x, torch::Tensor vnni, torch::Tensor d, torch::Tensor m, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && vnni.is_contiguous(), "linear_q4_int8: bad input");
+torch::Tensor linear_q4_int8(torch::Tensor x, torch::Tensor vnni, torch::Tensor scales, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && vnni.is_contiguous() && scales.is_contiguous(),
+              "linear_q4_int8: bad input");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), G = K / kGroup, P = vnni.size(0);
-  TORCH_CHECK(K % kGroup == 0 && vnni.numel() == P * G * 256, "linear_q4_int8: bad weights");
+  TORCH_CHECK(K % kGroup == 0 && vnni.numel() == P * G * 256 && scales.scalar_type() == torch::kHalf &&
+              scales.numel() == P * G * 2 * kPanel && P * kPanel >= n, "linear_q4_int8: bad weights");
   auto y = torch::empty({M, n}, x.options());
-  matmul_q4_int8(static_cast<const uint8_t*>(vnni.data_ptr()), d.data_ptr<float>(), m.data_ptr<float>(), P, K,
+  matmul_q4_int8(static_cast<const uint8_t*>(vnni.data_ptr()), static_cast<const uint16_t*>(scales.data_ptr()), P, K,
                  x.data_ptr<float>(), M, y.data_ptr<float>(), n);
   return y;
 }
@@ -1423,7 +1434,7 @@ struct Lin {
 
 // y [M, n] = x [M, K] @ W^T (+ bias); calls of more rows than exact_rows use the float32 panels kept beside an exact
 // form (the same bits).
-constexpr int64_t kQ4Int8 = 4;  // q4 weights in the VNNI layout, int8 activations (model.precision=int8)
+constexpr int64_t kQ4Int8 = 4;  // q4 weights in the VNNI layout (d: their float16 scales), int8 activations (model.precision=int8)
 constexpr int64_t kBF16Dot = 5;  // bf16 weights in pairs, bf16 activations (the drafter's model.draft_precision=bf16)
 constexpr int64_t kQ8Int8 = 6;  // q8 weights in the VNNI layout (m: their corrections c8), int8 activations (int8 drafts)
 
@@ -1442,7 +1453,7 @@ void apply(const Lin& w, const float* x, int64_t M, float* y) {
 #endif
   } else if (w.fmt == kQ4Int8) {
 #ifdef __AVX512F__
-    matmul_q4_int8(static_cast<const uint8_t*>(w.q.data_ptr()), w.d.data_ptr<float>(), w.m.data_ptr<float>(), w.P, w.K,
+    matmul_q4_int8(static_cast<const uint8_t*>(w.q.data_ptr()), static_cast<const uint16_t*>(w.d.data_ptr()), w.P, w.K,
                    x, M, y, w.n);
 #else
     TORCH_CHECK(false, "int8 products need the AVX-512 build of the kernel");
@@ -1525,7 +1536,8 @@ Lin to_lin(const std::tuple<int64_t, torch::Tensor, torch::Tensor, torch::Tensor
   TORCH_CHECK(w.fmt == kQ8Int8 ? (K % kGroup == 0 && w.q.numel() == w.P * (K / kGroup) * 512 &&
                                   w.d.numel() == w.q.numel() / 32 && w.m.numel() == w.d.numel() &&
                                   w.q.scalar_type() == torch::kInt8 && w.m.scalar_type() == torch::kInt32)
-              : w.fmt == kQ4Int8 ? w.q.numel() == w.P * (K / kGroup) * 256
+              : w.fmt == kQ4Int8 ? (w.q.numel() == w.P * (K / kGroup) * 256 && w.d.scalar_type() == torch::kHalf &&
+                                    w.d.numel() == w.P * (K / kGroup) * 2 * kPanel)
               : w.fmt == kBF16Dot ? (w.q.dim() == 3 && w.q.size(1) * 2 == K && w.q.size(2) == 32) : w.q.size(1) == K,
               "Stack: a weight's K does not match its input");
   TORCH_CHECK(w.P * kPanel >= w.n, "Stack: a weight has fewer panels than columns");
