@@ -106,6 +106,15 @@ def test_smallm_keeps_float32_for_weights_no_exact_form_holds():
     assert pack_smallm(torch.randn(64, 64)).fmt == "f32" and exact_format(torch.randn(64, 64)) is None
     assert pack_smallm(gguf_round(torch.randn(64, 64), "q4")[:, :48].contiguous()).fmt == "f32"  # K not a multiple of 32
     assert pack_smallm(gguf_round(torch.randn(64, 64), "q4"), ()).fmt == "f32"  # smallm_f32
+    # a 4-bit grid whose offsets float16 does not hold (not a GGUF Q4_1 block's): the int8 products stream float16
+    d = torch.full((64, 2, 1), 2.0 ** -6)
+    offsets = torch.full((64, 2, 1), 0.1) + torch.arange(64.0).view(64, 1, 1) * 1e-6
+    assert not torch.equal(offsets.half().float(), offsets)
+    weight = ((d * torch.randint(0, 16, (64, 2, 32)).float()) + offsets).view(64, 64)
+    assert exact_format(weight) is None and pack_smallm(weight).fmt == "f32"
+    from pipeline.models.native import q4_scales
+    with pytest.raises(ValueError, match="float16"):
+        q4_scales(d.view(4, 16, 2).transpose(1, 2), offsets.view(4, 16, 2).transpose(1, 2))
 
 
 def test_smallm_crossover_is_measured_forced_or_refused(monkeypatch):
