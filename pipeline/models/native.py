@@ -181,7 +181,8 @@ def q4_scales(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 def _spec(weight: SmallmWeight, bias: torch.Tensor | None = None, precision: str = "exact") -> tuple:
     """A packed weight as the native stack takes it: (format code, panels, scales, offsets, float32 panels, N,
-    exact_rows, bias). With ``precision="int8"`` a q4 weight goes in the VNNI layout (int8 activations)."""
+    exact_rows, bias). With ``precision="int8"`` a q4 weight goes in the VNNI layout (int8 activations), its scales and
+    offsets in one float16 array (``q4_scales``; no offsets entry)."""
     empty = torch.empty(0)
     bias = None if bias is None else bias.detach().float()
     if precision == "int8" and weight.fmt == "q4":

@@ -1109,11 +1109,10 @@ inline int64_t amx_height(int64_t M) {
 }
 inline int64_t amx_padded(int64_t M) { return (M + 15) / 16 * amx_height(M); }
 
-// One tile of MT rows (xt: its first row's activations, K apart; dx, sx its scales) against one panel's G groups (bt:
-// their B tiles, 512 bytes each; ws its scales: q4's float16 d and m per group (32 a group), q8's float32 d (16 a
-// group) with m its corrections c8 (int32)), the running
-// sums in registers, each row's scales applied as q4_int8_tile / q8_int8_tile apply them; group g + 1's tile product
-// overlaps group g's scaling.
+// One tile of MT rows (xt: its first row's activations, K apart; dx, sx its scales; q8 reads no sx) against one panel's
+// G groups (bt: their B tiles, 512 bytes each; ws its scales: q4's float16 d and m, 32 a group; q8's float32 d, 16 a
+// group, with mp its corrections c8, int32), the running sums in registers, each row's scales applied as
+// q4_int8_tile / q8_int8_tile apply them; group g + 1's tile product overlaps group g's scaling.
 template <int MT, bool Q8>
 __attribute__((target("amx-tile,amx-int8,avx512bw,avx512f")))
 void int8_tile_amx(const uint8_t* bt, const uint8_t* xt, const float* dxp, const float* sxp, const void* ws,
