@@ -114,6 +114,12 @@ def build_engine(cfg: DictConfig, decoder=None, thread=None):
     validate_config(cfg, "serve")
     s = cfg.serve
     own = decoder is None  # built here for this server's life: release_weights may free what its forward never reads
+    if own and not s.record and not registry.uses_drafter(str(s.policy), setup.policy_options(cfg)):
+        from omegaconf import OmegaConf
+
+        log.info("serve.policy=%s never runs the drafter: serving without one (model.drafter=%s not loaded)", s.policy,
+                 cfg.model.get("drafter"))
+        cfg = OmegaConf.merge(cfg, {"model": {"drafter": None}})  # its costs measured and cached as drafterless
     if own:
         pin_mmap_threshold()  # large buffers mapped alone, handed back when freed (the serving peak)
     decoder = decoder or build_decoder(cfg.model)

@@ -210,3 +210,28 @@ def test_mixed_sizes_its_trees_on_the_batched_cost_model_where_many_requests_sha
     assert schedule.batch_costs is inputs.batch_costs
     one = dataclasses.replace(sources(bench_cfg), max_requests=1)
     assert setup.load_inputs(bench_cfg, decoder, ["mixed"], one).batch_costs is None
+
+
+def test_which_methods_run_the_drafter_and_what_mixed_reads_without_one(tiny):
+    """``ar`` never runs the drafter and ``mixed`` only with ``drafter`` among its sources (a server loads none
+    otherwise); ``mixed`` reads no calibration where it drafts from the free sources alone, every other drafting method
+    does, and with no drafter loaded a method that needs one is refused naming ``model.drafter``."""
+    from pipeline.policy.setup import load_verify_width
+
+    assert not registry.uses_drafter("ar", {}) and registry.uses_drafter("verify_width", {})
+    assert registry.uses_drafter("mixed", {})  # the module's default sources include the drafter
+    assert not registry.uses_drafter("mixed", {"mixed": {"sources": ["ngram", "cache"]}})
+    free, drafted = {"mixed": {"sources": ["ngram"]}}, {"mixed": {"sources": ["drafter", "ngram"]}}
+    mixed = registry.METHODS["mixed"]
+    with_drafter, without = tiny.decoder("llama", "random"), tiny.decoder("llama", None)
+    assert registry.needs_of(mixed, free, with_drafter) == {registry.COSTS}
+    assert registry.needs_of(mixed, drafted, with_drafter) == {registry.CALIBRATION, registry.COSTS}
+    assert registry.needs_of(mixed, drafted, without) == {registry.COSTS}
+    assert registry.needs_of(registry.METHODS["tree"], free, without) == {registry.CALIBRATION, registry.COSTS}
+    with pytest.raises(ValueError, match="need a drafter"):
+        load_verify_width(registry.PolicyInputs(), without, {}, None, None, [1])
+    inputs = registry.PolicyInputs()
+    load_verify_width(inputs, without, {}, None, None, [1], calibrate=False)  # no cfg: no latency either
+    assert inputs.calibration is None and inputs.latency is None
+    assert registry.missing_inputs(mixed, registry.PolicyInputs(latency=object()), free, without) == []
+    assert registry.missing_inputs(mixed, registry.PolicyInputs(latency=object()), drafted, with_drafter) == ["calibration"]

@@ -575,3 +575,42 @@ def test_the_decoders_on_tokens_hook_sees_every_token_in_order_and_can_end_the_d
     assert [len(step) for step in seen[1:]] == full.taus  # the prefill's token, then one call per verify step
     halted = trained_decoder.generate(ids, 8, DecodeConfig(24), on_tokens=lambda new: True)
     assert halted.output_ids == full.output_ids[:1] and halted.taus == []  # ended right after the prefill's token
+
+
+def test_a_policy_that_never_drafts_is_served_without_the_drafter(tiny, tiny_run, tmp_path):
+    """A server whose policy never runs the drafter (``mixed`` on its free sources, the default; ``ar``) does not load
+    it (issue 53: what the forward that runs needs): its decoder has none, its batched costs are measured with rows of
+    several per request (the per-request cost apart from the rows'), and its texts equal the eval stage's ``ar`` with
+    the drafter loaded; ``mixed`` drafting from the drafter loads it."""
+    from pipeline.costs import BatchCostModel
+    from pipeline.timing.batched import FREE_ROWS
+
+    with_drafter = tiny.decoder("llama", "trained")
+    overrides = [f"model.target={tiny.target_dir('llama')}", f"model.drafter={tiny.drafter_dir('llama', 'trained')}",
+                 f"model.name={MODEL}", "serve.warmup=false", "serve.max_batch=auto", "serve.max_batch_limit=4",
+                 "policy.budget.costs.rows=[1,2,4,8]", "policy.budget.costs.repeats=1", "policy.budget.costs.context=16",
+                 f"paths.costs={tmp_path / 'costs'}", "policy.verify_width.latency.context_buckets=[16]",
+                 "policy.verify_width.latency.repeats=1", f"paths.data={tiny_run['data']}", f"run_name={RUN}"]
+    with composed("serve", overrides) as cfg:
+        assert cfg.serve.policy == "mixed" and "drafter" not in cfg.policy.mixed.sources
+        engine = build_engine(cfg)
+    try:
+        assert engine.decoder.drafter is None and engine.decoder.forward_path()["drafter"] is None
+        stored = [json.loads(p.read_text()) for p in (tmp_path / "costs").glob("batch-costs-*.json")]
+        assert len(stored) == 1 and stored[0]["key"]["identity"]["drafter"] == "None"
+        costs = BatchCostModel.from_dict(stored[0]["batch_costs"])
+        assert costs.info["block_size"] == FREE_ROWS and costs.draft_ms == [0.0]
+        with TestClient(create_app(engine), base_url="http://localhost") as c:
+            for text in PROMPTS[:2]:
+                out = c.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 16, "return_token_ids": True,
+                                                           "messages": [{"role": "user", "content": text}]}).json()
+                assert out["blockpilot"]["policy"] == "mixed"
+                assert out["blockpilot"]["token_ids"] == ar_reference(with_drafter, text, 16)
+    finally:
+        engine.close()
+    with composed("serve", [*overrides, "policy.mixed.sources=[drafter,ngram]", "serve.max_batch=1"]) as cfg:
+        engine = build_engine(cfg)
+    try:
+        assert engine.decoder.drafter is not None
+    finally:
+        engine.close()

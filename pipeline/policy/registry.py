@@ -299,11 +299,19 @@ def _observing(schedule, observed):
     return schedule
 
 
+def mixed_sources(options: Mapping) -> list[str]:
+    """``policy.mixed.sources`` (default ``pipeline.policy.mixed.SOURCES``)."""
+    from pipeline.policy.mixed import SOURCES
+
+    sources = (options.get("mixed") or {}).get("sources")
+    return [str(s) for s in (SOURCES if sources is None else sources)]
+
+
 def _mixed(ctx: Context):
     from pipeline.decoding.trees import TOP_K
-    from pipeline.policy.mixed import SOURCES, MixedSchedule, SharedSources
+    from pipeline.policy.mixed import MixedSchedule, SharedSources
 
-    sources = [str(s) for s in ctx.option("mixed", "sources", list(SOURCES))]
+    sources = mixed_sources(ctx.options)
     drafter = "drafter" in sources and ctx.decoder.drafter is not None
     b = _drafted_block_size(ctx) if drafter else 1
     cache_tokens = int(ctx.option("mixed", "cache_tokens", 65536))
@@ -393,6 +401,8 @@ class Method:
         load_sized: whether, decoding many requests per step (the server, bench_batch), it sizes its drafts on the
             batched step cost model (then loaded for it: a row that costs ~17% of a step alone costs most of a
             request's share at 16).
+        drafter: whether it runs the drafter, given the ``policy`` options (a server whose policy does not loads
+            none: ``uses_drafter``).
     """
 
     name: str
@@ -405,12 +415,13 @@ class Method:
     label_split: bool = False
     batched: bool = False
     load_sized: bool = False
+    drafter: Callable[[Mapping], bool] = lambda options: True
 
 
 _EVAL_ONLY_HF = "transformers' generate runs outside the server's speculative decoder; compare it in the eval stage"
 _EVAL_ONLY_VLLM = "vLLM serves itself: make serve-vllm (docs/vllm.md); compare it in the eval stage"
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("ar", frozenset(), _ar, gain_share=False),
+    Method("ar", frozenset(), _ar, gain_share=False, drafter=lambda options: False),
     Method("fixed", frozenset(), _fixed),
     Method("best_fixed", frozenset({LABELS, SPLITS}), _best_fixed, label_split=True),
     Method("blockpilot", frozenset({PREDICTOR}), _predictor("blockpilot"), predictor="blockpilot", label_split=True),
@@ -422,7 +433,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("hybrid", frozenset({PREDICTOR, CALIBRATION, COSTS}), _verify_width(True), predictor="blockpilot",
            gain_share=False, label_split=True),
     Method("tree", frozenset({CALIBRATION, COSTS}), _tree, gain_share=False),
-    Method("mixed", frozenset({CALIBRATION, COSTS}), _mixed, gain_share=False, load_sized=True),
+    Method("mixed", frozenset({CALIBRATION, COSTS}), _mixed, gain_share=False, load_sized=True,
+           drafter=lambda options: "drafter" in mixed_sources(options)),
     Method("budget", frozenset({CALIBRATION, BATCH_COSTS}), _budget, gain_share=False, batched=True),
     Method("hf_generate", frozenset(), _hf(False), gain_share=False, servable=_EVAL_ONLY_HF),
     Method("hf_prompt_lookup", frozenset(), _hf(True), gain_share=False, servable=_EVAL_ONLY_HF),
@@ -444,13 +456,28 @@ def _vllm_installed() -> bool:
     return (VENV / "bin" / "python").exists()
 
 
-def missing_inputs(method: Method, inputs: PolicyInputs) -> list[str]:
-    """The inputs ``method`` needs that ``inputs`` lacks (names from ``Method.needs``)."""
+def uses_drafter(name: str, options: Mapping) -> bool:
+    """Whether method ``name`` runs the drafter under the ``policy`` options ``options`` (``ar`` never; ``mixed`` only with
+    ``drafter`` among ``policy.mixed.sources``)."""
+    return METHODS[name].drafter(options)
+
+
+def needs_of(method: Method, options: Mapping, decoder) -> frozenset:
+    """What ``method`` reads on ``decoder``: its ``needs``, but no calibration where it drafts from the free sources
+    alone (``mixed`` with no drafter among its sources, or none loaded)."""
+    if CALIBRATION in method.needs and method.name == "mixed" and (
+            not method.drafter(options) or (decoder is not None and decoder.drafter is None)):
+        return method.needs - {CALIBRATION}
+    return method.needs
+
+
+def missing_inputs(method: Method, inputs: PolicyInputs, options: Mapping | None = None, decoder=None) -> list[str]:
+    """The inputs ``method`` needs (``needs_of``) that ``inputs`` lacks."""
     have = {LABELS: inputs.labels is not None, SPLITS: inputs.splits is not None and inputs.labels is not None,
             PREDICTOR: method.predictor in inputs.predictors, CALIBRATION: inputs.calibration is not None,
             COSTS: inputs.latency is not None, BATCH_COSTS: inputs.batch_costs is not None, REQUEST: True,
             VLLM: _vllm_installed()}
-    return sorted(n for n in method.needs if not have[n])
+    return sorted(n for n in needs_of(method, options or {}, decoder) if not have[n])
 
 
 STAGE_KEYS = {"eval": "eval.methods", "serve": "serve.policy", "bench": "bench.methods"}  # where -> the setting's name
@@ -498,7 +525,7 @@ def build(name: str, ctx: Context):
     """
     check_methods(name if ctx.where == "serve" else [name], ctx.where)
     method = METHODS[name]
-    missing = missing_inputs(method, ctx.inputs)
+    missing = missing_inputs(method, ctx.inputs, ctx.options, ctx.decoder)
     if missing:
         raise ValueError(f"method {name!r} needs {', '.join(missing)}, which were not loaded (load_inputs)")
     factory = method.build(ctx)
@@ -509,5 +536,5 @@ def build(name: str, ctx: Context):
 def available(ctx: Context) -> dict:
     """Factories of every method whose inputs ``ctx.inputs`` holds (the eval stage's default set: no batched method)."""
     return {name: build(name, ctx) for name, m in METHODS.items()
-            if not missing_inputs(m, ctx.inputs) and (ctx.where != "serve" or m.servable is None)
+            if not missing_inputs(m, ctx.inputs, ctx.options, ctx.decoder) and (ctx.where != "serve" or m.servable is None)
             and (ctx.where != "eval" or not m.batched)}

@@ -95,7 +95,8 @@ def load_inputs(cfg, decoder, methods, src: Sources, inputs: registry.PolicyInpu
     """
     inputs = inputs if inputs is not None else registry.PolicyInputs()
     wanted = [registry.METHODS[m] for m in dict.fromkeys(methods) if m in registry.METHODS]
-    needs = set().union(*[m.needs for m in wanted]) if wanted else set()
+    options = policy_options(cfg)
+    needs = set().union(*[registry.needs_of(m, options, decoder) for m in wanted]) if wanted else set()
     present = src.labels_if_present and src.labels_dir and any(Path(src.labels_dir).glob("shard-*.parquet"))
     if inputs.labels is None and (registry.LABELS in needs or present):
         from pipeline.labeling.store import read_label_table
@@ -113,18 +114,16 @@ def load_inputs(cfg, decoder, methods, src: Sources, inputs: registry.PolicyInpu
         except FileNotFoundError as err:
             users = [f"split={src.split}"] * (src.split is not None) + [m.name for m in wanted if registry.SPLITS in m.needs]
             raise FileNotFoundError(f"{' / '.join(users)} need the dataset stage's splits: {err}") from err
-    options = policy_options(cfg)
     for method in sorted({m.predictor for m in wanted if m.predictor} - set(inputs.predictors)):
         directory = predictor_folder(src.predictor_dir, method, options)
         inputs.predictors[method] = load_method_predictor(
             method, directory, decoder, list(cfg.model.candidates) if src.check_candidates else None,
             str(decoder.device) if decoder is not None else "cpu", src.missing_hint)
-    if registry.CALIBRATION in needs and (inputs.calibration is None
-                                          or (registry.COSTS in needs and inputs.latency is None)):
+    if (registry.CALIBRATION in needs and inputs.calibration is None) or (registry.COSTS in needs and inputs.latency is None):
         run_dir = run_folder(src.predictor_dir)
         load_verify_width(inputs, decoder, options, run_dir / "verify_width" if run_dir else None,
                                    cfg.model.get("drafter"), widths(cfg, decoder, src) if decoder is not None else [],
-                                   cfg if registry.COSTS in needs else None)
+                                   cfg if registry.COSTS in needs else None, registry.CALIBRATION in needs)
     if src.max_requests > 1 and any(m.load_sized for m in wanted):  # its trees sized on what a row adds under load
         needs.add(registry.BATCH_COSTS)
     if registry.BATCH_COSTS in needs and inputs.batch_costs is None:
@@ -285,25 +284,28 @@ def load_method_predictor(method: str, directory: str | Path, decoder=None, cand
 
 
 def load_verify_width(inputs: registry.PolicyInputs, decoder, options: Mapping, run_dir: str | Path, drafter: str | None,
-                      widths, cfg=None) -> None:
+                      widths, cfg=None, calibrate: bool = True) -> None:
     """Load the calibration (``find_calibration``: ``policy.verify_width.calibration``, else ``run_dir``, else the drafter
-    folder's) and, with ``cfg``, this machine's latency model (``policy.verify_width.latency``) into ``inputs``; logs
-    which calibration. ``budget`` reads the calibration only (``cfg=None``) and ``load_batch_costs``.
+    folder's; not with ``calibrate`` false: ``mixed`` on its free sources alone) and, with ``cfg``, this machine's
+    latency model (``policy.verify_width.latency``) into ``inputs``; logs which calibration. ``budget`` reads the
+    calibration only (``cfg=None``) and ``load_batch_costs``.
 
     Raises:
-        FileNotFoundError: without a calibration; ValueError: without a drafter.
+        FileNotFoundError: without a calibration; ValueError: calibrating without a drafter.
     """
     from pipeline.policy.calibration import find_calibration, load_calibration
     from pipeline.timing.steps import load_or_measure
 
     vw = options.get("verify_width") or {}
-    if decoder is not None and decoder.drafter is None:
-        raise ValueError("methods verify_width/hybrid/budget need a drafter (model.drafter=...)")
-    path = find_calibration(vw.get("calibration"), run_dir, drafter)
-    inputs.calibration, inputs.calibration_path = load_calibration(path), str(path)
-    info = inputs.calibration.info or {}
-    log.info("verify_width: calibration %s (%s samples, fitted on %s)", path, info.get("samples", "?"),
-             info.get("labels_dir", "?"))
+    if calibrate and inputs.calibration is None:
+        if decoder is not None and decoder.drafter is None:
+            raise ValueError("methods verify_width/hybrid/tree/budget (and mixed drafting from the drafter) need a "
+                             "drafter (model.drafter=...)")
+        path = find_calibration(vw.get("calibration"), run_dir, drafter)
+        inputs.calibration, inputs.calibration_path = load_calibration(path), str(path)
+        info = inputs.calibration.info or {}
+        log.info("verify_width: calibration %s (%s samples, fitted on %s)", path, info.get("samples", "?"),
+                 info.get("labels_dir", "?"))
     lat = vw.get("latency") or {}
     if cfg is not None and (lat.get("path") or decoder is not None):  # the one way to obtain the cost model
         inputs.latency = load_or_measure(decoder, cfg, list(widths) if decoder is not None else [],

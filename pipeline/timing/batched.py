@@ -4,8 +4,9 @@
 measurement (``pipeline.costs.timer``), with ``pipeline.models.forward``:
 
 - the target forward over R total rows (the LM head and each request's sampling included), for R in ``rows``, the rows
-  split over the fewest requests that hold them (at most ``max_block`` rows each), and q = min(B, max rows) rows as
-  q requests of one row (against one request of q rows: the difference / (q - 1) is the per-request cost);
+  split over the fewest requests that hold them (at most ``max_block`` rows each: B, or ``FREE_ROWS`` without a
+  drafter), and q = min(B, max rows) rows as q requests of one row (against one request of q rows: the difference /
+  (q - 1) is the per-request cost);
 - the drafter forward over blocks of B (one step's worth of pending context features each) for 1, 2, 4 ...
   ``max_requests`` drafting requests, and B / 2 blocks of 2 rows against one block of B (the per-request draft cost).
 
@@ -29,6 +30,15 @@ from pipeline.timing.fixture import (SPOT_TOLERANCE, WARM, draft_cache_at, first
 
 log = logging.getLogger(__name__)
 PREFIX = "batch-costs"
+FREE_ROWS = 8  # rows a request verifies per step in the points of a decoder without a drafter (a free-source tree's)
+
+
+def verify_block(decoder, block_size: int) -> int:
+    """The most rows a request verifies in a timed step: B (at least 2) with a drafter; without one, ``block_size``
+    where it is above 1, else ``FREE_ROWS`` (so the per-request cost is measured apart from the rows' either way)."""
+    if decoder.drafter is not None or int(block_size) > 1:
+        return max(2, int(block_size))
+    return FREE_ROWS
 
 
 class BatchPoints:
@@ -43,7 +53,7 @@ class BatchPoints:
         self.has_drafter = decoder.drafter is not None
         if self.has_drafter:
             decoder.check_block_size(block_size)
-        self.max_block = max(2, int(block_size)) if self.has_drafter else 1
+        self.max_block = verify_block(decoder, block_size)
         if context + self.max_block + 1 > decoder.max_context:
             raise ValueError(f"batch cost context {context} + B {self.max_block} exceeds the target's "
                              f"{decoder.max_context} positions; use a shorter context")
@@ -111,7 +121,7 @@ def measure_batch_costs(decoder, block_size: int = 8, context: int = 128, max_re
     if repeats < 1:
         raise ValueError(f"batch cost repeats must be >= 1, got {repeats}")
     rows = sorted({int(r) for r in rows if int(r) >= 1})
-    b = max(2, int(block_size)) if decoder.drafter is not None else 1
+    b = verify_block(decoder, block_size)
     need = max(max_requests, *[-(-r // b) for r in rows], b, 2)
     bench = BatchPoints(decoder, block_size, context, need, seed)
     q = min(bench.max_block, max(rows))
@@ -164,7 +174,7 @@ def spot_check(decoder, costs: BatchCostModel, rounds: int = 3, tolerance: float
     picks = sorted({min(raw), max(raw)})
     block = int(costs.info.get("block_size") or 1)
     try:
-        bench = BatchPoints(decoder, block if decoder.drafter is not None else 1, costs.context,
+        bench = BatchPoints(decoder, block, costs.context,
                             max(-(-r // max(1, block)) for r in picks))
     except ValueError as err:
         return str(err)
@@ -186,7 +196,7 @@ def batch_costs_of(decoder, settings, model, block_size: int, max_requests: int,
         settings: ``{context, rows, repeats, cache, spot_check}`` (``policy.budget.costs``); ``cache`` null measures
             afresh; ``spot_check`` false reuses a cached model unchecked.
         model: the ``model`` config (its ``target`` and ``drafter`` key the cache).
-        block_size: B of the timed draft blocks; max_requests: the most requests timed together (``serve.max_batch``,
+        block_size: B of the timed draft blocks (``verify_block``: its rows per request); max_requests: the most requests timed together (``serve.max_batch``,
             the benchmark's largest concurrency).
         setting: the block's name, for messages; fresh: measure again and replace the cache (the run-time monitor).
     Raises:
@@ -194,7 +204,7 @@ def batch_costs_of(decoder, settings, model, block_size: int, max_requests: int,
             ``measure_batch_costs``.
     """
     rows = check_batch_cost_settings(settings, setting)
-    args = {"block_size": int(block_size), "context": int(settings["context"]), "max_requests": int(max_requests),
+    args = {"block_size": verify_block(decoder, block_size), "context": int(settings["context"]), "max_requests": int(max_requests),
             "rows": sorted(rows), "repeats": int(settings["repeats"]), "seed": int(seed)}
     cache_dir = settings.get("cache")
     if not cache_dir:
