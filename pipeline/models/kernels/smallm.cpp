@@ -32,6 +32,18 @@ namespace {
 
 constexpr int64_t kPanel = 16;
 
+// fn(begin, end) over rows [0, R): on every thread for calls of kRowsParallel rows or more (a prefill chunk, a large
+// batched step), else on the caller's; each row's result is its own either way (the same bits).
+constexpr int64_t kRowsParallel = 16;
+template <typename F>
+inline void row_blocks(int64_t R, const F& fn) {
+  if (R < kRowsParallel) {
+    fn(int64_t(0), R);
+    return;
+  }
+  at::parallel_for(0, R, 8, [&](int64_t begin, int64_t end) { fn(begin, end); });
+}
+
 // Rows [m0, m0 + MT) of one panel: y[m, n0 .. n0 + ncols) = x[m, 0..K) . panel, one FMA per k in order; with ACC the
 // chains continue from y's values (ncols == kPanel: the running sums of earlier k, as buffered_panel keeps them).
 template <int MT, bool ACC = false>
@@ -911,9 +923,13 @@ torch::Tensor attend_rows(torch::Tensor q, c10::optional<torch::Tensor> k_new, c
     });
     return out;
   }
-  at::parallel_for(0, R * Hq, 1, [&](int64_t begin, int64_t end) {
+  // a causal chunk's later rows read more keys: units taken from both ends in turn, so that each thread's contiguous
+  // share of them holds early and late rows alike
+  const int64_t units = R * Hq;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    for (int64_t w = begin; w < end; ++w) {
+    for (int64_t turn = begin; turn < end; ++turn) {
+      const int64_t w = turn % 2 == 0 ? turn / 2 : units - 1 - turn / 2;
       const int64_t r = w / Hq, h = w % Hq, i = req_of[r];
       const auto& k = keys[i];
       const auto& v = values[i];
@@ -1226,6 +1242,12 @@ void quantize_rows(const float* xp, int64_t M, int64_t K, int8_t* xq, float* dx,
     }
 }
 
+// quantize_rows over row blocks (row_blocks: on every thread for many rows).
+void quantize_row_blocks(const float* xp, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx) {
+  const int64_t G = K / kGroup;
+  row_blocks(M, [&](int64_t b, int64_t e) { quantize_rows(xp + b * K, e - b, K, xq + b * K, dx + b * G, sx + b * G); });
+}
+
 // y [M, n] = x [M, K] @ W^T for q4 weights in the VNNI layout above (P panels, float16 scales s [P, G, 32]),
 // the activations quantized to int8 per row and group of 32 here. Each row's result depends on its own values only.
 void matmul_q4_int8(const uint8_t* wp, const uint16_t* sp, int64_t P, int64_t K, const float* xp,
@@ -1235,7 +1257,7 @@ void matmul_q4_int8(const uint8_t* wp, const uint16_t* sp, int64_t P, int64_t K,
   const int64_t h = amx_height(M), padded = amx ? amx_padded(M) : M;  // AMX: whole tiles of h rows
   std::vector<int8_t> xq(padded * K);
   std::vector<float> dx(padded * G), sx(padded * G);
-  quantize_rows(xp, M, K, xq.data(), dx.data(), sx.data());
+  quantize_row_blocks(xp, M, K, xq.data(), dx.data(), sx.data());
   at::parallel_for(0, P, 4, [&](int64_t begin, int64_t end) {
     if (amx)
       q4_int8_panels_amx(begin, end, wp, sp, xq.data(), dx.data(), sx.data(), M, K, G, yp, n, h);
@@ -1317,7 +1339,7 @@ void matmul_q8_int8(const int8_t* wp, const float* dp, const int32_t* cp, int64_
   const int64_t h = amx_height(M), padded = amx ? amx_padded(M) : M;  // AMX: whole tiles of h rows
   std::vector<int8_t> xq(padded * K);
   std::vector<float> dx(padded * G), sx(padded * G);
-  quantize_rows(xp, M, K, xq.data(), dx.data(), sx.data());
+  quantize_row_blocks(xp, M, K, xq.data(), dx.data(), sx.data());
   std::vector<uint8_t> xu(padded * K);
   for (int64_t e = 0; e < padded * K; ++e) xu[e] = static_cast<uint8_t>(static_cast<int32_t>(xq[e]) + 128);
   at::parallel_for(0, P, 4, [&](int64_t begin, int64_t end) {
@@ -1657,9 +1679,10 @@ class Stack {
     for (int64_t li = 0; li < L; ++li) {
       const Layer& l = layers_[li];
       const float* w_in = l.in_norm.data_ptr<float>();
-      for (int64_t r = 0; r < R; ++r) rms_norm(hp + r * H, w_in, H, eps_, xp + r * H);
+      row_blocks(R, [&](int64_t b, int64_t e) { for (int64_t r = b; r < e; ++r) rms_norm(hp + r * H, w_in, H, eps_, xp + r * H); });
       apply(l.qkv, xp, R, qkvp);
-      for (int64_t r = 0; r < R; ++r) {
+      row_blocks(R, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
         float* row = qkvp + r * QKV;
         for (int64_t hd = 0; hd < Hq + Hkv; ++hd) {  // the q heads, then the k heads
           float* v = row + hd * D;
@@ -1672,21 +1695,24 @@ class Stack {
         }
         std::copy_n(row, Hq * D, qp + r * Hq * D);
       }
+      });
       for (int64_t i = 0; i < N; ++i) {
         lk[i] = keys[i * L + li];
         lv[i] = values[i * L + li];
       }
       auto att = attend_rows(q, k_new, v_new, lk, lv, rows, lengths, scale_, true, parents);
       apply(l.o, att.data_ptr<float>(), R, yp);
-      for (int64_t e = 0; e < R * H; ++e) hp[e] = hp[e] + yp[e];
       const float* w_post = l.post_norm.data_ptr<float>();
-      for (int64_t r = 0; r < R; ++r) rms_norm(hp + r * H, w_post, H, eps_, xp + r * H);
+      row_blocks(R, [&](int64_t b, int64_t e) {
+        for (int64_t i = b * H; i < e * H; ++i) hp[i] = hp[i] + yp[i];
+        for (int64_t r = b; r < e; ++r) rms_norm(hp + r * H, w_post, H, eps_, xp + r * H);
+      });
       apply(l.gate_up, xp, R, gup);
       at::parallel_for(0, R, 4, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) silu_mul(gup + r * 2 * I, gup + r * 2 * I + I, I, ap + r * I);
       });
       apply(l.down, ap, R, yp);
-      for (int64_t e = 0; e < R * H; ++e) hp[e] = hp[e] + yp[e];
+      row_blocks(R, [&](int64_t b, int64_t e) { for (int64_t i = b * H; i < e * H; ++i) hp[i] = hp[i] + yp[i]; });
       if (li + 1 < L) tap(li + 1, hp);
     }
     auto out = torch::empty({R, H}, opts);
