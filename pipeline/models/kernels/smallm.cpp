@@ -629,13 +629,19 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-// scores[0..n) -> exp(scores - max), in place, 8 at a time (exp8; the last < 8 padded); returns their sum, added
-// sequentially from t = 0.
-inline float softmax_numerators(float* __restrict scores, int64_t n) {
-  float m = -INFINITY;
-  for (int64_t t = 0; t < n; ++t) m = std::max(m, scores[t]);
-  const __m256 mv = _mm256_set1_ps(m);
+// scores[0..n) -> exp(scores - max), in place, 8 at a time (exp8; the last < 8 padded). The max is taken 8 lanes at a
+// time (the same value in any order).
+inline void softmax_exps(float* __restrict scores, int64_t n) {
   int64_t t = 0;
+  __m256 m8 = _mm256_set1_ps(-INFINITY);
+  for (; t + 8 <= n; t += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(scores + t));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m8);
+  float m = -INFINITY;
+  for (int j = 0; j < 8; ++j) m = std::max(m, lanes[j]);
+  for (; t < n; ++t) m = std::max(m, scores[t]);
+  const __m256 mv = _mm256_set1_ps(m);
+  t = 0;
   for (; t + 8 <= n; t += 8) _mm256_storeu_ps(scores + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t), mv)));
   if (t < n) {
     alignas(32) float tail[8];
@@ -643,6 +649,11 @@ inline float softmax_numerators(float* __restrict scores, int64_t n) {
     _mm256_store_ps(tail, exp8(_mm256_sub_ps(_mm256_load_ps(tail), mv)));
     for (int64_t j = 0; t + j < n; ++j) scores[t + j] = tail[j];
   }
+}
+
+// softmax_exps, then their sum, added sequentially from t = 0.
+inline float softmax_numerators(float* __restrict scores, int64_t n) {
+  softmax_exps(scores, n);
   float sum = 0.f;
   for (int64_t i = 0; i < n; ++i) sum += scores[i];
   return sum;
@@ -736,6 +747,34 @@ void attend_row_fixed(const float* __restrict q, const float* __restrict k, int6
 }
 
 
+// One query's output over its ns keys' softmax numerators sj (sum their sum) in registers (attend_row_fixed's PV
+// loop: the same chain per lane over t): its values re-read per query from L1/L2 (a head's context, 256 KB at 1024
+// tokens), not kept in memory per key and query (an accumulator loaded and stored per key cost ~3x the dot products:
+// 2026-12-06, 2 rows at context 1024).
+template <int NV>
+inline void attend_output(const float* sj, int64_t n, float sum, int64_t shared, const float* __restrict v, int64_t vs,
+                        const KeySlots& slot, float* out) {
+  __m256 o[NV];
+#pragma GCC unroll 16
+  for (int w = 0; w < NV; ++w) o[w] = _mm256_setzero_ps();
+  const int64_t common = std::min(shared, n);
+  for (int64_t i = 0; i < common; ++i) {
+    const float* vt = v + i * vs;
+    const __m256 p = _mm256_set1_ps(sj[i]);
+#pragma GCC unroll 16
+    for (int w = 0; w < NV; ++w) o[w] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * w), o[w]);
+  }
+  for (int64_t i = common; i < n; ++i) {
+    const float* vt = v + slot(i) * vs;
+    const __m256 p = _mm256_set1_ps(sj[i]);
+#pragma GCC unroll 16
+    for (int w = 0; w < NV; ++w) o[w] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * w), o[w]);
+  }
+  const __m256 iv = _mm256_set1_ps(1.f / sum);
+#pragma GCC unroll 16
+  for (int w = 0; w < NV; ++w) _mm256_storeu_ps(out + 8 * w, _mm256_mul_ps(o[w], iv));
+}
+
 // Several query rows of one head over one request's cache (a verify's rows, a draft block's rows): each query's
 // scores, softmax and output are attend_row_fixed's arithmetic, key by key and lane by lane in the same order (the
 // same bits), but the keys all of them see (slots 0..shared-1: the cached context) are read once for all of them
@@ -778,31 +817,25 @@ void attend_queries_fixed(const float* const* qs, int64_t nq, const float* __res
       scores[j * stride + u] = hsum8(a) * scale;
     }
   }
-  // each query's output over its keys in registers (attend_row_fixed's PV loop: the same chain per lane over t): its
-  // values are re-read per query from L1/L2 (a head's context, 256 KB at 1024 tokens), not kept in memory per key and
-  // query (an accumulator loaded and stored per key cost ~3x the dot products: 2026-12-06, 2 rows at context 1024)
-  for (int64_t j = 0; j < nq; ++j) {
-    float* sj = scores + j * stride;
-    const float sum = softmax_numerators(sj, ns[j]);
-    __m256 o[NV];
-#pragma GCC unroll 16
-    for (int w = 0; w < NV; ++w) o[w] = _mm256_setzero_ps();
-    const int64_t common = std::min(shared, ns[j]);
-    for (int64_t i = 0; i < common; ++i) {
-      const float* vt = v + i * vs;
-      const __m256 p = _mm256_set1_ps(sj[i]);
-#pragma GCC unroll 16
-      for (int w = 0; w < NV; ++w) o[w] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * w), o[w]);
+  // each query's softmax sum added sequentially from t = 0 (softmax_numerators' order), eight queries' chains
+  // interleaved over their common keys (a sum's latency, not its adds, bounded one query's chain)
+  constexpr int64_t kChains = 8;
+  float sums[kChains];
+  for (int64_t j0 = 0; j0 < nq; j0 += kChains) {
+    const int64_t nc = std::min(kChains, nq - j0);
+    int64_t common = ns[j0];
+    for (int64_t c = 0; c < nc; ++c) {
+      softmax_exps(scores + (j0 + c) * stride, ns[j0 + c]);
+      sums[c] = 0.f;
+      common = std::min(common, ns[j0 + c]);
     }
-    for (int64_t i = common; i < ns[j]; ++i) {
-      const float* vt = v + slots[j](i) * vs;
-      const __m256 p = _mm256_set1_ps(sj[i]);
-#pragma GCC unroll 16
-      for (int w = 0; w < NV; ++w) o[w] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * w), o[w]);
-    }
-    const __m256 iv = _mm256_set1_ps(1.f / sum);
-#pragma GCC unroll 16
-    for (int w = 0; w < NV; ++w) _mm256_storeu_ps(outs[j] + 8 * w, _mm256_mul_ps(o[w], iv));
+    for (int64_t i = 0; i < common; ++i)
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < nc; ++c) sums[c] += scores[(j0 + c) * stride + i];
+    for (int64_t c = 0; c < nc; ++c)
+      for (int64_t i = common; i < ns[j0 + c]; ++i) sums[c] += scores[(j0 + c) * stride + i];
+    for (int64_t c = 0; c < nc; ++c) attend_output<NV>(scores + (j0 + c) * stride, ns[j0 + c], sums[c], shared, v, vs,
+                                                       slots[j0 + c], outs[j0 + c]);
   }
 }
 
