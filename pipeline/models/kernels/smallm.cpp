@@ -730,12 +730,14 @@ void attend_row_fixed(const float* __restrict q, const float* __restrict k, int6
     for (int j = 0; j < NV; ++j) acc = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(kt + 8 * j), acc);
     scores[t] = hsum8(acc) * scale;
   }
-  const float sum = softmax_numerators(scores, n);
+  softmax_exps(scores, n);
+  float sum = 0.f;  // softmax_numerators' sum, added in the same order beside the PV chains (its latency hidden)
   __m256 o[NV];
 #pragma GCC unroll 16
   for (int j = 0; j < NV; ++j) o[j] = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
     const float* vt = v + slot(i) * vs;
+    sum += scores[i];
     const __m256 p = _mm256_set1_ps(scores[i]);
 #pragma GCC unroll 16
     for (int j = 0; j < NV; ++j) o[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * j), o[j]);
@@ -747,25 +749,28 @@ void attend_row_fixed(const float* __restrict q, const float* __restrict k, int6
 }
 
 
-// One query's output over its ns keys' softmax numerators sj (sum their sum) in registers (attend_row_fixed's PV
+// One query's output over its n keys' softmax numerators sj in registers (attend_row_fixed's PV
 // loop: the same chain per lane over t): its values re-read per query from L1/L2 (a head's context, 256 KB at 1024
 // tokens), not kept in memory per key and query (an accumulator loaded and stored per key cost ~3x the dot products:
 // 2026-12-06, 2 rows at context 1024).
 template <int NV>
-inline void attend_output(const float* sj, int64_t n, float sum, int64_t shared, const float* __restrict v, int64_t vs,
-                        const KeySlots& slot, float* out) {
+inline void attend_output(const float* sj, int64_t n, int64_t shared, const float* __restrict v, int64_t vs,
+                          const KeySlots& slot, float* out) {
+  float sum = 0.f;  // softmax_numerators' sum, added in the same order beside the PV chains (its latency hidden)
   __m256 o[NV];
 #pragma GCC unroll 16
   for (int w = 0; w < NV; ++w) o[w] = _mm256_setzero_ps();
   const int64_t common = std::min(shared, n);
   for (int64_t i = 0; i < common; ++i) {
     const float* vt = v + i * vs;
+    sum += sj[i];
     const __m256 p = _mm256_set1_ps(sj[i]);
 #pragma GCC unroll 16
     for (int w = 0; w < NV; ++w) o[w] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * w), o[w]);
   }
   for (int64_t i = common; i < n; ++i) {
     const float* vt = v + slot(i) * vs;
+    sum += sj[i];
     const __m256 p = _mm256_set1_ps(sj[i]);
 #pragma GCC unroll 16
     for (int w = 0; w < NV; ++w) o[w] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * w), o[w]);
@@ -817,25 +822,9 @@ void attend_queries_fixed(const float* const* qs, int64_t nq, const float* __res
       scores[j * stride + u] = hsum8(a) * scale;
     }
   }
-  // each query's softmax sum added sequentially from t = 0 (softmax_numerators' order), eight queries' chains
-  // interleaved over their common keys (a sum's latency, not its adds, bounded one query's chain)
-  constexpr int64_t kChains = 8;
-  float sums[kChains];
-  for (int64_t j0 = 0; j0 < nq; j0 += kChains) {
-    const int64_t nc = std::min(kChains, nq - j0);
-    int64_t common = ns[j0];
-    for (int64_t c = 0; c < nc; ++c) {
-      softmax_exps(scores + (j0 + c) * stride, ns[j0 + c]);
-      sums[c] = 0.f;
-      common = std::min(common, ns[j0 + c]);
-    }
-    for (int64_t i = 0; i < common; ++i)
-#pragma GCC unroll 8
-      for (int64_t c = 0; c < nc; ++c) sums[c] += scores[(j0 + c) * stride + i];
-    for (int64_t c = 0; c < nc; ++c)
-      for (int64_t i = common; i < ns[j0 + c]; ++i) sums[c] += scores[(j0 + c) * stride + i];
-    for (int64_t c = 0; c < nc; ++c) attend_output<NV>(scores + (j0 + c) * stride, ns[j0 + c], sums[c], shared, v, vs,
-                                                       slots[j0 + c], outs[j0 + c]);
+  for (int64_t j = 0; j < nq; ++j) {
+    softmax_exps(scores + j * stride, ns[j]);
+    attend_output<NV>(scores + j * stride, ns[j], shared, v, vs, slots[j], outs[j]);
   }
 }
 
