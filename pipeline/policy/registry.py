@@ -403,6 +403,8 @@ class Method:
             request's share at 16).
         drafter: whether it runs the drafter, given the ``policy`` options (a server whose policy does not loads
             none: ``uses_drafter``).
+        free_sources: whether it drafts from the free sources alone where it has no drafter to run (then it reads no
+            calibration: ``needs_of``).
     """
 
     name: str
@@ -416,6 +418,7 @@ class Method:
     batched: bool = False
     load_sized: bool = False
     drafter: Callable[[Mapping], bool] = lambda options: True
+    free_sources: bool = False
 
 
 _EVAL_ONLY_HF = "transformers' generate runs outside the server's speculative decoder; compare it in the eval stage"
@@ -434,7 +437,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            gain_share=False, label_split=True),
     Method("tree", frozenset({CALIBRATION, COSTS}), _tree, gain_share=False),
     Method("mixed", frozenset({CALIBRATION, COSTS}), _mixed, gain_share=False, load_sized=True,
-           drafter=lambda options: "drafter" in mixed_sources(options)),
+           drafter=lambda options: "drafter" in mixed_sources(options), free_sources=True),
     Method("budget", frozenset({CALIBRATION, BATCH_COSTS}), _budget, gain_share=False, batched=True),
     Method("hf_generate", frozenset(), _hf(False), gain_share=False, servable=_EVAL_ONLY_HF),
     Method("hf_prompt_lookup", frozenset(), _hf(True), gain_share=False, servable=_EVAL_ONLY_HF),
@@ -464,9 +467,8 @@ def uses_drafter(name: str, options: Mapping) -> bool:
 
 def needs_of(method: Method, options: Mapping, decoder) -> frozenset:
     """What ``method`` reads on ``decoder``: its ``needs``, but no calibration where it drafts from the free sources
-    alone (``mixed`` with no drafter among its sources, or none loaded)."""
-    if CALIBRATION in method.needs and method.name == "mixed" and (
-            not method.drafter(options) or (decoder is not None and decoder.drafter is None)):
+    alone (``Method.free_sources``: ``mixed`` with no drafter among its sources, or none loaded)."""
+    if method.free_sources and (not method.drafter(options) or (decoder is not None and decoder.drafter is None)):
         return method.needs - {CALIBRATION}
     return method.needs
 

@@ -1701,22 +1701,24 @@ class Stack {
     for (int64_t li = 0; li < L; ++li) {
       const Layer& l = layers_[li];
       const float* w_in = l.in_norm.data_ptr<float>();
-      row_blocks(R, [&](int64_t b, int64_t e) { for (int64_t r = b; r < e; ++r) rms_norm(hp + r * H, w_in, H, eps_, xp + r * H); });
+      row_blocks(R, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r) rms_norm(hp + r * H, w_in, H, eps_, xp + r * H);
+      });
       apply(l.qkv, xp, R, qkvp);
       row_blocks(R, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
-        float* row = qkvp + r * QKV;
-        for (int64_t hd = 0; hd < Hq + Hkv; ++hd) {  // the q heads, then the k heads
-          float* v = row + hd * D;
-          if (l.q_norm.defined()) {
-            alignas(64) float tmp[512];
-            rms_norm(v, (hd < Hq ? l.q_norm : l.k_norm).data_ptr<float>(), D, eps_, tmp);
-            std::copy_n(tmp, D, v);
+        for (int64_t r = b; r < e; ++r) {
+          float* row = qkvp + r * QKV;
+          for (int64_t hd = 0; hd < Hq + Hkv; ++hd) {  // the q heads, then the k heads
+            float* v = row + hd * D;
+            if (l.q_norm.defined()) {
+              alignas(64) float tmp[512];
+              rms_norm(v, (hd < Hq ? l.q_norm : l.k_norm).data_ptr<float>(), D, eps_, tmp);
+              std::copy_n(tmp, D, v);
+            }
+            rotate(v, cp + r * D, sp + r * D, D);
           }
-          rotate(v, cp + r * D, sp + r * D, D);
+          std::copy_n(row, Hq * D, qp + r * Hq * D);
         }
-        std::copy_n(row, Hq * D, qp + r * Hq * D);
-      }
       });
       for (int64_t i = 0; i < N; ++i) {
         lk[i] = keys[i * L + li];
