@@ -234,4 +234,5 @@ def test_which_methods_run_the_drafter_and_what_mixed_reads_without_one(tiny):
     load_verify_width(inputs, without, {}, None, None, [1], calibrate=False)  # no cfg: no latency either
     assert inputs.calibration is None and inputs.latency is None
     assert registry.missing_inputs(mixed, registry.PolicyInputs(latency=object()), free, without) == []
-    assert registry.missing_inputs(mixed, registry.PolicyInputs(latency=object()), drafted, with_drafter) == ["calibration"]
+    costs_only = registry.PolicyInputs(latency=object())
+    assert registry.missing_inputs(mixed, costs_only, drafted, with_drafter) == ["calibration"]

@@ -588,7 +588,8 @@ def test_a_policy_that_never_drafts_is_served_without_the_drafter(tiny, tiny_run
     with_drafter = tiny.decoder("llama", "trained")
     overrides = [f"model.target={tiny.target_dir('llama')}", f"model.drafter={tiny.drafter_dir('llama', 'trained')}",
                  f"model.name={MODEL}", "serve.warmup=false", "serve.max_batch=auto", "serve.max_batch_limit=4",
-                 "policy.budget.costs.rows=[1,2,4,8]", "policy.budget.costs.repeats=1", "policy.budget.costs.context=16",
+                 "policy.budget.costs.rows=[1,2,4,8]", "policy.budget.costs.repeats=1",
+                 "policy.budget.costs.context=16",
                  f"paths.costs={tmp_path / 'costs'}", "policy.verify_width.latency.context_buckets=[16]",
                  "policy.verify_width.latency.repeats=1", f"paths.data={tiny_run['data']}", f"run_name={RUN}"]
     with composed("serve", overrides) as cfg:

@@ -460,8 +460,8 @@ def _vllm_installed() -> bool:
 
 
 def uses_drafter(name: str, options: Mapping) -> bool:
-    """Whether method ``name`` runs the drafter under the ``policy`` options ``options`` (``ar`` never; ``mixed`` only with
-    ``drafter`` among ``policy.mixed.sources``)."""
+    """Whether method ``name`` runs the drafter under the ``policy`` options ``options`` (``ar`` never; ``mixed`` only
+    with ``drafter`` among ``policy.mixed.sources``)."""
     return METHODS[name].drafter(options)
 
 
@@ -538,5 +538,5 @@ def build(name: str, ctx: Context):
 def available(ctx: Context) -> dict:
     """Factories of every method whose inputs ``ctx.inputs`` holds (the eval stage's default set: no batched method)."""
     return {name: build(name, ctx) for name, m in METHODS.items()
-            if not missing_inputs(m, ctx.inputs, ctx.options, ctx.decoder) and (ctx.where != "serve" or m.servable is None)
-            and (ctx.where != "eval" or not m.batched)}
+            if not missing_inputs(m, ctx.inputs, ctx.options, ctx.decoder)
+            and (ctx.where != "serve" or m.servable is None) and (ctx.where != "eval" or not m.batched)}

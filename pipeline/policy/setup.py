@@ -119,7 +119,8 @@ def load_inputs(cfg, decoder, methods, src: Sources, inputs: registry.PolicyInpu
         inputs.predictors[method] = load_method_predictor(
             method, directory, decoder, list(cfg.model.candidates) if src.check_candidates else None,
             str(decoder.device) if decoder is not None else "cpu", src.missing_hint)
-    if (registry.CALIBRATION in needs and inputs.calibration is None) or (registry.COSTS in needs and inputs.latency is None):
+    if ((registry.CALIBRATION in needs and inputs.calibration is None)
+            or (registry.COSTS in needs and inputs.latency is None)):
         run_dir = run_folder(src.predictor_dir)
         load_verify_width(inputs, decoder, options, run_dir / "verify_width" if run_dir else None,
                                    cfg.model.get("drafter"), widths(cfg, decoder, src) if decoder is not None else [],

@@ -196,16 +196,16 @@ def batch_costs_of(decoder, settings, model, block_size: int, max_requests: int,
         settings: ``{context, rows, repeats, cache, spot_check}`` (``policy.budget.costs``); ``cache`` null measures
             afresh; ``spot_check`` false reuses a cached model unchecked.
         model: the ``model`` config (its ``target`` and ``drafter`` key the cache).
-        block_size: B of the timed draft blocks (``verify_block``: its rows per request); max_requests: the most requests timed together (``serve.max_batch``,
-            the benchmark's largest concurrency).
+        block_size: B of the timed draft blocks (``verify_block``: its rows per request); max_requests: the most
+            requests timed together (``serve.max_batch``, the benchmark's largest concurrency).
         setting: the block's name, for messages; fresh: measure again and replace the cache (the run-time monitor).
     Raises:
         ValueError: for an empty ``rows``, ``context`` or ``repeats`` below 1 (naming ``setting``), or as
             ``measure_batch_costs``.
     """
     rows = check_batch_cost_settings(settings, setting)
-    args = {"block_size": verify_block(decoder, block_size), "context": int(settings["context"]), "max_requests": int(max_requests),
-            "rows": sorted(rows), "repeats": int(settings["repeats"]), "seed": int(seed)}
+    args = {"block_size": verify_block(decoder, block_size), "context": int(settings["context"]),
+            "max_requests": int(max_requests), "rows": sorted(rows), "repeats": int(settings["repeats"]), "seed": int(seed)}
     cache_dir = settings.get("cache")
     if not cache_dir:
         return measure_batch_costs(decoder, **args)
