@@ -780,23 +780,122 @@ inline void attend_output(const float* sj, int64_t n, int64_t shared, const floa
   for (int w = 0; w < NV; ++w) _mm256_storeu_ps(out + 8 * w, _mm256_mul_ps(o[w], iv));
 }
 
-// Several query rows of one head over one request's cache (a verify's rows, a draft block's rows): each query's
-// scores, softmax and output are attend_row_fixed's arithmetic, key by key and lane by lane in the same order (the
-// same bits), but the keys all of them see (slots 0..shared-1: the cached context) are read once for all of them
-// instead of once per row, so a verify of q rows streams the context's keys once, not q times (its values from
-// memory once, then per row from L1/L2).
+#ifdef __AVX512F__
+// Keys per block of the paired queries' passes: a block's keys (or values) stay in L1 while every pair reads them (a
+// pass per pair over the whole context streamed it from L2 once per pair: the values' loads bound the pass).
+constexpr int64_t kKeyBlockBytes = 16384;
+
+// Two queries' scores over keys [t0, t1) (multiples of 4), side by side in 512-bit registers: the low half query a's
+// 8 lanes, the high half b's, each lane the same FMA chain over d as attend_row_fixed's, and each block of four keys'
+// sums reduced as attend_queries_fixed reduces them (the shuffle pairs below add exactly what _mm256_hadd_ps adds, in
+// each 128-bit lane, and a query's two 128-bit halves are then added low + high): the same bits, with half the FMAs.
+template <int NV>
+inline void pair_scores(const float* qa, const float* qb, const float* __restrict k, int64_t ks, int64_t t0, int64_t t1,
+                        float scale, float* __restrict sa, float* __restrict sb) {
+  __m512 qv[NV];
+#pragma GCC unroll 16
+  for (int u = 0; u < NV; ++u)
+    qv[u] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(qa + 8 * u)), _mm256_loadu_ps(qb + 8 * u), 1);
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t t = t0; t < t1; t += 4) {
+    const float* k0 = k + t * ks;
+    const float* k1 = k0 + ks;
+    const float* k2 = k1 + ks;
+    const float* k3 = k2 + ks;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int u = 0; u < NV; ++u) {
+      a0 = _mm512_fmadd_ps(qv[u], _mm512_broadcast_f32x8(_mm256_loadu_ps(k0 + 8 * u)), a0);
+      a1 = _mm512_fmadd_ps(qv[u], _mm512_broadcast_f32x8(_mm256_loadu_ps(k1 + 8 * u)), a1);
+      a2 = _mm512_fmadd_ps(qv[u], _mm512_broadcast_f32x8(_mm256_loadu_ps(k2 + 8 * u)), a2);
+      a3 = _mm512_fmadd_ps(qv[u], _mm512_broadcast_f32x8(_mm256_loadu_ps(k3 + 8 * u)), a3);
+    }
+    const __m512 h01 = _mm512_add_ps(_mm512_shuffle_ps(a0, a1, 0x88), _mm512_shuffle_ps(a0, a1, 0xDD));
+    const __m512 h23 = _mm512_add_ps(_mm512_shuffle_ps(a2, a3, 0x88), _mm512_shuffle_ps(a2, a3, 0xDD));
+    const __m512 h = _mm512_add_ps(_mm512_shuffle_ps(h01, h23, 0x88), _mm512_shuffle_ps(h01, h23, 0xDD));
+    const __m512 s = _mm512_mul_ps(_mm512_add_ps(h, _mm512_shuffle_f32x4(h, h, _MM_SHUFFLE(2, 3, 0, 1))), sv);
+    _mm_storeu_ps(sa + t, _mm512_extractf32x4_ps(s, 0));
+    _mm_storeu_ps(sb + t, _mm512_extractf32x4_ps(s, 2));
+  }
+}
+
+// Two queries' outputs over keys [i0, i1) of the context both see (attend_output's arithmetic for each: the same chain
+// per lane over the keys, 16 lanes a register, and its sum added in the same order), continued from and back into
+// their running outputs xa, xb (D floats each) and sums: a block's values read once for both.
+template <int NV>
+inline void pair_values(const float* sa, const float* sb, const float* __restrict v, int64_t vs, int64_t i0,
+                        int64_t i1, float* xa, float* xb, float& suma, float& sumb) {
+  constexpr int W = NV / 2;
+  __m512 oa[W], ob[W];
+#pragma GCC unroll 8
+  for (int w = 0; w < W; ++w) oa[w] = _mm512_loadu_ps(xa + 16 * w), ob[w] = _mm512_loadu_ps(xb + 16 * w);
+  float a = suma, b = sumb;
+  for (int64_t i = i0; i < i1; ++i) {
+    const float* vt = v + i * vs;
+    a += sa[i];
+    b += sb[i];
+    const __m512 pa = _mm512_set1_ps(sa[i]), pb = _mm512_set1_ps(sb[i]);
+#pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) {
+      const __m512 x = _mm512_loadu_ps(vt + 16 * w);
+      oa[w] = _mm512_fmadd_ps(pa, x, oa[w]);
+      ob[w] = _mm512_fmadd_ps(pb, x, ob[w]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int w = 0; w < W; ++w) _mm512_storeu_ps(xa + 16 * w, oa[w]), _mm512_storeu_ps(xb + 16 * w, ob[w]);
+  suma = a, sumb = b;
+}
+
+// A query's output from its running output x and sum over keys [0, from): its keys from .. n - 1 (slot(i)) added as
+// attend_output adds them, then x / sum.
+template <int NV>
+inline void finish_output(const float* x, float sum, const float* sj, int64_t from, int64_t n, const KeySlots& slot,
+                          const float* __restrict v, int64_t vs, float* out) {
+  constexpr int W = NV / 2;
+  __m512 o[W];
+#pragma GCC unroll 8
+  for (int w = 0; w < W; ++w) o[w] = _mm512_loadu_ps(x + 16 * w);
+  for (int64_t i = from; i < n; ++i) {
+    const float* vt = v + slot(i) * vs;
+    sum += sj[i];
+    const __m512 p = _mm512_set1_ps(sj[i]);
+#pragma GCC unroll 8
+    for (int w = 0; w < W; ++w) o[w] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + 16 * w), o[w]);
+  }
+  const __m512 iv = _mm512_set1_ps(1.f / sum);
+#pragma GCC unroll 8
+  for (int w = 0; w < W; ++w) _mm512_storeu_ps(out + 16 * w, _mm512_mul_ps(o[w], iv));
+}
+#endif
+
+// Several query rows over one request's cache and one key/value head (a verify's rows, a draft block's rows, the
+// query heads of a GQA group): each query's scores, softmax and output are attend_row_fixed's arithmetic, key by key
+// and lane by lane in the same order (the same bits), but the keys all of them see (slots 0..shared-1: the cached
+// context) are read once for all of them instead of once per row, so a verify of q rows streams the context's keys
+// once, not q times (its values from memory once, then per row from L1/L2). On AVX-512 the queries go in pairs, 16
+// lanes a register, over blocks of keys that stay in L1 while every pair reads them (pair_scores, pair_values).
 template <int NV>
 void attend_queries_fixed(const float* const* qs, int64_t nq, const float* __restrict k, int64_t ks,
                           const float* __restrict v, int64_t vs, int64_t shared, const int64_t* ns, const KeySlots* slots,
                           float scale, float* __restrict scores, int64_t stride, float* const* outs) {
   const __m256 sv = _mm256_set1_ps(scale);
-  int64_t t = 0;
-  for (; t + 4 <= shared; t += 4) {
+  const int64_t blocks = shared / 4 * 4;
+  int64_t paired = 0;  // queries 0 .. paired - 1 go in pairs
+#ifdef __AVX512F__
+  paired = nq / 2 * 2;
+  const int64_t kb = std::max<int64_t>(4, kKeyBlockBytes / (NV * 32) / 4 * 4);  // keys a block (NV * 32 bytes a key)
+  for (int64_t t0 = 0; t0 < blocks && paired; t0 += kb)
+    for (int64_t j = 0; j < paired; j += 2)
+      pair_scores<NV>(qs[j], qs[j + 1], k, ks, t0, std::min(blocks, t0 + kb), scale, scores + j * stride,
+                      scores + (j + 1) * stride);
+#endif
+  for (int64_t t = 0; t < blocks && paired < nq; t += 4) {
     const float* k0 = k + t * ks;
     const float* k1 = k0 + ks;
     const float* k2 = k1 + ks;
     const float* k3 = k2 + ks;
-    for (int64_t j = 0; j < nq; ++j) {
+    for (int64_t j = paired; j < nq; ++j) {
       const float* q = qs[j];
       __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
 #pragma GCC unroll 16
@@ -814,7 +913,7 @@ void attend_queries_fixed(const float* const* qs, int64_t nq, const float* __res
   }
   for (int64_t j = 0; j < nq; ++j) {  // the rest of each query's keys, one at a time (hsum8: the same order)
     const float* q = qs[j];
-    for (int64_t u = t; u < ns[j]; ++u) {
+    for (int64_t u = blocks; u < ns[j]; ++u) {
       const float* kt = k + slots[j](u) * ks;
       __m256 a = _mm256_setzero_ps();
 #pragma GCC unroll 16
@@ -822,10 +921,21 @@ void attend_queries_fixed(const float* const* qs, int64_t nq, const float* __res
       scores[j * stride + u] = hsum8(a) * scale;
     }
   }
-  for (int64_t j = 0; j < nq; ++j) {
-    softmax_exps(scores + j * stride, ns[j]);
-    attend_output<NV>(scores + j * stride, ns[j], shared, v, vs, slots[j], outs[j]);
+  for (int64_t j = 0; j < nq; ++j) softmax_exps(scores + j * stride, ns[j]);
+#ifdef __AVX512F__
+  if (paired) {
+    int64_t common = shared;  // the keys every paired query sees, in slot order 0 .. common - 1
+    for (int64_t j = 0; j < paired; ++j) common = std::min(common, ns[j]);
+    std::vector<float> x(paired * NV * 8, 0.f), sums(paired, 0.f);
+    for (int64_t i0 = 0; i0 < common; i0 += kb)
+      for (int64_t j = 0; j < paired; j += 2)
+        pair_values<NV>(scores + j * stride, scores + (j + 1) * stride, v, vs, i0, std::min(common, i0 + kb),
+                        x.data() + j * NV * 8, x.data() + (j + 1) * NV * 8, sums[j], sums[j + 1]);
+    for (int64_t j = 0; j < paired; ++j)
+      finish_output<NV>(x.data() + j * NV * 8, sums[j], scores + j * stride, common, ns[j], slots[j], v, vs, outs[j]);
   }
+#endif
+  for (int64_t j = paired; j < nq; ++j) attend_output<NV>(scores + j * stride, ns[j], shared, v, vs, slots[j], outs[j]);
 }
 
 }  // namespace
@@ -900,7 +1010,10 @@ torch::Tensor attend_rows(torch::Tensor q, c10::optional<torch::Tensor> k_new, c
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   // one unit per (request, head) where each request's rows share a cached context at least twice their number (a
-  // verify, a draft block): its rows read the context once; else (a prompt's chunk) one unit per (row, head)
+  // verify, a draft block, a decode row): a thread's consecutive units of one request and one key/value head (the
+  // query heads of a GQA group) run as one pass, whose rows of every such head read the context's keys once and its
+  // values once from memory (three query heads per key/value head re-read them three times: at context 2,048 a
+  // one-row forward's attention was bound by those reads); else (a prompt's chunk) one unit per (row, head)
   bool grouped = D == 64 || D == 128;
   for (int64_t i = 0; i < N && grouped; ++i)
     grouped = rows[i] <= 1 || (causal ? lengths[i] - rows[i] : lengths[i]) >= 2 * rows[i];
@@ -911,58 +1024,88 @@ torch::Tensor attend_rows(torch::Tensor q, c10::optional<torch::Tensor> k_new, c
       std::vector<float*> outs;
       std::vector<int64_t> ns;
       std::vector<KeySlots> slots;
-      for (int64_t w = begin; w < end; ++w) {
+      for (int64_t w = begin; w < end;) {
         const int64_t i = w / Hq, h = w % Hq, nq = rows[i];
-        if (nq == 0) continue;
         const auto& k = keys[i];
         const auto& v = values[i];
         const int64_t group = Hq / k.size(0), kh = h / group;
-        const int64_t base = lengths[i] - rows[i];
-        qs.resize(nq), outs.resize(nq), ns.resize(nq), slots.resize(nq);
+        const int64_t heads = std::min((kh + 1) * group - h, end - w);  // this pass's query heads h .. h + heads - 1
+        w += heads;
+        if (nq == 0) continue;
+        const int64_t base = lengths[i] - rows[i], m = heads * nq;
+        qs.resize(m), outs.resize(m), ns.resize(m), slots.resize(m);
         int64_t longest = 0;
-        for (int64_t j = 0; j < nq; ++j) {
-          const int64_t r = first[i] + j;
-          ns[j] = tree ? base + path0[r + 1] - path0[r] : causal ? base + j + 1 : lengths[i];
-          slots[j] = KeySlots{tree ? base : ns[j], tree ? path.data() + path0[r] : nullptr};
-          qs[j] = qp + (r * Hq + h) * D;
-          outs[j] = op + r * Hq * D + h * D;
-          longest = std::max(longest, ns[j]);
-        }
+        for (int64_t a = 0; a < heads; ++a)
+          for (int64_t j = 0; j < nq; ++j) {
+            const int64_t r = first[i] + j, x = a * nq + j;
+            ns[x] = tree ? base + path0[r + 1] - path0[r] : causal ? base + j + 1 : lengths[i];
+            slots[x] = KeySlots{tree ? base : ns[x], tree ? path.data() + path0[r] : nullptr};
+            qs[x] = qp + (r * Hq + h + a) * D;
+            outs[x] = op + r * Hq * D + (h + a) * D;
+            longest = std::max(longest, ns[x]);
+          }
         const int64_t shared = causal ? base : lengths[i];
-        if (static_cast<int64_t>(scores.size()) < nq * longest) scores.resize(nq * longest);
+        if (static_cast<int64_t>(scores.size()) < m * longest) scores.resize(m * longest);
         const float* kp = k.data_ptr<float>() + kh * k.stride(0);
         const float* vp = v.data_ptr<float>() + kh * v.stride(0);
-        if (nq == 1) {  // one row: its query and output stay in registers (attend_row_fixed)
+        if (m == 1) {  // one row of one head: its query and output stay in registers (attend_row_fixed)
           if (D == 64) attend_row_fixed<8>(qs[0], kp, k.stride(1), vp, v.stride(1), ns[0], sc, scores.data(), outs[0], slots[0]);
           else attend_row_fixed<16>(qs[0], kp, k.stride(1), vp, v.stride(1), ns[0], sc, scores.data(), outs[0], slots[0]);
         } else if (D == 64)
-          attend_queries_fixed<8>(qs.data(), nq, kp, k.stride(1), vp, v.stride(1), shared, ns.data(), slots.data(), sc,
+          attend_queries_fixed<8>(qs.data(), m, kp, k.stride(1), vp, v.stride(1), shared, ns.data(), slots.data(), sc,
                                   scores.data(), longest, outs.data());
         else
-          attend_queries_fixed<16>(qs.data(), nq, kp, k.stride(1), vp, v.stride(1), shared, ns.data(), slots.data(), sc,
+          attend_queries_fixed<16>(qs.data(), m, kp, k.stride(1), vp, v.stride(1), shared, ns.data(), slots.data(), sc,
                                    scores.data(), longest, outs.data());
       }
     });
     return out;
   }
   // a causal chunk's later rows read more keys: units taken from both ends in turn, so that each thread's contiguous
-  // share of them holds early and late rows alike
-  const int64_t units = R * Hq;
+  // share of them holds early and late rows alike. On AVX-512 a unit is a row and a key/value head, its GQA group's
+  // query heads in pairs (attend_queries_fixed: the same bits as one head at a time)
+  const int64_t Hkv = keys.empty() ? 1 : keys[0].size(0), group = Hq / Hkv;
+  bool together = false;
+#ifdef __AVX512F__
+  together = (D == 64 || D == 128) && group >= 2;
+  for (int64_t i = 0; i < N && together; ++i) together = keys[i].size(0) == Hkv;
+#endif
+  const int64_t per = together ? group : 1, slots_per_row = Hq / per, units = R * slots_per_row;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    std::vector<const float*> qs(per);
+    std::vector<float*> outs(per);
+    std::vector<int64_t> ns(per);
+    std::vector<KeySlots> slots(per);
     for (int64_t turn = begin; turn < end; ++turn) {
       const int64_t w = turn % 2 == 0 ? turn / 2 : units - 1 - turn / 2;
-      const int64_t r = w / Hq, h = w % Hq, i = req_of[r];
+      const int64_t r = w / slots_per_row, h = w % slots_per_row * per, i = req_of[r];
       const auto& k = keys[i];
       const auto& v = values[i];
-      const int64_t group = Hq / k.size(0), kh = h / group;
+      const int64_t kh = h / (Hq / k.size(0));
       const int64_t base = lengths[i] - rows[i];
       const int64_t n = tree ? base + path0[r + 1] - path0[r] : causal ? base + (r - first[i]) + 1 : lengths[i];
       const KeySlots slot{tree ? base : n, tree ? path.data() + path0[r] : nullptr};
-      if (static_cast<int64_t>(scores.size()) < n) scores.resize(n);
-      const float* qr = qp + (r * Hq + h) * D;
+      if (static_cast<int64_t>(scores.size()) < per * n) scores.resize(per * n);
       const float* kp = k.data_ptr<float>() + kh * k.stride(0);
       const float* vp = v.data_ptr<float>() + kh * v.stride(0);
+      if (per > 1) {
+        for (int64_t a = 0; a < per; ++a) {
+          qs[a] = qp + (r * Hq + h + a) * D;
+          outs[a] = op + r * Hq * D + (h + a) * D;
+          ns[a] = n;
+          slots[a] = slot;
+        }
+        const int64_t shared = tree ? base : n;  // the keys read in slot order
+        if (D == 64)
+          attend_queries_fixed<8>(qs.data(), per, kp, k.stride(1), vp, v.stride(1), shared, ns.data(), slots.data(), sc,
+                                  scores.data(), n, outs.data());
+        else
+          attend_queries_fixed<16>(qs.data(), per, kp, k.stride(1), vp, v.stride(1), shared, ns.data(), slots.data(),
+                                   sc, scores.data(), n, outs.data());
+        continue;
+      }
+      const float* qr = qp + (r * Hq + h) * D;
       float* orow = op + r * Hq * D + h * D;
       if (D == 64) attend_row_fixed<8>(qr, kp, k.stride(1), vp, v.stride(1), n, sc, scores.data(), orow, slot);
       else if (D == 128) attend_row_fixed<16>(qr, kp, k.stride(1), vp, v.stride(1), n, sc, scores.data(), orow, slot);
