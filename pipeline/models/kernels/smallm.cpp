@@ -694,6 +694,50 @@ void attend_row(const float* __restrict q, const float* __restrict k, int64_t ks
   for (int64_t d = 0; d < D; ++d) out[d] *= inv;
 }
 
+// 8 or 16 float lanes a register (the output loops'): each lane's arithmetic is the same at either width.
+#define BLOCKPILOT_LANES(NAME, VEC, N, P)                                                                   \
+  struct NAME {                                                                                             \
+    using T = VEC;                                                                                          \
+    static constexpr int n = N;                                                                             \
+    static T zero() { return P##_setzero_ps(); }                                                            \
+    static T load(const float* p) { return P##_loadu_ps(p); }                                               \
+    static T set1(float x) { return P##_set1_ps(x); }                                                       \
+    static T fma(T a, T b, T c) { return P##_fmadd_ps(a, b, c); }                                           \
+    static void store_scaled(float* p, T x, float s) { P##_storeu_ps(p, P##_mul_ps(x, P##_set1_ps(s))); }   \
+  };
+BLOCKPILOT_LANES(Lanes8, __m256, 8, _mm256)
+#ifdef __AVX512F__
+BLOCKPILOT_LANES(Lanes16, __m512, 16, _mm512)
+using Wide = Lanes16;
+#else
+using Wide = Lanes8;
+#endif
+
+// One query's output out[D] = (x + sum over keys from .. n - 1 of sj[i] V[slot(i)]) / (sum + those sj[i]): each lane
+// one FMA chain over the keys in order and the sum added in the same order beside them (its latency hidden), from a
+// running state (x: D floats, nullptr = zeros; sum) over keys 0 .. from - 1. Its values are re-read per query from
+// L1/L2, not kept in memory per key (an accumulator loaded and stored per key cost ~3x the dot products: 2026-12-06,
+// 2 rows at context 1024).
+template <int D>
+inline void finish_output(const float* x, float sum, const float* sj, int64_t from, int64_t n, const KeySlots& slot,
+                          const float* __restrict v, int64_t vs, float* out) {
+  using L = Wide;
+  constexpr int W = D / L::n;
+  typename L::T o[W];
+#pragma GCC unroll 16
+  for (int w = 0; w < W; ++w) o[w] = x ? L::load(x + L::n * w) : L::zero();
+  for (int64_t i = from; i < n; ++i) {
+    const float* vt = v + slot(i) * vs;
+    sum += sj[i];
+    const typename L::T p = L::set1(sj[i]);
+#pragma GCC unroll 16
+    for (int w = 0; w < W; ++w) o[w] = L::fma(p, L::load(vt + L::n * w), o[w]);
+  }
+  const float inv = 1.f / sum;
+#pragma GCC unroll 16
+  for (int w = 0; w < W; ++w) L::store_scaled(out + L::n * w, o[w], inv);
+}
+
 // One query row of one head: out[D] = softmax(scale * q . K[0..n)) @ V[0..n), D = 8 * NV. The same arithmetic as
 // attend_row below, with more in flight: four keys' dot products side by side (each its own FMA chain over d) and
 // the output kept in registers across the keys (each lane one FMA chain over t): the same bits.
@@ -731,54 +775,10 @@ void attend_row_fixed(const float* __restrict q, const float* __restrict k, int6
     scores[t] = hsum8(acc) * scale;
   }
   softmax_exps(scores, n);
-  float sum = 0.f;  // softmax_numerators' sum, added in the same order beside the PV chains (its latency hidden)
-  __m256 o[NV];
-#pragma GCC unroll 16
-  for (int j = 0; j < NV; ++j) o[j] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; ++i) {
-    const float* vt = v + slot(i) * vs;
-    sum += scores[i];
-    const __m256 p = _mm256_set1_ps(scores[i]);
-#pragma GCC unroll 16
-    for (int j = 0; j < NV; ++j) o[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * j), o[j]);
-  }
-  const float inv = 1.f / sum;
-  const __m256 iv = _mm256_set1_ps(inv);
-#pragma GCC unroll 16
-  for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(o[j], iv));
+  finish_output<8 * NV>(nullptr, 0.f, scores, 0, n, slot, v, vs, out);
 }
 
 
-// One query's output over its n keys' softmax numerators sj in registers (attend_row_fixed's PV
-// loop: the same chain per lane over t): its values re-read per query from L1/L2 (a head's context, 256 KB at 1024
-// tokens), not kept in memory per key and query (an accumulator loaded and stored per key cost ~3x the dot products:
-// 2026-12-06, 2 rows at context 1024).
-template <int NV>
-inline void attend_output(const float* sj, int64_t n, int64_t shared, const float* __restrict v, int64_t vs,
-                          const KeySlots& slot, float* out) {
-  float sum = 0.f;  // softmax_numerators' sum, added in the same order beside the PV chains (its latency hidden)
-  __m256 o[NV];
-#pragma GCC unroll 16
-  for (int w = 0; w < NV; ++w) o[w] = _mm256_setzero_ps();
-  const int64_t common = std::min(shared, n);
-  for (int64_t i = 0; i < common; ++i) {
-    const float* vt = v + i * vs;
-    sum += sj[i];
-    const __m256 p = _mm256_set1_ps(sj[i]);
-#pragma GCC unroll 16
-    for (int w = 0; w < NV; ++w) o[w] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * w), o[w]);
-  }
-  for (int64_t i = common; i < n; ++i) {
-    const float* vt = v + slot(i) * vs;
-    sum += sj[i];
-    const __m256 p = _mm256_set1_ps(sj[i]);
-#pragma GCC unroll 16
-    for (int w = 0; w < NV; ++w) o[w] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * w), o[w]);
-  }
-  const __m256 iv = _mm256_set1_ps(1.f / sum);
-#pragma GCC unroll 16
-  for (int w = 0; w < NV; ++w) _mm256_storeu_ps(out + 8 * w, _mm256_mul_ps(o[w], iv));
-}
 
 #ifdef __AVX512F__
 // Keys per block of the paired queries' passes: a block's keys (or values) stay in L1 while every pair reads them (a
@@ -819,7 +819,7 @@ inline void pair_scores(const float* qa, const float* qb, const float* __restric
   }
 }
 
-// Two queries' outputs over keys [i0, i1) of the context both see (attend_output's arithmetic for each: the same chain
+// Two queries' outputs over keys [i0, i1) of the context both see (finish_output's arithmetic for each: the same chain
 // per lane over the keys, 16 lanes a register, and its sum added in the same order), continued from and back into
 // their running outputs xa, xb (D floats each) and sums: a block's values read once for both.
 template <int NV>
@@ -847,26 +847,6 @@ inline void pair_values(const float* sa, const float* sb, const float* __restric
   suma = a, sumb = b;
 }
 
-// A query's output from its running output x and sum over keys [0, from): its keys from .. n - 1 (slot(i)) added as
-// attend_output adds them, then x / sum.
-template <int NV>
-inline void finish_output(const float* x, float sum, const float* sj, int64_t from, int64_t n, const KeySlots& slot,
-                          const float* __restrict v, int64_t vs, float* out) {
-  constexpr int W = NV / 2;
-  __m512 o[W];
-#pragma GCC unroll 8
-  for (int w = 0; w < W; ++w) o[w] = _mm512_loadu_ps(x + 16 * w);
-  for (int64_t i = from; i < n; ++i) {
-    const float* vt = v + slot(i) * vs;
-    sum += sj[i];
-    const __m512 p = _mm512_set1_ps(sj[i]);
-#pragma GCC unroll 8
-    for (int w = 0; w < W; ++w) o[w] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + 16 * w), o[w]);
-  }
-  const __m512 iv = _mm512_set1_ps(1.f / sum);
-#pragma GCC unroll 8
-  for (int w = 0; w < W; ++w) _mm512_storeu_ps(out + 16 * w, _mm512_mul_ps(o[w], iv));
-}
 #endif
 
 // Several query rows over one request's cache and one key/value head (a verify's rows, a draft block's rows, the
@@ -932,10 +912,11 @@ void attend_queries_fixed(const float* const* qs, int64_t nq, const float* __res
         pair_values<NV>(scores + j * stride, scores + (j + 1) * stride, v, vs, i0, std::min(common, i0 + kb),
                         x.data() + j * NV * 8, x.data() + (j + 1) * NV * 8, sums[j], sums[j + 1]);
     for (int64_t j = 0; j < paired; ++j)
-      finish_output<NV>(x.data() + j * NV * 8, sums[j], scores + j * stride, common, ns[j], slots[j], v, vs, outs[j]);
+      finish_output<8 * NV>(x.data() + j * NV * 8, sums[j], scores + j * stride, common, ns[j], slots[j], v, vs, outs[j]);
   }
 #endif
-  for (int64_t j = paired; j < nq; ++j) attend_output<NV>(scores + j * stride, ns[j], shared, v, vs, slots[j], outs[j]);
+  for (int64_t j = paired; j < nq; ++j)
+    finish_output<8 * NV>(nullptr, 0.f, scores + j * stride, 0, ns[j], slots[j], v, vs, outs[j]);
 }
 
 }  // namespace
