@@ -906,7 +906,9 @@ void attend_queries_fixed(const float* const* qs, int64_t nq, const float* __res
   if (paired) {
     int64_t common = shared;  // the keys every paired query sees, in slot order 0 .. common - 1
     for (int64_t j = 0; j < paired; ++j) common = std::min(common, ns[j]);
-    std::vector<float> x(paired * NV * 8, 0.f), sums(paired, 0.f);
+    thread_local std::vector<float> x, sums;  // the pairs' running outputs and sums (no allocation per pass)
+    x.assign(paired * NV * 8, 0.f);
+    sums.assign(paired, 0.f);
     for (int64_t i0 = 0; i0 < common; i0 += kb)
       for (int64_t j = 0; j < paired; j += 2)
         pair_values<NV>(scores + j * stride, scores + (j + 1) * stride, v, vs, i0, std::min(common, i0 + kb),
@@ -994,7 +996,7 @@ torch::Tensor attend_rows(torch::Tensor q, c10::optional<torch::Tensor> k_new, c
   // verify, a draft block, a decode row): a thread's consecutive units of one request and one key/value head (the
   // query heads of a GQA group) run as one pass, whose rows of every such head read the context's keys once and its
   // values once from memory (three query heads per key/value head re-read them three times: at context 2,048 a
-  // one-row forward's attention was bound by those reads); else (a prompt's chunk) one unit per (row, head)
+  // one-row forward's attention was bound by those reads); else (a prompt's chunk) the units below
   bool grouped = D == 64 || D == 128;
   for (int64_t i = 0; i < N && grouped; ++i)
     grouped = rows[i] <= 1 || (causal ? lengths[i] - rows[i] : lengths[i]) >= 2 * rows[i];
