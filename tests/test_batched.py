@@ -152,6 +152,48 @@ def test_kernel_attention_rows_invariant_and_equal_to_sdpa():
         attend(q[:3], [keys[4]], [values[4]], [3], 0.125, lengths=[5])
 
 
+@needs_smallm
+def test_kernel_attention_over_a_bf16_cache_is_its_float32_attention_over_the_rounded_values():
+    """A bfloat16 KV cache (``model.kv_cache_dtype=bf16``, the int8 default): ``attend`` widens each key and value
+    exactly, so its output is the same bits as over a float32 cache holding the rounded values (decode rows, a
+    verify's 12 paired queries, a draft tree, a prompt's chunk), each row the same bits alone and batched; its in-call
+    append rounds the new rows to nearest even (torch's ``.bfloat16()``); and it is causal attention over the rounded
+    values to float32 rounding (SDPA)."""
+    from pipeline.models.kernel import smallm_kernel
+
+    attend = smallm_kernel().attend
+    g = torch.Generator().manual_seed(7)
+    hq, hkv, d = 9, 3, 64
+    lengths, rows = [300, 40, 16, 7], [4, 1, 16, 3]  # a verify, a decode row, a prompt chunk, a tree
+    parents = [-1, 0, 1, 2, -1, -1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, -1, 0, 0]
+    q = torch.randn(sum(rows), hq, d, generator=g)
+    k_new, v_new = torch.randn(sum(rows), hkv, d, generator=g), torch.randn(sum(rows), hkv, d, generator=g)
+    rounded_k = [torch.randn(hkv, n + 3, d, generator=g).bfloat16() for n in lengths]
+    rounded_v = [torch.randn(hkv, n + 3, d, generator=g).bfloat16() for n in lengths]
+    for tree in ([], parents):
+        k16, v16 = [k.clone() for k in rounded_k], [v.clone() for v in rounded_v]
+        k32, v32 = [k.float() for k in rounded_k], [v.float() for v in rounded_v]
+        got = attend(q, k_new, v_new, k16, v16, rows, lengths, 0.125, tree)
+        want = attend(q, k_new.bfloat16().float(), v_new.bfloat16().float(), k32, v32, rows, lengths, 0.125, tree)
+        assert torch.equal(got, want)
+        assert all(torch.equal(a.float(), b) for a, b in zip(k16 + v16, k32 + v32))  # the append rounded alike
+        start = 0
+        for i, (n, r) in enumerate(zip(lengths, rows)):  # each request alone: the same bits
+            sub = [p for p in tree[start: start + r]] if tree else []
+            alone = attend(q[start: start + r], None, None, [k16[i]], [v16[i]], [r], [n], 0.125, sub)
+            assert torch.equal(alone, got[start: start + r]), i
+            if not tree:
+                mask = torch.ones(r, n, dtype=torch.bool).tril(diagonal=n - r)
+                ref = torch.nn.functional.scaled_dot_product_attention(
+                    q[start: start + r].transpose(0, 1), k32[i][:, :n].repeat_interleave(hq // hkv, 0),
+                    v32[i][:, :n].repeat_interleave(hq // hkv, 0), attn_mask=mask, scale=0.125)
+                torch.testing.assert_close(alone, ref.transpose(0, 1).reshape(r, -1), rtol=1e-5, atol=1e-5)
+            start += r
+    with pytest.raises(RuntimeError, match="every request's alike"):
+        attend(q[:5], None, None, [rounded_k[0], rounded_k[1].float()], [rounded_v[0], rounded_v[1].float()], [4, 1],
+               [300, 40], 0.125)
+
+
 def _contexts(decoder, lengths, seed=0):
     """Caches and features of prompts of the given lengths (random ids), prefilled alone."""
     g = torch.Generator().manual_seed(seed)

@@ -66,6 +66,7 @@ def test_block_size_beyond_the_drafter_fails_before_any_decode(compose_config, t
     ("eval.split=dev", r"eval.split must be auto, all, train, validation or test; got 'dev'"),
     ("eval.methods=[ar,budget]", r"eval.methods \['budget'\] cannot be evaluated here: .*python -m pipeline.bench_batch"),
     ("model.draft_precision=fp8", r"model.draft_precision must be one of \['auto', 'exact', 'bf16', 'int8'\]"),
+    ("model.kv_cache_dtype=fp8", r"model.kv_cache_dtype must be one of \['auto', 'float32', 'bf16'\]"),
 ])
 def test_eval_config_is_checked_before_any_model_loads(override, message, compose_config, tiny, tmp_path, no_model_load):
     """Item 12 (and 7): each of these used to pass silently or fail only after loading the target (and decoding)."""

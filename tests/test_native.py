@@ -24,7 +24,7 @@ from pipeline.decoding import DecodeConfig, SpeculativeDecoder
 from pipeline.models import kernel
 from pipeline.models.backend import pack_smallm, set_backend, smallm_available
 from pipeline.models.cache import crop_to
-from pipeline.models.native import Int8Head, bf16_dot_available
+from pipeline.models.native import Int8Head, bf16_dot_available, int8_dot_available
 from pipeline.models.target import new_cache
 from pipeline.timing.limits import floor_ms
 
@@ -364,6 +364,29 @@ def test_int8_precision_is_refused_off_the_native_stack(tiny):
         SpeculativeDecoder(tiny.target("llama"), None, backend="eager", precision="int8")
     with pytest.raises(ValueError, match="must be one of"):
         SpeculativeDecoder(tiny.target("llama"), None, backend="eager", precision="fp8")
+
+
+@needs_smallm
+def test_the_kv_cache_element_is_chosen_once_named_and_sized(tiny):
+    """``model.kv_cache_dtype``: ``auto`` is bfloat16 with int8 products and float32 with exact ones; forward_path's
+    ``kv_cache`` names it, the prefill's cache holds it and ``kv_bytes_per_token`` (memory sizing) counts its bytes;
+    float32 can be asked for on int8; bf16 off the native stack and an unknown name are refused naming the fix."""
+    target = tiny.target("llama")
+    exact = SpeculativeDecoder(target, None, backend="smallm")
+    assert exact.kv_dtype == torch.float32 and exact.forward_path()["kv_cache"] == "preallocated"
+    half = SpeculativeDecoder(target, None, backend="smallm", kv_dtype="bf16")
+    assert half.kv_dtype == torch.bfloat16 and half.forward_path()["kv_cache"] == "preallocated bf16"
+    assert 2 * half.kv_bytes_per_token == exact.kv_bytes_per_token
+    prefill = half.prefill(torch.tensor([[5, 9, 14, 3, 8]]), DecodeConfig(max_new_tokens=4), want_features=False)
+    assert prefill.cache.layers[0].keys.dtype == torch.bfloat16
+    if int8_dot_available():
+        assert SpeculativeDecoder(target, None, backend="smallm", precision="int8").kv_dtype == torch.bfloat16
+        assert SpeculativeDecoder(target, None, backend="smallm", precision="int8",
+                                  kv_dtype="float32").kv_dtype == torch.float32
+    with pytest.raises(ValueError, match="kv_cache_dtype=auto or float32"):
+        SpeculativeDecoder(target, None, backend="eager", kv_dtype="bf16")
+    with pytest.raises(ValueError, match="must be one of"):
+        SpeculativeDecoder(target, None, backend="smallm", kv_dtype="fp8")
 
 
 needs_bf16 = pytest.mark.skipif(not (smallm_available() and bf16_dot_available()),

@@ -21,4 +21,5 @@ def build_decoder(model_cfg) -> SpeculativeDecoder:
                               fast_forward=model_cfg.get("fast_forward", "auto"),
                               prefill_chunk=model_cfg.get("prefill_chunk", None),
                               precision=model_cfg.get("precision", "auto"),
-                              draft_precision=model_cfg.get("draft_precision", "auto"))
+                              draft_precision=model_cfg.get("draft_precision", "auto"),
+                              kv_dtype=model_cfg.get("kv_cache_dtype", "auto"))

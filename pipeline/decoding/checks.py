@@ -108,6 +108,10 @@ def check_model(model, loads_model: bool) -> None:
         from pipeline.models.native import check_precision
 
         check_precision(str(model.precision))
+    if model.get("kv_cache_dtype", "auto") not in (None, "auto"):
+        from pipeline.models.native import check_kv_dtype
+
+        check_kv_dtype(str(model.kv_cache_dtype))
     if model.get("draft_precision", "auto") not in (None, "auto"):
         from pipeline.models.native import resolve_draft_precision
 

@@ -61,6 +61,9 @@ class SpeculativeDecoder:
             bytes and twice the multiply rate) or ``int8`` (weights rounded to q8 per group of 32, activations to int8,
             VNNI; the draft head too). It changes which drafts are proposed, never the output; kept resolved in
             ``self.draft_precision``.
+        kv_dtype: ``model.kv_cache_dtype``, the element of the target's KV cache on the native stack
+            (``pipeline.models.native.resolve_kv_dtype``: ``auto`` is bfloat16 with int8 products, else float32), kept
+            resolved in ``self.kv_dtype``.
         prefill_chunk: the most prompt tokens one prefill forward takes (None or 0: the whole prompt in one forward);
             a longer prompt is prefilled chunk by chunk over its growing cache (``prefill_steps``), so that a batching
             server can run the other requests' steps between two chunks. The chunks are a function of the prompt
@@ -77,7 +80,7 @@ class SpeculativeDecoder:
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None, backend: str = "eager",
                  kv_cache: str = "auto", fast_forward: bool | str = "auto", prefill_chunk: int | None = None,
-                 precision: str = "exact", draft_precision: str | None = "auto"):
+                 precision: str = "exact", draft_precision: str | None = "auto", kv_dtype: str | None = "auto"):
         if prefill_chunk is not None and int(prefill_chunk) < 0:
             raise ValueError(f"model.prefill_chunk must be >= 0 tokens (0: no chunking), got {prefill_chunk}")
         self.prefill_chunk = int(prefill_chunk) if prefill_chunk else None
@@ -93,8 +96,9 @@ class SpeculativeDecoder:
             self.draft_head = drafter.draft_head(self.lm_head)  # [N, H] rows the drafter scores
             self.draft_vocab = drafter.draft_vocab
         path = forward_for(target.model, drafter, self.draft_head, backend, kv_cache, fast_forward, precision,
-                           draft_precision)
-        self.backend, self.precision, self.kv_cache = path.backend, path.precision, path.kv_cache
+                           draft_precision, kv_dtype)
+        self.backend, self.precision, self.kv_cache, self.kv_dtype = (path.backend, path.precision, path.kv_cache,
+                                                                       path.kv_dtype)
         self.native, self.draft_precision, self.native_draft = path.native, path.draft_precision, path.native_draft
         # [..., H] -> [..., V] target logits as the model computes them (bias, scaling, softcapping), in float32 for a
         # bf16/fp16 model (a bf16 product rounds logits to bf16's grid: ties a verify and single steps break differently)
@@ -115,7 +119,8 @@ class SpeculativeDecoder:
         config = self.model.config
         heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-        return 2 * int(config.num_hidden_layers) * heads * head_dim * self.model.dtype.itemsize
+        return 2 * int(config.num_hidden_layers) * heads * head_dim * (self.kv_dtype if self.native is not None
+                                                                          else self.model.dtype).itemsize
 
     @property
     def device(self) -> torch.device:
@@ -134,7 +139,8 @@ class SpeculativeDecoder:
         """What this decoder's timings and exactness depend on beyond the models, in six keys: ``backend`` (the linears'
         backend with a hash of its kernel and formats, and its ISA), ``target`` (``native`` or ``transformers <dtype>
         <device>``, and why ``auto`` fell back where the kernel's build failed), ``precision`` (the target's products: exact or
-        int8), ``drafter`` (``native <draft precision>``, ``transformers`` or None), ``kv_cache``, and
+        int8), ``drafter`` (``native <draft precision>``, ``transformers`` or None), ``kv_cache`` (its kind, and ``bf16``
+        where it holds bfloat16), and
         ``batch_invariant``: whether each row's result is the same bits whatever the rows sharing the call, on which
         losslessness (every B's output = autoregressive) rests; where False, speculative outputs can differ from
         autoregressive ones by near-ties (report the exact-match rate: ``bench_label check=true``). Cache keys of timed
@@ -149,7 +155,7 @@ class SpeculativeDecoder:
         drafter = None if self.drafter is None else (f"native {self.draft_precision}" if self.native_draft is not None
                                                      else "transformers")
         return {"backend": backend, "target": target, "precision": self.precision, "drafter": drafter,
-                "kv_cache": self.kv_cache,
+                "kv_cache": self.kv_cache + (" bf16" if self.kv_dtype == torch.bfloat16 else ""),
                 "batch_invariant": batch_invariant(self.backend) and self.device.type == "cpu"}
 
     # ---------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from torch import nn
 
 from pipeline.models.backend import SMALLM, SMALLM_MAX_ROWS, LMHead, packed_kind, resolve_backend, set_backend
 from pipeline.models.cache import reserve_rows, resolve_kv_cache
-from pipeline.models.native import (Bf16Head, Int8Head, NativeStack, build_draft_stack, resolve_draft_precision,
+from pipeline.models.native import (Bf16Head, Int8Head, NativeStack, build_draft_stack, resolve_draft_precision, resolve_kv_dtype,
                                     resolve_precision)
 
 LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
@@ -119,8 +119,8 @@ class NativeTarget:
     """The target's layers on the ``NativeStack`` of its current smallm backend (built on first use), returning the
     hidden states at ``taps`` (transformers' ``hidden_states`` indices: the drafter's tapped layers)."""
 
-    def __init__(self, base: nn.Module, precision: str, taps: Sequence[int] = ()):
-        self.base, self.precision, self.taps = base, precision, sorted(set(int(t) for t in taps))
+    def __init__(self, base: nn.Module, precision: str, taps: Sequence[int] = (), kv_dtype: torch.dtype = torch.float32):
+        self.base, self.precision, self.taps, self.kv_dtype = base, precision, sorted(set(int(t) for t in taps)), kv_dtype
         self._stacks: dict[str, NativeStack] = {}
 
     def stack(self) -> NativeStack | None:
@@ -128,7 +128,7 @@ class NativeTarget:
         if kind not in SMALLM:
             return None
         if kind not in self._stacks:
-            self._stacks[kind] = NativeStack(self.base, kind, self.precision)
+            self._stacks[kind] = NativeStack(self.base, kind, self.precision, self.kv_dtype)
         return self._stacks[kind]
 
     def __call__(self, h, cos, sin, caches, rows, features: bool, parents=None):
@@ -186,12 +186,14 @@ class NativeDraft:
 
 @dataclass
 class Path:
-    """What ``forward_for`` chose: the linears' backend, the target's precision and KV cache, the native target (or
-    None: transformers' forward), the drafter's precision and native draft (or None: its own forward), the heads."""
+    """What ``forward_for`` chose: the linears' backend, the target's precision and KV cache (kind and element), the
+    native target (or None: transformers' forward), the drafter's precision and native draft (or None: its own
+    forward), the heads."""
 
     backend: str
     precision: str
     kv_cache: str
+    kv_dtype: torch.dtype
     native: NativeTarget | None
     draft_precision: str
     native_draft: NativeDraft | None
@@ -201,7 +203,7 @@ class Path:
 
 def forward_for(model: nn.Module, drafter: nn.Module | None, draft_head: torch.Tensor | None, backend: str = "eager",
                 kv_cache: str = "auto", setting: bool | str | None = "auto", precision: str = "exact",
-                draft_precision: str | None = "auto") -> Path:
+                draft_precision: str | None = "auto", kv_dtype: str | None = "auto") -> Path:
     """``model.*`` -> what every forward of a decoder runs (see the module doc); the linears of the target and drafter
     are put on the resolved backend here.
 
@@ -209,7 +211,8 @@ def forward_for(model: nn.Module, drafter: nn.Module | None, draft_head: torch.T
         setting: ``model.fast_forward``: ``auto`` (the native stack where it can run), ``true`` (required: raises
             naming why it cannot) or ``false`` (transformers' forward).
         precision: ``model.precision`` (``pipeline.models.native.resolve_precision``); draft_precision:
-            ``model.draft_precision`` (``resolve_draft_precision``).
+            ``model.draft_precision`` (``resolve_draft_precision``); kv_dtype: ``model.kv_cache_dtype``
+            (``resolve_kv_dtype``).
     Raises:
         ValueError: for an unknown setting, backend or kv_cache, ``true`` where the native stack cannot run, or a
             precision other than exact off the native stack (each naming the fix).
@@ -241,9 +244,10 @@ def forward_for(model: nn.Module, drafter: nn.Module | None, draft_head: torch.T
     if precision == "int8":
         head = head.on_int8()  # a q8 LM head (SmolLM2's) on int8 products too
     taps = [i + 1 for i in drafter.target_layer_ids] if drafter is not None else []
-    native = NativeTarget(base, precision, taps) if reason is None else None
+    kv_dtype = resolve_kv_dtype(kv_dtype, precision, reason is None)
+    native = NativeTarget(base, precision, taps, kv_dtype) if reason is None else None
     if drafter is None:
-        return Path(backend, precision, kv_cache, native, "exact", None, head, None)
+        return Path(backend, precision, kv_cache, kv_dtype, native, "exact", None, head, None)
     draft_reason = off or draft_native_reason(drafter)
     if setting == "true" and draft_reason is not None:
         raise ValueError(f"model.fast_forward=true: the drafter cannot run on the native draft stack: {draft_reason}")
@@ -256,7 +260,7 @@ def forward_for(model: nn.Module, drafter: nn.Module | None, draft_head: torch.T
     native_draft = NativeDraft(drafter, resolved) if draft_reason is None else None
     drafter_head = (Bf16Head(draft_head) if resolved == "bf16" else Int8Head.quantized(draft_head)
                     if resolved == "int8" else LMHead(draft_head, backend, float32=True))
-    return Path(backend, precision, kv_cache, native, resolved, native_draft, head, drafter_head)
+    return Path(backend, precision, kv_cache, kv_dtype, native, resolved, native_draft, head, drafter_head)
 
 
 class Forward:

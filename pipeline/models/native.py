@@ -241,6 +241,36 @@ def check_precision(precision: str) -> None:
                          f"runs {cpu_isa()} without it: use model.precision=auto or exact")
 
 
+KV_DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
+"""What ``model.kv_cache_dtype`` may name besides ``auto``: the element of the target's KV cache on the native stack."""
+
+
+def check_kv_dtype(setting: str) -> None:
+    """Raise ``ValueError`` unless ``setting`` (``model.kv_cache_dtype``) is ``auto`` or one of ``KV_DTYPES``."""
+    if setting not in ("auto", *KV_DTYPES):
+        raise ValueError(f"model.kv_cache_dtype must be one of {['auto', *KV_DTYPES]}, got {setting!r}")
+
+
+def resolve_kv_dtype(setting: str | None, precision: str, native: bool) -> torch.dtype:
+    """``model.kv_cache_dtype`` -> the target's KV cache element: ``auto`` (None) is bfloat16 where the target runs on
+    the native stack with int8 products (the fast path: a step reads every request's cache, half the bytes), else
+    float32 (``exact`` stays the reference, float32 throughout); ``float32`` and ``bf16`` as named. The kernel widens
+    bfloat16 keys and values exactly to float32 before its float32 attention, and rounds new ones to nearest even, so a
+    row's result stays the same bits alone or batched, and speculation stays lossless against its own ``ar``.
+
+    Raises:
+        ValueError: for an unknown name (``check_kv_dtype``), or ``bf16`` where the target is not on the native stack.
+    """
+    setting = "auto" if setting is None else str(setting)
+    check_kv_dtype(setting)
+    if setting == "auto":
+        return torch.bfloat16 if native and precision == "int8" else torch.float32
+    if setting == "bf16" and not native:
+        raise ValueError("model.kv_cache_dtype=bf16 needs the target on the native stack (transformers' attention reads "
+                         "float32 caches here): use model.kv_cache_dtype=auto or float32")
+    return KV_DTYPES[setting]
+
+
 def resolve_precision(setting: str | None, native: bool) -> str:
     """``model.precision`` -> what the target's products run: ``auto`` (None) is ``int8`` where the target runs on the
     native stack (``native``) and the CPU has AVX-512 VNNI (``int8_dot_available``), else ``exact``; ``exact`` and
@@ -264,11 +294,12 @@ class NativeStack:
     tables and the caches' buffers once. Any number of rows of any number of requests; a row's result is the same
     bits alone or beside others (and the same on AVX2 and AVX-512 builds).
 
-    Built from ``base`` on the smallm backend ``kind``; rebuilt when any weight changes (``weight_version``).
+    Built from ``base`` on the smallm backend ``kind``; rebuilt when any weight changes (``weight_version``). Its caches
+    hold ``kv_dtype`` (float32, or bfloat16: ``resolve_kv_dtype``).
     """
 
-    def __init__(self, base: nn.Module, kind: str, precision: str = "exact"):
-        self.base, self.kind, self.precision = base, kind, precision
+    def __init__(self, base: nn.Module, kind: str, precision: str = "exact", kv_dtype: torch.dtype = torch.float32):
+        self.base, self.kind, self.precision, self.kv_dtype = base, kind, precision, kv_dtype
         self.layers = base.layers[: base.config.num_hidden_layers]
         attn = self.layers[0].self_attn
         self.kv_heads = base.config.num_key_value_heads
@@ -314,7 +345,7 @@ class NativeStack:
         if self._stack is None or versions != self._versions:
             self._stack = self._build()
             self._versions = versions
-        reserved = reserve_rows(caches, rows, len(self.layers), (self.kv_heads, self.head_dim, torch.float32))
+        reserved = reserve_rows(caches, rows, len(self.layers), (self.kv_heads, self.head_dim, self.kv_dtype))
         if reserved is None:
             return None
         keys, values, lengths = reserved

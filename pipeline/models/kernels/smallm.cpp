@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -590,7 +591,8 @@ torch::Tensor unpack_exact(int64_t fmt, torch::Tensor q, torch::Tensor d, torch:
 // Causal attention of many requests' query rows over each request's own KV cache, one call for a whole batch.
 //
 // q [R, Hq, D] float32: the rows of N requests, request i's r_i rows consecutive (rows[i] = r_i); keys[i], values[i]
-// [Hkv, C_i, D] float32 (any strides, the last dim contiguous): request i's cache buffer, of which the first
+// [Hkv, C_i, D] float32 or bfloat16, every request's alike (any strides, the last dim contiguous): request i's cache
+// buffer, of which the first
 // lengths[i] = L_i positions hold its keys/values with its new rows', so request i's row j (position L_i - r_i + j)
 // sees keys 0 .. L_i - r_i + j. With k_new / v_new [R, Hkv, D] (any strides, the last dim contiguous) the new rows'
 // keys/values are first written into the buffers at positions L_i - r_i .. L_i - 1 (the cache append, in the same
@@ -659,6 +661,33 @@ inline float softmax_numerators(float* __restrict scores, int64_t n) {
   return sum;
 }
 
+// 8 / 16 lanes of a key or value row from a float32 cache, or from a bfloat16 one (half the bytes a step reads: at 16
+// requests of ~200 tokens a step's attention was bound by reading their float32 caches), widened exactly (a bfloat16
+// is a float32's high half), so the arithmetic after the load is the same on either; to_f: one element.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#endif
+inline float to_f(float x) { return x; }
+#ifdef __AVX512F__
+// Rows [0, n) of D (a multiple of 16) values s apart, widened into float32 rows of D (a block the paired queries read
+// from L1, each value widened once instead of once per pair).
+inline void widen_rows(const c10::BFloat16* src, int64_t s, int64_t n, int64_t D, float* dst) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + t * D + d, load16(src + t * s + d));
+}
+inline void widen_rows(const float*, int64_t, int64_t, int64_t, float*) {}  // never called: a float32 cache is read as is
+#endif
+inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
+
 // Which cache slot a row's t-th visible key sits in: slots 0..ctx-1 in order, then tail[t - ctx] (a draft tree's
 // ancestors, root first, then the row itself). A chain or causal row reads tail = nullptr and ctx = n: every key in
 // order. A tree row reads the same keys, in the same order, as the causal row of the same path: the same bits.
@@ -669,38 +698,41 @@ struct KeySlots {
 };
 
 // One query row of one head: out[D] = softmax(scale * q . K[0..n)) @ V[0..n).
-void attend_row(const float* __restrict q, const float* __restrict k, int64_t ks, const float* __restrict v,
+template <typename KV>
+void attend_row(const float* __restrict q, const KV* __restrict k, int64_t ks, const KV* __restrict v,
                 int64_t vs, int64_t n, int64_t D, float scale, float* __restrict scores, float* __restrict out,
                 KeySlots slot) {
   const int64_t lanes = D / 8 * 8;
   for (int64_t t = 0; t < n; ++t) {
-    const float* kt = k + slot(t) * ks;
+    const KV* kt = k + slot(t) * ks;
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t d = 0; d < lanes; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kt + d), acc);
+    for (int64_t d = 0; d < lanes; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(kt + d), acc);
     float s = hsum8(acc);
-    for (int64_t d = lanes; d < D; ++d) s += q[d] * kt[d];
+    for (int64_t d = lanes; d < D; ++d) s += q[d] * to_f(kt[d]);
     scores[t] = s * scale;
   }
   const float sum = softmax_numerators(scores, n);
   for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
   for (int64_t t = 0; t < n; ++t) {
-    const float* vt = v + slot(t) * vs;
+    const KV* vt = v + slot(t) * vs;
     const __m256 p = _mm256_set1_ps(scores[t]);
     for (int64_t d = 0; d < lanes; d += 8)
-      _mm256_storeu_ps(out + d, _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + d), _mm256_loadu_ps(out + d)));
-    for (int64_t d = lanes; d < D; ++d) out[d] += scores[t] * vt[d];
+      _mm256_storeu_ps(out + d, _mm256_fmadd_ps(p, load8(vt + d), _mm256_loadu_ps(out + d)));
+    for (int64_t d = lanes; d < D; ++d) out[d] += scores[t] * to_f(vt[d]);
   }
   const float inv = 1.f / sum;
   for (int64_t d = 0; d < D; ++d) out[d] *= inv;
 }
 
-// 8 or 16 float lanes a register (the output loops'): each lane's arithmetic is the same at either width.
+// 8 or 16 float lanes a register (the output loops'): each lane's arithmetic is the same at either width. load reads a
+// float32 cache's values, or a bfloat16 cache's widened exactly (load8 / load16).
 #define BLOCKPILOT_LANES(NAME, VEC, N, P)                                                                   \
   struct NAME {                                                                                             \
     using T = VEC;                                                                                          \
     static constexpr int n = N;                                                                             \
     static T zero() { return P##_setzero_ps(); }                                                            \
     static T load(const float* p) { return P##_loadu_ps(p); }                                               \
+    static T load(const c10::BFloat16* p) { return load##N(p); }                                            \
     static T set1(float x) { return P##_set1_ps(x); }                                                       \
     static T fma(T a, T b, T c) { return P##_fmadd_ps(a, b, c); }                                           \
     static void store_scaled(float* p, T x, float s) { P##_storeu_ps(p, P##_mul_ps(x, P##_set1_ps(s))); }   \
@@ -718,16 +750,16 @@ using Wide = Lanes8;
 // running state (x: D floats, nullptr = zeros; sum) over keys 0 .. from - 1. Its values are re-read per query from
 // L1/L2, not kept in memory per key (an accumulator loaded and stored per key cost ~3x the dot products: 2026-12-06,
 // 2 rows at context 1024).
-template <int D>
+template <int D, typename KV>
 inline void finish_output(const float* x, float sum, const float* sj, int64_t from, int64_t n, const KeySlots& slot,
-                          const float* __restrict v, int64_t vs, float* out) {
+                          const KV* __restrict v, int64_t vs, float* out) {
   using L = Wide;
   constexpr int W = D / L::n;
   typename L::T o[W];
 #pragma GCC unroll 16
   for (int w = 0; w < W; ++w) o[w] = x ? L::load(x + L::n * w) : L::zero();
   for (int64_t i = from; i < n; ++i) {
-    const float* vt = v + slot(i) * vs;
+    const KV* vt = v + slot(i) * vs;
     sum += sj[i];
     const typename L::T p = L::set1(sj[i]);
 #pragma GCC unroll 16
@@ -741,8 +773,8 @@ inline void finish_output(const float* x, float sum, const float* sj, int64_t fr
 // One query row of one head: out[D] = softmax(scale * q . K[0..n)) @ V[0..n), D = 8 * NV. The same arithmetic as
 // attend_row below, with more in flight: four keys' dot products side by side (each its own FMA chain over d) and
 // the output kept in registers across the keys (each lane one FMA chain over t): the same bits.
-template <int NV>
-void attend_row_fixed(const float* __restrict q, const float* __restrict k, int64_t ks, const float* __restrict v,
+template <int NV, typename KV>
+void attend_row_fixed(const float* __restrict q, const KV* __restrict k, int64_t ks, const KV* __restrict v,
                       int64_t vs, int64_t n, float scale, float* __restrict scores, float* __restrict out,
                       KeySlots slot) {
   __m256 qv[NV];
@@ -750,17 +782,17 @@ void attend_row_fixed(const float* __restrict q, const float* __restrict k, int6
   for (int j = 0; j < NV; ++j) qv[j] = _mm256_loadu_ps(q + 8 * j);
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) {
-    const float* k0 = k + slot(t) * ks;
-    const float* k1 = k + slot(t + 1) * ks;
-    const float* k2 = k + slot(t + 2) * ks;
-    const float* k3 = k + slot(t + 3) * ks;
+    const KV* k0 = k + slot(t) * ks;
+    const KV* k1 = k + slot(t + 1) * ks;
+    const KV* k2 = k + slot(t + 2) * ks;
+    const KV* k3 = k + slot(t + 3) * ks;
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
 #pragma GCC unroll 16
     for (int j = 0; j < NV; ++j) {
-      a0 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k0 + 8 * j), a0);
-      a1 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k1 + 8 * j), a1);
-      a2 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k2 + 8 * j), a2);
-      a3 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k3 + 8 * j), a3);
+      a0 = _mm256_fmadd_ps(qv[j], load8(k0 + 8 * j), a0);
+      a1 = _mm256_fmadd_ps(qv[j], load8(k1 + 8 * j), a1);
+      a2 = _mm256_fmadd_ps(qv[j], load8(k2 + 8 * j), a2);
+      a3 = _mm256_fmadd_ps(qv[j], load8(k3 + 8 * j), a3);
     }
     // the four sums at once, each in hsum8's order ((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7))
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -768,10 +800,10 @@ void attend_row_fixed(const float* __restrict q, const float* __restrict k, int6
     _mm_storeu_ps(scores + t, _mm_mul_ps(s4, _mm_set1_ps(scale)));
   }
   for (; t < n; ++t) {
-    const float* kt = k + slot(t) * ks;
+    const KV* kt = k + slot(t) * ks;
     __m256 acc = _mm256_setzero_ps();
 #pragma GCC unroll 16
-    for (int j = 0; j < NV; ++j) acc = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(kt + 8 * j), acc);
+    for (int j = 0; j < NV; ++j) acc = _mm256_fmadd_ps(qv[j], load8(kt + 8 * j), acc);
     scores[t] = hsum8(acc) * scale;
   }
   softmax_exps(scores, n);
@@ -789,8 +821,8 @@ constexpr int64_t kKeyBlockBytes = 16384;
 // 8 lanes, the high half b's, each lane the same FMA chain over d as attend_row_fixed's, and each block of four keys'
 // sums reduced as attend_queries_fixed reduces them (the shuffle pairs below add exactly what _mm256_hadd_ps adds, in
 // each 128-bit lane, and a query's two 128-bit halves are then added low + high): the same bits, with half the FMAs.
-template <int NV>
-inline void pair_scores(const float* qa, const float* qb, const float* __restrict k, int64_t ks, int64_t t0, int64_t t1,
+template <int NV, typename KV>
+inline void pair_scores(const float* qa, const float* qb, const KV* __restrict k, int64_t ks, int64_t t0, int64_t t1,
                         float scale, float* __restrict sa, float* __restrict sb) {
   __m512 qv[NV];
 #pragma GCC unroll 16
@@ -798,17 +830,17 @@ inline void pair_scores(const float* qa, const float* qb, const float* __restric
     qv[u] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(qa + 8 * u)), _mm256_loadu_ps(qb + 8 * u), 1);
   const __m512 sv = _mm512_set1_ps(scale);
   for (int64_t t = t0; t < t1; t += 4) {
-    const float* k0 = k + t * ks;
-    const float* k1 = k0 + ks;
-    const float* k2 = k1 + ks;
-    const float* k3 = k2 + ks;
+    const KV* k0 = k + t * ks;
+    const KV* k1 = k0 + ks;
+    const KV* k2 = k1 + ks;
+    const KV* k3 = k2 + ks;
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
 #pragma GCC unroll 16
     for (int u = 0; u < NV; ++u) {
-      a0 = _mm512_fmadd_ps(qv[u], _mm512_broadcast_f32x8(_mm256_loadu_ps(k0 + 8 * u)), a0);
-      a1 = _mm512_fmadd_ps(qv[u], _mm512_broadcast_f32x8(_mm256_loadu_ps(k1 + 8 * u)), a1);
-      a2 = _mm512_fmadd_ps(qv[u], _mm512_broadcast_f32x8(_mm256_loadu_ps(k2 + 8 * u)), a2);
-      a3 = _mm512_fmadd_ps(qv[u], _mm512_broadcast_f32x8(_mm256_loadu_ps(k3 + 8 * u)), a3);
+      a0 = _mm512_fmadd_ps(qv[u], _mm512_broadcast_f32x8(load8(k0 + 8 * u)), a0);
+      a1 = _mm512_fmadd_ps(qv[u], _mm512_broadcast_f32x8(load8(k1 + 8 * u)), a1);
+      a2 = _mm512_fmadd_ps(qv[u], _mm512_broadcast_f32x8(load8(k2 + 8 * u)), a2);
+      a3 = _mm512_fmadd_ps(qv[u], _mm512_broadcast_f32x8(load8(k3 + 8 * u)), a3);
     }
     const __m512 h01 = _mm512_add_ps(_mm512_shuffle_ps(a0, a1, 0x88), _mm512_shuffle_ps(a0, a1, 0xDD));
     const __m512 h23 = _mm512_add_ps(_mm512_shuffle_ps(a2, a3, 0x88), _mm512_shuffle_ps(a2, a3, 0xDD));
@@ -822,8 +854,8 @@ inline void pair_scores(const float* qa, const float* qb, const float* __restric
 // Two queries' outputs over keys [i0, i1) of the context both see (finish_output's arithmetic for each: the same chain
 // per lane over the keys, 16 lanes a register, and its sum added in the same order), continued from and back into
 // their running outputs xa, xb (D floats each) and sums: a block's values read once for both.
-template <int NV>
-inline void pair_values(const float* sa, const float* sb, const float* __restrict v, int64_t vs, int64_t i0,
+template <int NV, typename KV>
+inline void pair_values(const float* sa, const float* sb, const KV* __restrict v, int64_t vs, int64_t i0,
                         int64_t i1, float* xa, float* xb, float& suma, float& sumb) {
   constexpr int W = NV / 2;
   __m512 oa[W], ob[W];
@@ -831,13 +863,13 @@ inline void pair_values(const float* sa, const float* sb, const float* __restric
   for (int w = 0; w < W; ++w) oa[w] = _mm512_loadu_ps(xa + 16 * w), ob[w] = _mm512_loadu_ps(xb + 16 * w);
   float a = suma, b = sumb;
   for (int64_t i = i0; i < i1; ++i) {
-    const float* vt = v + i * vs;
+    const KV* vt = v + i * vs;
     a += sa[i];
     b += sb[i];
     const __m512 pa = _mm512_set1_ps(sa[i]), pb = _mm512_set1_ps(sb[i]);
 #pragma GCC unroll 8
     for (int w = 0; w < W; ++w) {
-      const __m512 x = _mm512_loadu_ps(vt + 16 * w);
+      const __m512 x = load16(vt + 16 * w);
       oa[w] = _mm512_fmadd_ps(pa, x, oa[w]);
       ob[w] = _mm512_fmadd_ps(pb, x, ob[w]);
     }
@@ -855,9 +887,9 @@ inline void pair_values(const float* sa, const float* sb, const float* __restric
 // context) are read once for all of them instead of once per row, so a verify of q rows streams the context's keys
 // once, not q times (its values from memory once, then per row from L1/L2). On AVX-512 the queries go in pairs, 16
 // lanes a register, over blocks of keys that stay in L1 while every pair reads them (pair_scores, pair_values).
-template <int NV>
-void attend_queries_fixed(const float* const* qs, int64_t nq, const float* __restrict k, int64_t ks,
-                          const float* __restrict v, int64_t vs, int64_t shared, const int64_t* ns, const KeySlots* slots,
+template <int NV, typename KV>
+void attend_queries_fixed(const float* const* qs, int64_t nq, const KV* __restrict k, int64_t ks,
+                          const KV* __restrict v, int64_t vs, int64_t shared, const int64_t* ns, const KeySlots* slots,
                           float scale, float* __restrict scores, int64_t stride, float* const* outs) {
   const __m256 sv = _mm256_set1_ps(scale);
   const int64_t blocks = shared / 4 * 4;
@@ -865,26 +897,37 @@ void attend_queries_fixed(const float* const* qs, int64_t nq, const float* __res
 #ifdef __AVX512F__
   paired = nq / 2 * 2;
   const int64_t kb = std::max<int64_t>(4, kKeyBlockBytes / (NV * 32) / 4 * 4);  // keys a block (NV * 32 bytes a key)
-  for (int64_t t0 = 0; t0 < blocks && paired; t0 += kb)
+  thread_local std::vector<float> wide;  // a bfloat16 block widened once for two pairs or more (widen_rows)
+  const bool widen = std::is_same_v<KV, c10::BFloat16> && paired >= 4;
+  if (widen) wide.resize(kb * NV * 8);
+  for (int64_t t0 = 0; t0 < blocks && paired; t0 += kb) {
+    const int64_t t1 = std::min(blocks, t0 + kb);
+    if (widen) {
+      widen_rows(k + t0 * ks, ks, t1 - t0, NV * 8, wide.data());
+      for (int64_t j = 0; j < paired; j += 2)
+        pair_scores<NV>(qs[j], qs[j + 1], wide.data(), NV * 8, 0, t1 - t0, scale, scores + j * stride + t0,
+                        scores + (j + 1) * stride + t0);
+      continue;
+    }
     for (int64_t j = 0; j < paired; j += 2)
-      pair_scores<NV>(qs[j], qs[j + 1], k, ks, t0, std::min(blocks, t0 + kb), scale, scores + j * stride,
-                      scores + (j + 1) * stride);
+      pair_scores<NV>(qs[j], qs[j + 1], k, ks, t0, t1, scale, scores + j * stride, scores + (j + 1) * stride);
+  }
 #endif
   for (int64_t t = 0; t < blocks && paired < nq; t += 4) {
-    const float* k0 = k + t * ks;
-    const float* k1 = k0 + ks;
-    const float* k2 = k1 + ks;
-    const float* k3 = k2 + ks;
+    const KV* k0 = k + t * ks;
+    const KV* k1 = k0 + ks;
+    const KV* k2 = k1 + ks;
+    const KV* k3 = k2 + ks;
     for (int64_t j = paired; j < nq; ++j) {
       const float* q = qs[j];
       __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
 #pragma GCC unroll 16
       for (int u = 0; u < NV; ++u) {
         const __m256 qv = _mm256_loadu_ps(q + 8 * u);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 8 * u), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + 8 * u), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + 8 * u), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + 8 * u), a3);
+        a0 = _mm256_fmadd_ps(qv, load8(k0 + 8 * u), a0);
+        a1 = _mm256_fmadd_ps(qv, load8(k1 + 8 * u), a1);
+        a2 = _mm256_fmadd_ps(qv, load8(k2 + 8 * u), a2);
+        a3 = _mm256_fmadd_ps(qv, load8(k3 + 8 * u), a3);
       }
       const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
       const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
@@ -894,10 +937,10 @@ void attend_queries_fixed(const float* const* qs, int64_t nq, const float* __res
   for (int64_t j = 0; j < nq; ++j) {  // the rest of each query's keys, one at a time (hsum8: the same order)
     const float* q = qs[j];
     for (int64_t u = blocks; u < ns[j]; ++u) {
-      const float* kt = k + slots[j](u) * ks;
+      const KV* kt = k + slots[j](u) * ks;
       __m256 a = _mm256_setzero_ps();
 #pragma GCC unroll 16
-      for (int w = 0; w < NV; ++w) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * w), _mm256_loadu_ps(kt + 8 * w), a);
+      for (int w = 0; w < NV; ++w) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * w), load8(kt + 8 * w), a);
       scores[j * stride + u] = hsum8(a) * scale;
     }
   }
@@ -909,10 +952,19 @@ void attend_queries_fixed(const float* const* qs, int64_t nq, const float* __res
     thread_local std::vector<float> x, sums;  // the pairs' running outputs and sums (no allocation per pass)
     x.assign(paired * NV * 8, 0.f);
     sums.assign(paired, 0.f);
-    for (int64_t i0 = 0; i0 < common; i0 += kb)
+    for (int64_t i0 = 0; i0 < common; i0 += kb) {
+      const int64_t i1 = std::min(common, i0 + kb);
+      if (widen) {
+        widen_rows(v + i0 * vs, vs, i1 - i0, NV * 8, wide.data());
+        for (int64_t j = 0; j < paired; j += 2)
+          pair_values<NV>(scores + j * stride + i0, scores + (j + 1) * stride + i0, wide.data(), NV * 8, 0, i1 - i0,
+                          x.data() + j * NV * 8, x.data() + (j + 1) * NV * 8, sums[j], sums[j + 1]);
+        continue;
+      }
       for (int64_t j = 0; j < paired; j += 2)
-        pair_values<NV>(scores + j * stride, scores + (j + 1) * stride, v, vs, i0, std::min(common, i0 + kb),
-                        x.data() + j * NV * 8, x.data() + (j + 1) * NV * 8, sums[j], sums[j + 1]);
+        pair_values<NV>(scores + j * stride, scores + (j + 1) * stride, v, vs, i0, i1, x.data() + j * NV * 8,
+                        x.data() + (j + 1) * NV * 8, sums[j], sums[j + 1]);
+    }
     for (int64_t j = 0; j < paired; ++j)
       finish_output<8 * NV>(x.data() + j * NV * 8, sums[j], scores + j * stride, common, ns[j], slots[j], v, vs, outs[j]);
   }
@@ -922,6 +974,16 @@ void attend_queries_fixed(const float* const* qs, int64_t nq, const float* __res
 }
 
 }  // namespace
+
+// One new row's D floats into a cache row: float32 as they are, bfloat16 rounded to nearest even (c10::BFloat16's).
+inline void store_row(const float* src, int64_t D, const torch::Tensor& cache, int64_t offset) {
+  if (cache.scalar_type() == torch::kBFloat16) {
+    uint16_t* dst = reinterpret_cast<uint16_t*>(cache.data_ptr()) + offset;
+    for (int64_t d = 0; d < D; ++d) dst[d] = c10::BFloat16(src[d]).x;
+  } else {
+    std::copy_n(src, D, cache.data_ptr<float>() + offset);
+  }
+}
 
 // causal = false: every row of request i sees all lengths[i] keys (the drafter's full attention over its context and
 // block); the rest is the same computation. parents (empty, or one per row; causal only): a draft tree's rows, each
@@ -942,8 +1004,10 @@ torch::Tensor attend_rows(torch::Tensor q, c10::optional<torch::Tensor> k_new, c
   for (int64_t i = 0; i < N; ++i) {
     const auto& k = keys[i];
     const auto& v = values[i];
-    TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.scalar_type() == torch::kFloat32 && v.scalar_type() == torch::kFloat32,
-                "attend: keys and values must be float32 [Hkv, L, D]");
+    TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.scalar_type() == keys[0].scalar_type() &&
+                v.scalar_type() == keys[0].scalar_type() &&
+                (k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kBFloat16),
+                "attend: keys and values must be float32 or bfloat16 [Hkv, L, D], every request's alike");
     TORCH_CHECK(k.size(2) == D && v.size(2) == D && k.stride(2) == 1 && v.stride(2) == 1 && k.size(0) == v.size(0) &&
                 k.size(1) == v.size(1) && Hq % k.size(0) == 0, "attend: keys/values do not match q");
     TORCH_CHECK(lengths[i] >= 0 && lengths[i] <= k.size(1), "attend: a length exceeds its keys' capacity");
@@ -981,10 +1045,8 @@ torch::Tensor attend_rows(torch::Tensor q, c10::optional<torch::Tensor> k_new, c
       const auto& v = values[i];
       TORCH_CHECK(kn.size(1) == k.size(0) && vn.size(1) == v.size(0), "attend: k_new/v_new heads do not match the cache");
       for (int64_t h = 0; h < k.size(0); ++h) {
-        std::copy_n(kn.data_ptr<float>() + r * kn.stride(0) + h * kn.stride(1), D,
-                    k.data_ptr<float>() + h * k.stride(0) + pos * k.stride(1));
-        std::copy_n(vn.data_ptr<float>() + r * vn.stride(0) + h * vn.stride(1), D,
-                    v.data_ptr<float>() + h * v.stride(0) + pos * v.stride(1));
+        store_row(kn.data_ptr<float>() + r * kn.stride(0) + h * kn.stride(1), D, k, h * k.stride(0) + pos * k.stride(1));
+        store_row(vn.data_ptr<float>() + r * vn.stride(0) + h * vn.stride(1), D, v, h * v.stride(0) + pos * v.stride(1));
       }
     }
   }
@@ -992,6 +1054,10 @@ torch::Tensor attend_rows(torch::Tensor q, c10::optional<torch::Tensor> k_new, c
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
+  // a bfloat16 cache is read by the same passes, each key and value widened exactly as it is loaded (load8, load16)
+  const bool bf16 = N > 0 && keys[0].scalar_type() == torch::kBFloat16;
+  const auto head_of = [](const torch::Tensor& t, int64_t h) { return static_cast<const char*>(t.data_ptr()) +
+                                                                     h * t.stride(0) * t.element_size(); };
   // one unit per (request, head) where each request's rows share a cached context at least twice their number (a
   // verify, a draft block, a decode row): a thread's consecutive units of one request and one key/value head (the
   // query heads of a GQA group) run as one pass, whose rows of every such head read the context's keys once and its
@@ -1029,17 +1095,21 @@ torch::Tensor attend_rows(torch::Tensor q, c10::optional<torch::Tensor> k_new, c
           }
         const int64_t shared = causal ? base : lengths[i];
         if (static_cast<int64_t>(scores.size()) < m * longest) scores.resize(m * longest);
-        const float* kp = k.data_ptr<float>() + kh * k.stride(0);
-        const float* vp = v.data_ptr<float>() + kh * v.stride(0);
-        if (m == 1) {  // one row of one head: its query and output stay in registers (attend_row_fixed)
-          if (D == 64) attend_row_fixed<8>(qs[0], kp, k.stride(1), vp, v.stride(1), ns[0], sc, scores.data(), outs[0], slots[0]);
-          else attend_row_fixed<16>(qs[0], kp, k.stride(1), vp, v.stride(1), ns[0], sc, scores.data(), outs[0], slots[0]);
-        } else if (D == 64)
-          attend_queries_fixed<8>(qs.data(), m, kp, k.stride(1), vp, v.stride(1), shared, ns.data(), slots.data(), sc,
-                                  scores.data(), longest, outs.data());
+        const auto pass = [&](auto kp, auto vp) {
+          if (m == 1) {  // one row of one head: its query and output stay in registers (attend_row_fixed)
+            if (D == 64) attend_row_fixed<8>(qs[0], kp, k.stride(1), vp, v.stride(1), ns[0], sc, scores.data(), outs[0], slots[0]);
+            else attend_row_fixed<16>(qs[0], kp, k.stride(1), vp, v.stride(1), ns[0], sc, scores.data(), outs[0], slots[0]);
+          } else if (D == 64)
+            attend_queries_fixed<8>(qs.data(), m, kp, k.stride(1), vp, v.stride(1), shared, ns.data(), slots.data(), sc,
+                                    scores.data(), longest, outs.data());
+          else
+            attend_queries_fixed<16>(qs.data(), m, kp, k.stride(1), vp, v.stride(1), shared, ns.data(), slots.data(), sc,
+                                     scores.data(), longest, outs.data());
+        };
+        if (bf16)
+          pass(reinterpret_cast<const c10::BFloat16*>(head_of(k, kh)), reinterpret_cast<const c10::BFloat16*>(head_of(v, kh)));
         else
-          attend_queries_fixed<16>(qs.data(), m, kp, k.stride(1), vp, v.stride(1), shared, ns.data(), slots.data(), sc,
-                                   scores.data(), longest, outs.data());
+          pass(reinterpret_cast<const float*>(head_of(k, kh)), reinterpret_cast<const float*>(head_of(v, kh)));
       }
     });
     return out;
@@ -1070,29 +1140,33 @@ torch::Tensor attend_rows(torch::Tensor q, c10::optional<torch::Tensor> k_new, c
       const int64_t n = tree ? base + path0[r + 1] - path0[r] : causal ? base + (r - first[i]) + 1 : lengths[i];
       const KeySlots slot{tree ? base : n, tree ? path.data() + path0[r] : nullptr};
       if (static_cast<int64_t>(scores.size()) < per * n) scores.resize(per * n);
-      const float* kp = k.data_ptr<float>() + kh * k.stride(0);
-      const float* vp = v.data_ptr<float>() + kh * v.stride(0);
-      if (per > 1) {
-        for (int64_t a = 0; a < per; ++a) {
-          qs[a] = qp + (r * Hq + h + a) * D;
-          outs[a] = op + r * Hq * D + (h + a) * D;
-          ns[a] = n;
-          slots[a] = slot;
+      const auto unit = [&](auto kp, auto vp) {
+        if (per > 1) {
+          for (int64_t a = 0; a < per; ++a) {
+            qs[a] = qp + (r * Hq + h + a) * D;
+            outs[a] = op + r * Hq * D + (h + a) * D;
+            ns[a] = n;
+            slots[a] = slot;
+          }
+          const int64_t shared = tree ? base : n;  // the keys read in slot order
+          if (D == 64)
+            attend_queries_fixed<8>(qs.data(), per, kp, k.stride(1), vp, v.stride(1), shared, ns.data(), slots.data(),
+                                    sc, scores.data(), n, outs.data());
+          else
+            attend_queries_fixed<16>(qs.data(), per, kp, k.stride(1), vp, v.stride(1), shared, ns.data(), slots.data(),
+                                     sc, scores.data(), n, outs.data());
+          return;
         }
-        const int64_t shared = tree ? base : n;  // the keys read in slot order
-        if (D == 64)
-          attend_queries_fixed<8>(qs.data(), per, kp, k.stride(1), vp, v.stride(1), shared, ns.data(), slots.data(), sc,
-                                  scores.data(), n, outs.data());
-        else
-          attend_queries_fixed<16>(qs.data(), per, kp, k.stride(1), vp, v.stride(1), shared, ns.data(), slots.data(),
-                                   sc, scores.data(), n, outs.data());
-        continue;
-      }
-      const float* qr = qp + (r * Hq + h) * D;
-      float* orow = op + r * Hq * D + h * D;
-      if (D == 64) attend_row_fixed<8>(qr, kp, k.stride(1), vp, v.stride(1), n, sc, scores.data(), orow, slot);
-      else if (D == 128) attend_row_fixed<16>(qr, kp, k.stride(1), vp, v.stride(1), n, sc, scores.data(), orow, slot);
-      else attend_row(qr, kp, k.stride(1), vp, v.stride(1), n, D, sc, scores.data(), orow, slot);
+        const float* qr = qp + (r * Hq + h) * D;
+        float* orow = op + r * Hq * D + h * D;
+        if (D == 64) attend_row_fixed<8>(qr, kp, k.stride(1), vp, v.stride(1), n, sc, scores.data(), orow, slot);
+        else if (D == 128) attend_row_fixed<16>(qr, kp, k.stride(1), vp, v.stride(1), n, sc, scores.data(), orow, slot);
+        else attend_row(qr, kp, k.stride(1), vp, v.stride(1), n, D, sc, scores.data(), orow, slot);
+      };
+      if (bf16)
+        unit(reinterpret_cast<const c10::BFloat16*>(head_of(k, kh)), reinterpret_cast<const c10::BFloat16*>(head_of(v, kh)));
+      else
+        unit(reinterpret_cast<const float*>(head_of(k, kh)), reinterpret_cast<const float*>(head_of(v, kh)));
     }
   });
   return out;
