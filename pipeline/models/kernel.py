@@ -178,7 +178,7 @@ def kernel_isa() -> str | None:
 
 
 def set_amx(on: bool) -> bool:
-    """Run the kernel's int8 products of several rows (q4 from 12, q8 from 4) on AMX tiles (on) or AVX-512 VNNI alone
+    """Run the kernel's int8 products of 12 rows or more (q4 and q8) on AMX tiles (on) or AVX-512 VNNI alone
     (off); the same bits either way (``smallm.cpp`` int8_tile_amx). Granted only where the CPU has AMX-INT8 and Linux
     lets this process use the tile state. Returns whether they now run on AMX (loads the kernel)."""
     global _amx
