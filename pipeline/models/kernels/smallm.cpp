@@ -592,11 +592,11 @@ torch::Tensor unpack_exact(int64_t fmt, torch::Tensor q, torch::Tensor d, torch:
 //
 // q [R, Hq, D] float32: the rows of N requests, request i's r_i rows consecutive (rows[i] = r_i); keys[i], values[i]
 // [Hkv, C_i, D] float32 or bfloat16, every request's alike (any strides, the last dim contiguous): request i's cache
-// buffer, of which the first
-// lengths[i] = L_i positions hold its keys/values with its new rows', so request i's row j (position L_i - r_i + j)
-// sees keys 0 .. L_i - r_i + j. With k_new / v_new [R, Hkv, D] (any strides, the last dim contiguous) the new rows'
-// keys/values are first written into the buffers at positions L_i - r_i .. L_i - 1 (the cache append, in the same
-// call); without them the buffers already hold them. Query head h reads kv head h / (Hq / Hkv). Returns
+// buffer, of which the first lengths[i] = L_i positions hold its keys/values with its new rows', so request i's row j
+// (position L_i - r_i + j) sees keys 0 .. L_i - r_i + j. With k_new / v_new [R, Hkv, D] float32 (any strides, the last
+// dim contiguous) the new rows' keys/values are first written into the buffers at positions L_i - r_i .. L_i - 1 (the
+// cache append, in the same call; rounded to nearest even into a bfloat16 cache); without them the buffers already
+// hold them. Query head h reads kv head h / (Hq / Hkv). Returns
 // [R, Hq * D] (the heads of a row side by side, as the o projection reads them).
 //
 // Each (row, head) output is a fixed computation of that row's own inputs: every score is one FMA chain over D in
@@ -677,6 +677,7 @@ inline __m512 load16(const c10::BFloat16* p) {
 }
 #endif
 inline float to_f(float x) { return x; }
+inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
 #ifdef __AVX512F__
 // Rows [0, n) of D (a multiple of 16) values s apart, widened into float32 rows of D (a block the paired queries read
 // from L1, each value widened once instead of once per pair).
@@ -686,7 +687,6 @@ inline void widen_rows(const c10::BFloat16* src, int64_t s, int64_t n, int64_t D
 }
 inline void widen_rows(const float*, int64_t, int64_t, int64_t, float*) {}  // never called: a float32 cache is read as is
 #endif
-inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
 
 // Which cache slot a row's t-th visible key sits in: slots 0..ctx-1 in order, then tail[t - ctx] (a draft tree's
 // ancestors, root first, then the row itself). A chain or causal row reads tail = nullptr and ctx = n: every key in
