@@ -25,8 +25,8 @@ from torch import nn
 
 from pipeline.models.backend import SMALLM, SMALLM_MAX_ROWS, LMHead, packed_kind, resolve_backend, set_backend
 from pipeline.models.cache import reserve_rows, resolve_kv_cache
-from pipeline.models.native import (Bf16Head, Int8Head, NativeStack, build_draft_stack, resolve_draft_precision, resolve_kv_dtype,
-                                    resolve_precision)
+from pipeline.models.native import (Bf16Head, Int8Head, NativeStack, build_draft_stack, resolve_draft_precision,
+                                    resolve_kv_dtype, resolve_precision)
 
 LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")

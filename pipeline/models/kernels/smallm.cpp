@@ -685,7 +685,6 @@ inline void widen_rows(const c10::BFloat16* src, int64_t s, int64_t n, int64_t D
   for (int64_t t = 0; t < n; ++t)
     for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + t * D + d, load16(src + t * s + d));
 }
-inline void widen_rows(const float*, int64_t, int64_t, int64_t, float*) {}  // never called: a float32 cache is read as is
 #endif
 
 // Which cache slot a row's t-th visible key sits in: slots 0..ctx-1 in order, then tail[t - ctx] (a draft tree's
@@ -897,17 +896,20 @@ void attend_queries_fixed(const float* const* qs, int64_t nq, const KV* __restri
 #ifdef __AVX512F__
   paired = nq / 2 * 2;
   const int64_t kb = std::max<int64_t>(4, kKeyBlockBytes / (NV * 32) / 4 * 4);  // keys a block (NV * 32 bytes a key)
+  constexpr bool bf16 = std::is_same_v<KV, c10::BFloat16>;
   thread_local std::vector<float> wide;  // a bfloat16 block widened once for two pairs or more (widen_rows)
-  const bool widen = std::is_same_v<KV, c10::BFloat16> && paired >= 4;
+  const bool widen = bf16 && paired >= 4;
   if (widen) wide.resize(kb * NV * 8);
   for (int64_t t0 = 0; t0 < blocks && paired; t0 += kb) {
     const int64_t t1 = std::min(blocks, t0 + kb);
-    if (widen) {
-      widen_rows(k + t0 * ks, ks, t1 - t0, NV * 8, wide.data());
-      for (int64_t j = 0; j < paired; j += 2)
-        pair_scores<NV>(qs[j], qs[j + 1], wide.data(), NV * 8, 0, t1 - t0, scale, scores + j * stride + t0,
-                        scores + (j + 1) * stride + t0);
-      continue;
+    if constexpr (bf16) {
+      if (widen) {
+        widen_rows(k + t0 * ks, ks, t1 - t0, NV * 8, wide.data());
+        for (int64_t j = 0; j < paired; j += 2)
+          pair_scores<NV>(qs[j], qs[j + 1], wide.data(), NV * 8, 0, t1 - t0, scale, scores + j * stride + t0,
+                          scores + (j + 1) * stride + t0);
+        continue;
+      }
     }
     for (int64_t j = 0; j < paired; j += 2)
       pair_scores<NV>(qs[j], qs[j + 1], k, ks, t0, t1, scale, scores + j * stride, scores + (j + 1) * stride);
@@ -954,12 +956,14 @@ void attend_queries_fixed(const float* const* qs, int64_t nq, const KV* __restri
     sums.assign(paired, 0.f);
     for (int64_t i0 = 0; i0 < common; i0 += kb) {
       const int64_t i1 = std::min(common, i0 + kb);
-      if (widen) {
-        widen_rows(v + i0 * vs, vs, i1 - i0, NV * 8, wide.data());
-        for (int64_t j = 0; j < paired; j += 2)
-          pair_values<NV>(scores + j * stride + i0, scores + (j + 1) * stride + i0, wide.data(), NV * 8, 0, i1 - i0,
-                          x.data() + j * NV * 8, x.data() + (j + 1) * NV * 8, sums[j], sums[j + 1]);
-        continue;
+      if constexpr (bf16) {
+        if (widen) {
+          widen_rows(v + i0 * vs, vs, i1 - i0, NV * 8, wide.data());
+          for (int64_t j = 0; j < paired; j += 2)
+            pair_values<NV>(scores + j * stride + i0, scores + (j + 1) * stride + i0, wide.data(), NV * 8, 0, i1 - i0,
+                            x.data() + j * NV * 8, x.data() + (j + 1) * NV * 8, sums[j], sums[j + 1]);
+          continue;
+        }
       }
       for (int64_t j = 0; j < paired; j += 2)
         pair_values<NV>(scores + j * stride, scores + (j + 1) * stride, v, vs, i0, i1, x.data() + j * NV * 8,
