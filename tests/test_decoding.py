@@ -10,7 +10,7 @@ import torch
 
 from pipeline.decoding import DecodeConfig, EMASchedule, FixedSchedule
 from pipeline.decoding.conversation import decode_prompt
-from pipeline.decoding.sampling import PositionKeyedSampler
+from pipeline.decoding.sampling import PositionKeyedSampler, argmax_rows
 from pipeline.prompts import Prompt, chat_input_ids
 
 # Prompts in the tiny drafter's training distribution (accepted drafts) and outside it (tau ~ 1).
@@ -177,6 +177,18 @@ def test_sampler_noise_depends_only_on_seed_and_position():
     assert torch.equal(PositionKeyedSampler(0.0, 3, 50).pick(logits, 10), logits.argmax(-1))
     with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
         PositionKeyedSampler(-0.1, 0, 50)
+
+
+def test_the_greedy_pick_is_the_first_maximum_as_argmax_takes_it():
+    g = torch.Generator().manual_seed(1)
+    for case in range(200):
+        rows, vocab = int(torch.randint(1, 9, (1,), generator=g)), int(torch.randint(1, 60000, (1,), generator=g))
+        scores = torch.randint(-3, 3, (rows, vocab), generator=g).float()  # many ties per row
+        if case % 3 == 0:
+            scores[0, int(torch.randint(0, vocab, (1,), generator=g))] = float("nan")
+        if case % 7 == 0:
+            scores[-1] = float("-inf")
+        assert torch.equal(argmax_rows(scores), scores.argmax(dim=-1))
 
 
 def test_decoder_samples_the_first_token_from_the_target_distribution(tiny):

@@ -194,6 +194,33 @@ def test_compact_leaves_the_cache_of_the_accepted_path(smallm_decoder):
             assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
 
 
+@needs_smallm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compact_moves_rows_natively_as_slicing_keeps_them(monkeypatch, dtype):
+    from pipeline.models import cache as cache_module
+    from pipeline.models.kernel import smallm_kernel
+    from pipeline.models.cache import PreallocatedCache
+
+    smallm_kernel()  # loaded: compact moves rows in one native call
+    g = torch.Generator().manual_seed(3)
+    for rows in ([0, 2], [0, 1, 3, 6], [0, 3, 4], [0, 1, 2]):
+        states = [torch.randn(2, 1, 2, 12, 16, generator=g).to(dtype) for _ in range(3)]  # per layer: keys, values
+        caches = [PreallocatedCache(tokens=40), PreallocatedCache(tokens=40)]
+        for cache in caches:
+            for layer, kv in enumerate(states):
+                cache.update(kv[0].clone(), kv[1].clone(), layer)
+        with torch.inference_mode():
+            compact(caches[0], 5, rows)
+            monkeypatch.setattr(cache_module, "loaded_kernel", lambda: None)  # torch's indexed copies
+            compact(caches[1], 5, rows)
+            monkeypatch.undo()
+        kept = [*range(5), *(5 + r for r in rows)]
+        for cache in caches:
+            assert cache.get_seq_length() == len(kept)
+            for layer, kv in zip(cache.layers, states):
+                assert torch.equal(layer.keys, kv[0][:, :, kept]) and torch.equal(layer.values, kv[1][:, :, kept])
+
+
 # ------------------------------------------------------------------------------------------------
 # decoding with trees
 # ------------------------------------------------------------------------------------------------

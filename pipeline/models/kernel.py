@@ -169,6 +169,11 @@ def smallm_kernel():
 _module = None  # the loaded extension
 
 
+def loaded_kernel():
+    """The ``smallm`` extension where this process has already loaded it, else None (never builds it)."""
+    return _module
+
+
 def kernel_isa() -> str | None:
     """The instruction set of the smallm kernel loaded in this process (``avx512`` | ``avx2``, ``+amx`` where its int8
     products of several rows run on AMX tiles), or None when it is not loaded (not built yet, or unavailable here)."""

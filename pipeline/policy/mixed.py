@@ -54,8 +54,11 @@ REQUEST_PRIOR_WEIGHT = 8.0
 request whose matches fare worse than the method's (chat, role play: few long matches) stops verifying them."""
 
 
+_BUCKET_OF = tuple(max([0] + [i for i, lo in enumerate(MATCH_BUCKETS) if m >= lo]) for m in range(MATCH_BUCKETS[-1] + 1))
+
+
 def _bucket(match: int) -> int:
-    return max(i for i, lo in enumerate(MATCH_BUCKETS) if match >= lo)
+    return _BUCKET_OF[min(max(int(match), 0), MATCH_BUCKETS[-1])]
 
 
 class SourceStats:

@@ -2085,6 +2085,28 @@ class DraftStack {
   std::vector<Layer> layers_;
 };
 
+// Token rows moved inside KV buffers [B, H, L, D] (each row's D values contiguous): in every buffer, row src[j] goes to
+// row dst[j], j in order; a draft tree's accepted path moved behind its context (pipeline.models.cache.compact), in one
+// call instead of two indexed copies per layer. Rows ascend and dst[j] < src[j]: no move reads a row an earlier move wrote.
+void move_rows(std::vector<torch::Tensor> buffers, std::vector<int64_t> dst, std::vector<int64_t> src) {
+  TORCH_CHECK(dst.size() == src.size(), "move_rows: one destination per source row");
+  for (size_t j = 0; j < dst.size(); ++j)
+    TORCH_CHECK(dst[j] >= 0 && dst[j] <= src[j] && (j == 0 || (dst[j] > dst[j - 1] && src[j] > src[j - 1])),
+                "move_rows: rows must ascend, each moved back");
+  for (const auto& t : buffers) {
+    TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, "move_rows: buffers must be [B, H, L, D] with D contiguous");
+    TORCH_CHECK(dst.empty() || src.back() < t.size(2), "move_rows: a row beyond a buffer's length");
+    const int64_t bytes = t.size(3) * t.element_size(), es = t.element_size();
+    char* base = static_cast<char*>(t.data_ptr());
+    for (int64_t b = 0; b < t.size(0); ++b)
+      for (int64_t h = 0; h < t.size(1); ++h) {
+        char* head = base + (b * t.stride(0) + h * t.stride(1)) * es;
+        for (size_t j = 0; j < dst.size(); ++j)
+          if (dst[j] != src[j]) std::memmove(head + dst[j] * t.stride(2) * es, head + src[j] * t.stride(2) * es, bytes);
+      }
+  }
+}
+
 std::string isa() {
 #ifdef __AVX512F__
   return "avx512";
@@ -2114,6 +2136,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("q"), pybind11::arg("k_new"), pybind11::arg("v_new"), pybind11::arg("keys"), pybind11::arg("values"),
         pybind11::arg("rows"), pybind11::arg("lengths"), pybind11::arg("scale"),
         pybind11::arg("parents") = std::vector<int64_t>{});
+  m.def("move_rows", &move_rows, "token rows moved back inside KV buffers [B, H, L, D] (a tree's accepted path)",
+        pybind11::arg("buffers"), pybind11::arg("dst"), pybind11::arg("src"));
   m.def("unpack_exact", &unpack_exact, "the float32 weight that linear_exact computes with");
 #ifdef __AVX512F__
   m.def("linear_q4_int8", &linear_q4_int8, "q4 weights (VNNI layout) x int8 activations (AVX-512 VNNI)");
