@@ -377,8 +377,7 @@ class MixedSchedule(TreeSchedule):
             draft_ms = self.costs(tokens.shape[0] + 1, start)[0]
             drafted = grow(tokens, self.acceptance(probs), self.max_nodes)
         tree, self._tags = merge_paths(drafted, self._chains, self.max_nodes)
-        values = torch.tensor(tree.values, dtype=torch.float64)
-        n = self.choose_count(values, draft_ms, self._verify_ms(start, len(tree)))
+        n = self.choose_count(tree.values, draft_ms, self._verify_ms(start, len(tree)))
         verify_ms = self._verify_ms(start, n)
         self._step_ms, self._plain_rate = draft_ms + verify_ms[n], 1.0 / verify_ms[0]
         self._tags = self._tags[:n]

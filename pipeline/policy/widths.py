@@ -55,7 +55,9 @@ def best_count(gains: torch.Tensor, draft_ms: float, verify_ms: Sequence[float],
     Raises:
         ValueError: when ``verify_ms`` does not have len(gains)+1 values.
     """
-    gains = torch.as_tensor(gains, dtype=torch.float64).reshape(-1).tolist()  # a step's few drafts: Python floats
+    # a step's few drafts: Python floats (a list is taken as it is: a tensor round trip costs more than the loop)
+    gains = [float(g) for g in gains] if isinstance(gains, (list, tuple)) else \
+        torch.as_tensor(gains, dtype=torch.float64).reshape(-1).tolist()
     if len(verify_ms) != len(gains) + 1:
         raise ValueError(f"need {len(gains) + 1} verify costs (k = 0..{len(gains)}), got {len(verify_ms)}")
     best_k, best, best_rate, expected = 0, None, 0.0, 1.0
