@@ -47,12 +47,13 @@ class NgramIndex:
         self.max_n, self.keep = int(max_n), int(keep)
         self.max_tokens = None if max_tokens is None else int(max_tokens)
         self.segments: dict[int, list[int]] = {}
+        self._held = 0  # tokens over all segments (kept, not summed at every extend)
         self._next_id = 0
         self._tables: list[dict[tuple, list[tuple[int, int]]]] = [{} for _ in range(self.max_n + 1)]
 
     @property
     def tokens_held(self) -> int:
-        return sum(len(s) for s in self.segments.values())
+        return self._held
 
     def new_segment(self, tokens=()) -> int:
         """Start a segment (a sequence of its own: no n-gram spans two), optionally with ``tokens``; its id."""
@@ -67,6 +68,7 @@ class NgramIndex:
         seq = self.segments[sid]
         for token in tokens:
             seq.append(int(token))
+            self._held += 1
             end = len(seq) - 1
             for n in range(1, min(self.max_n, end + 1) + 1):
                 places = self._tables[n].setdefault(tuple(seq[end - n + 1:]), [])
@@ -78,14 +80,14 @@ class NgramIndex:
 
     def _evict(self, keep: int) -> None:
         """Drop the oldest segments (never ``keep``) until the bound holds, then re-index what is left."""
-        while self.tokens_held > self.max_tokens and len(self.segments) > 1:
+        while self._held > self.max_tokens and len(self.segments) > 1:
             oldest = next(s for s in self.segments if s != keep)
-            del self.segments[oldest]
-        if self.tokens_held > self.max_tokens:  # one segment longer than the bound: keep its tail
+            self._held -= len(self.segments.pop(oldest))
+        if self._held > self.max_tokens:  # one segment longer than the bound: keep its tail
             seq = self.segments[keep]
             del seq[: len(seq) - self.max_tokens]
         segments = self.segments
-        self.segments, self._tables = {}, [{} for _ in range(self.max_n + 1)]
+        self.segments, self._tables, self._held = {}, [{} for _ in range(self.max_n + 1)], 0
         for sid, seq in segments.items():
             self.segments[sid] = []
             self.extend(sid, seq)
