@@ -192,6 +192,8 @@ def merge_paths(tree: DraftTree, chains: list[tuple[list[int], list[float], list
     Returns:
         (the merged tree, each node's tags: the chain tags that landed on it).
     """
+    if not len(tree) and len(chains) == 1 and all(0.0 <= float(a) <= 1.0 for a in chains[0][1]):
+        return _chain_tree(*chains[0], max_nodes)  # the free sources' usual step: one continuation, no drafter
     tokens, parents, ranks, conds, tags = [], [], [], [], []
     children: dict[tuple[int, int], int] = {}
     for j, (tok, p) in enumerate(zip(tree.tokens, tree.parents)):
@@ -230,6 +232,20 @@ def merge_paths(tree: DraftTree, chains: list[tuple[list[int], list[float], list
                        [tuple(sorted({t[0] for t in tags[j]} | ({"drafter"} if j < len(tree) else set())))
                         for j in order])
     return merged, [tags[j] for j in order]
+
+
+def _chain_tree(tokens: list[int], conds: list[float], tags: list[object], max_nodes: int
+                ) -> tuple[DraftTree, list[list[object]]]:
+    """``merge_paths`` of one chain and no drafted tree, without the trie: the chain itself, each node's value the
+    product of its acceptances along the path (the same floats: a lone child's acceptance is never scaled down), its
+    first ``max_nodes`` nodes (already best first: a path's value never grows)."""
+    n = min(len(tokens), int(max_nodes))
+    values, value = [], 1.0
+    for a in conds[:n]:
+        value = float(a) * value
+        values.append(value)
+    return (DraftTree([int(t) for t in tokens[:n]], list(range(-1, n - 1)), list(range(1, n + 1)), [0] * n, values,
+                      [(tag[0],) for tag in tags[:n]]), [[tag] for tag in tags[:n]])
 
 
 class MixedSchedule(TreeSchedule):
@@ -377,8 +393,8 @@ class MixedSchedule(TreeSchedule):
             draft_ms = self.costs(tokens.shape[0] + 1, start)[0]
             drafted = grow(tokens, self.acceptance(probs), self.max_nodes)
         tree, self._tags = merge_paths(drafted, self._chains, self.max_nodes)
-        n = self.choose_count(tree.values, draft_ms, self._verify_ms(start, len(tree)))
-        verify_ms = self._verify_ms(start, n)
+        verify_ms = self._verify_ms(start, len(tree))
+        n = self.choose_count(tree.values, draft_ms, verify_ms)
         self._step_ms, self._plain_rate = draft_ms + verify_ms[n], 1.0 / verify_ms[0]
         self._tags = self._tags[:n]
         return tree.prefix(n)
