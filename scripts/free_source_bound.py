@@ -25,20 +25,16 @@ import json
 
 from pipeline.decoding.sources import NgramIndex
 from pipeline.models.target import load_target
+from pipeline.policy.mixed import continuations
 from pipeline.prompts import chat_input_ids, humaneval_prompts
 
 MAX_NODES, BRANCHES, MAX_N = 15, 2, 4
 
 
 def proposals(own: NgramIndex, seg: int, cache: NgramIndex, cseg: int, room: int):
-    """``mixed``'s lookups (``MixedSchedule.prepare``): the request's own continuations, then the suffix cache's."""
-    tokens = own.segments[seg]
-    found = own.lookup(tokens, room, BRANCHES, exclude=(seg, len(tokens) - 1)) if room > 0 else []
-    if room > 0 and len(found) < BRANCHES:
-        firsts = {c.tokens[0] for c in found}
-        found += [c for c in cache.lookup(tokens, room, BRANCHES, exclude=(cseg, len(cache.segments[cseg]) - 1),
-                                          source="cache") if c.tokens[0] not in firsts][: BRANCHES - len(found)]
-    return found
+    """``mixed``'s lookups, as ``MixedSchedule.prepare`` makes them: the request's own continuations, then the suffix
+    cache's."""
+    return continuations(own.segments[seg], room, BRANCHES, own, seg, cache, cseg)
 
 
 def replay(outputs: dict, prompt_ids: dict, choose, costs, oracle: bool = False) -> tuple[float, float, float]:

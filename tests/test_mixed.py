@@ -148,19 +148,6 @@ def test_a_merged_tree_holds_each_source_chain(seed):
     assert len(small) <= 5 and all(p < j for j, p in enumerate(small.parents))
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_one_chain_merges_to_the_tree_the_trie_builds(seed):
-    rng = random.Random(seed)
-    for _ in range(50):
-        n = rng.randrange(1, 12)
-        conds = [rng.choice([0.0, 1.0, rng.random()]) for _ in range(n)]
-        chain = ([rng.randrange(3, 9) for _ in range(n)], conds, [(rng.choice(["ngram", "cache"]), 3, d) for d in range(n)])
-        for max_nodes in (3, 15):
-            fast = merge_paths(DraftTree(), [chain], max_nodes)
-            trie = merge_paths(DraftTree(), [chain, ([], [], [])], max_nodes)  # two chains: the general path
-            assert fast == trie
-
-
 def test_source_stats_converge_to_the_observed_rate():
     stats = SourceStats()
     rng = random.Random(0)

@@ -113,8 +113,6 @@ class ObservedCosts:
                              f"{min_samples}, {clip}")
         self.weight, self.min_samples, self.clip = float(weight), int(min_samples), float(clip)
         self.logs: dict[int, list[float]] = {}  # rows -> [samples, running mean of log(observed / modelled)]
-        self._ratios: tuple[int, dict[int, float | None]] = (-1, {})  # (observations, rows -> ratio) as of then
-        self.observations = 0
 
     def observe(self, rows: int, modelled_ms: float, observed_ms: float) -> None:
         if rows < 1 or modelled_ms <= 0 or observed_ms <= 0:
@@ -123,7 +121,6 @@ class ObservedCosts:
         x = max(-bound, min(bound, math.log(observed_ms / modelled_ms)))
         entry = self.logs.setdefault(int(rows), [0, 0.0])
         entry[0] += 1
-        self.observations += 1
         step = 1.0 / entry[0] if entry[0] <= self.min_samples else self.weight
         entry[1] += step * (x - entry[1])
 
@@ -134,15 +131,9 @@ class ObservedCosts:
 
     def correct(self, verify_ms: list[float]) -> list[float]:
         """``verify_ms[k]`` (a verify of k + 1 rows, ms) scaled by each row count's ratio, non-decreasing in rows."""
-        seen, ratios = self._ratios
-        if seen != self.observations:  # a step's several reads of the curves take the ratios once
-            ratios = {}
-            self._ratios = (self.observations, ratios)
         out, top = [], 0.0
         for k, ms in enumerate(verify_ms):
-            r = ratios.get(k + 1, 0.0)
-            if r == 0.0:
-                r = ratios[k + 1] = self.ratio(k + 1)
+            r = self.ratio(k + 1)
             top = max(top, ms * r if r is not None else ms)
             out.append(top)
         return out

@@ -192,8 +192,6 @@ def merge_paths(tree: DraftTree, chains: list[tuple[list[int], list[float], list
     Returns:
         (the merged tree, each node's tags: the chain tags that landed on it).
     """
-    if not len(tree) and len(chains) == 1 and all(0.0 <= float(a) <= 1.0 for a in chains[0][1]):
-        return _chain_tree(*chains[0], max_nodes)  # the free sources' usual step: one continuation, no drafter
     tokens, parents, ranks, conds, tags = [], [], [], [], []
     children: dict[tuple[int, int], int] = {}
     for j, (tok, p) in enumerate(zip(tree.tokens, tree.parents)):
@@ -234,18 +232,20 @@ def merge_paths(tree: DraftTree, chains: list[tuple[list[int], list[float], list
     return merged, [tags[j] for j in order]
 
 
-def _chain_tree(tokens: list[int], conds: list[float], tags: list[object], max_nodes: int
-                ) -> tuple[DraftTree, list[list[object]]]:
-    """``merge_paths`` of one chain and no drafted tree, without the trie: the chain itself, each node's value the
-    product of its acceptances along the path (the same floats: a lone child's acceptance is never scaled down), its
-    first ``max_nodes`` nodes (already best first: a path's value never grows)."""
-    n = min(len(tokens), int(max_nodes))
-    values, value = [], 1.0
-    for a in conds[:n]:
-        value = float(a) * value
-        values.append(value)
-    return (DraftTree([int(t) for t in tokens[:n]], list(range(-1, n - 1)), list(range(1, n + 1)), [0] * n, values,
-                      [(tag[0],) for tag in tags[:n]]), [[tag] for tag in tags[:n]])
+def continuations(tokens: list[int], room: int, branches: int, index: NgramIndex | None, segment: int | None,
+                  cache: NgramIndex | None, cache_segment: int | None) -> list[Continuation]:
+    """What the free n-gram sources propose after ``tokens`` (the request's own, ``index``'s segment ``segment``):
+    continuations of at most ``room`` tokens from its own index first, then from the suffix cache of earlier responses
+    (its own segment there excluded), at most ``branches`` with distinct first tokens. None: that source is off."""
+    found: list[Continuation] = []
+    if index is not None and room > 0:
+        found = index.lookup(tokens, room, branches, exclude=(segment, len(tokens) - 1))
+    if cache is not None and room > 0 and len(found) < branches:
+        own = (cache_segment, len(cache.segments.get(cache_segment, ())) - 1)
+        firsts = {c.tokens[0] for c in found}
+        found += [c for c in cache.lookup(tokens, room, branches, exclude=own, source="cache")
+                  if c.tokens[0] not in firsts][: branches - len(found)]
+    return found
 
 
 class MixedSchedule(TreeSchedule):
@@ -320,14 +320,9 @@ class MixedSchedule(TreeSchedule):
         tokens = self.index.segments[self._segment]
         start = request.state.start
         room = min(self.max_nodes, request.remaining - 1)
-        found: list[Continuation] = []
-        if "ngram" in self.sources and room > 0:
-            found = self.index.lookup(tokens, room, self.branches, exclude=(self._segment, len(tokens) - 1))
-        if "cache" in self.sources and self.shared.cache is not None and room > 0 and len(found) < self.branches:
-            own = (self._cache_segment, len(self.shared.cache.segments.get(self._cache_segment, ())) - 1)
-            firsts = {c.tokens[0] for c in found}
-            found += [c for c in self.shared.cache.lookup(tokens, room, self.branches, exclude=own, source="cache")
-                      if c.tokens[0] not in firsts][: self.branches - len(found)]
+        found = continuations(tokens, room, self.branches, self.index if "ngram" in self.sources else None,
+                              self._segment, self.shared.cache if "cache" in self.sources else None,
+                              self._cache_segment)
         shared, own = self.shared.stats, self._own
 
         def estimate(source: str, feature: int, depth: int) -> float:  # the request's own rate, the method's as prior
