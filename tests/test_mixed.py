@@ -9,11 +9,14 @@ step that runs them (``pipeline.decoding.step``).
 - ``mixed`` is lossless against ``ar`` at T=0 and gives ``ar``'s sampled text at T=1, every source on, alone and in a
   batched step; trees and ``mixed`` in a batched step equal each request decoded alone;
 - (``tests/test_real_model.py``) a request that copies code from its prompt accepts >= 4 tokens a step over the copy;
-- the observed acceptance per source converges to the observed rates; bad options are refused before any model loads.
+- the observed acceptance per source converges to the observed rates; bad options are refused before any model loads;
+- a suffix cache seeded from an earlier run's rows.jsonl (``policy.mixed.cache_seed``) drafts that run's responses,
+  losslessly; a seed of another target, a missing one or one holding the eval's own prompts is refused.
 """
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -27,8 +30,9 @@ from pipeline.decoding.scheduler import decode_all
 from pipeline.decoding.sources import MATCH_CAP, NgramIndex
 from pipeline.decoding.trees import DraftTree, depth_exclusive, grow
 from pipeline.models.backend import set_backend, smallm_available
-from pipeline.policy.checks import check_policy_options
-from pipeline.policy.mixed import MixedSchedule, RecycledTokens, SharedSources, SourceStats, merge_paths
+from pipeline.policy.checks import check_cache_seed_disjoint, check_policy_options
+from pipeline.policy.mixed import (MixedSchedule, RecycledTokens, SharedSources, SourceStats, merge_paths,
+                                   read_responses)
 from pipeline.prompts import chat_input_ids
 
 from test_trees import PROMPTS, calibration, flat_costs, tree_schedule
@@ -278,3 +282,49 @@ def test_bad_mixed_options_are_refused_before_any_model_loads():
                        (dict(max_nodes=40), "1..15"), (dict(max_skip=-2), "max_skip=-2")):
         with pytest.raises(ValueError, match=match):
             check(**bad)
+
+
+def _rows_jsonl(path, target: str, responses: dict) -> str:
+    """An eval run's rows.jsonl as ``pipeline.evaluate`` writes it: a settings line, then one line per request."""
+    lines = [{"settings": {"model": {"target": target}, "methods": ["ar", "mixed"]}}]
+    lines += [{"id": rid, "rows": {"mixed": {"output_ids": [0]}, "ar": {"output_ids": ids}}} for rid, ids in responses.items()]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return str(path)
+
+
+def test_seed_files_are_read_and_bad_ones_refused(tmp_path):
+    good = _rows_jsonl(tmp_path / "rows.jsonl", "smollm2", {"mbpp-1": [5, 6, 7], "mbpp-2": [8, 9]})
+    assert read_responses([good], "smollm2") == {"mbpp-1": [5, 6, 7], "mbpp-2": [8, 9]}  # the ar rows
+    check_policy_options(OmegaConf.create({"policy": {"mixed": {"cache_seed": good}}}))  # one path or a list
+    empty = _rows_jsonl(tmp_path / "empty.jsonl", "smollm2", {})
+    for paths, target, match in (([good], "qwen3-4b", "another tokenizer"), ([str(tmp_path / "none.jsonl")], None,
+                                 "is not a file"), ([empty], None, "holds no response")):
+        with pytest.raises(ValueError, match=match):
+            read_responses(paths, target)
+    with pytest.raises(ValueError, match="is not a file"):
+        check_policy_options(OmegaConf.create({"policy": {"mixed": {"cache_seed": [str(tmp_path / "none.jsonl")]}}}))
+    policy = OmegaConf.create({"mixed": {"cache_seed": [good]}})
+    check_cache_seed_disjoint(policy, ["HumanEval/0", "mbpp-3"])
+    with pytest.raises(ValueError, match="responses to 1 prompts this run decodes"):
+        check_cache_seed_disjoint(policy, ["HumanEval/0", "mbpp-2"])
+
+
+def test_a_seeded_suffix_cache_drafts_an_earlier_response_losslessly(trained_decoder, tmp_path):
+    """A response seeded from an earlier run is in the suffix cache before the first request: decoding the same prompt
+    again drafts it from there (cache nodes taken), the text still ``ar``'s; a cold cache takes none of them."""
+    decoder = SpeculativeDecoder(trained_decoder.target, None)
+    config = DecodeConfig(max_new_tokens=40, temperature=0.0, seed=7)
+    ids = chat_input_ids(decoder.target.tokenizer, [PROMPTS[0]])
+    reference = decoder.generate(ids, 1, config).output_ids
+    seed = _rows_jsonl(tmp_path / "rows.jsonl", decoder.target.name, {"earlier-0": reference})
+    runs = {}
+    for name in ("cold", "seeded"):
+        shared = SharedSources(1000, 4)
+        if name == "seeded":
+            assert shared.seed(read_responses([seed], decoder.target.name).values()) == len(reference)
+        stats = decoder.generate(ids, mixed_schedule(shared, ("ngram", "cache"), block_size=1), config)
+        assert stats.output_ids == reference, name
+        runs[name] = stats
+    taken = {name: stats.sources.get("cache", (0, 0))[1] for name, stats in runs.items()}
+    assert taken["cold"] == 0 and taken["seeded"] > 0, taken
+    assert sum(runs["seeded"].taus) / len(runs["seeded"].taus) > sum(runs["cold"].taus) / len(runs["cold"].taus)

@@ -80,6 +80,10 @@ def load_bench_prompts(cfg: DictConfig, tokenizer) -> list:
         prompts = [p for p in prompts if p.id in keep]
     if not prompts:
         raise ValueError("no prompt to benchmark: check data (and bench.split)")
+    if "mixed" in list(cfg.bench.methods or []):
+        from pipeline.policy.checks import check_cache_seed_disjoint
+
+        check_cache_seed_disjoint(cfg.get("policy"), [p.id for p in prompts])
     if cfg.bench.requests:
         prompts = [prompts[i % len(prompts)] for i in range(int(cfg.bench.requests))]
     return [chat_input_ids(tokenizer, p.turns) for p in prompts]

@@ -84,3 +84,5 @@ def check_bench_serve_config(cfg) -> None:
     if cfg.bench.get("base_url") and len(servers) > 1:
         raise ValueError(f"bench.base_url={cfg.bench.base_url} is one running server, but bench.servers names "
                          f"{len(servers)}: drop bench.base_url (each server is started in turn) or keep one")
+    if int(cfg.bench.get("warmup_requests", 0) or 0) < 0:
+        raise ValueError(f"bench.warmup_requests={cfg.bench.warmup_requests}: give 0 (none) or more requests")

@@ -14,6 +14,7 @@ import logging
 from omegaconf import DictConfig
 
 from pipeline.policy import registry, setup
+from pipeline.policy.checks import check_cache_seed_disjoint
 from pipeline.policy.registry import METHODS, PolicyInputs
 from pipeline.prompts import Prompt, check_label_template_kwargs, load_prompt_sets, prompt_id_of
 
@@ -60,8 +61,13 @@ def check_prompts(cfg: DictConfig) -> int:
         FileNotFoundError / ValueError: for a prompt set that can be read neither from its file nor from the hub (with
             ``data.missing=skip``: only when no set can), or a broken line (``pipeline.prompts`` names the fix, the line).
     """
-    return len(load_prompt_sets(cfg.data.sets, None, cfg.data.seed, missing=missing_sets(cfg),
-                                skipped_to=cfg.data.get("skipped_to")))
+    prompts = load_prompt_sets(cfg.data.sets, None, cfg.data.seed, missing=missing_sets(cfg),
+                               skipped_to=cfg.data.get("skipped_to"))
+    methods = [str(m) for m in cfg.eval.get("methods") or []]
+    if "mixed" in methods:  # the prompts it decodes (without a split: data.limit and offset; with one: any of them)
+        decoded = prompts if resolve_split(cfg, methods) is not None else select_prompts(cfg, None, EvalInputs())
+        check_cache_seed_disjoint(cfg.get("policy"), [p.id for p in decoded])
+    return len(prompts)
 
 
 def missing_sets(cfg: DictConfig) -> str:

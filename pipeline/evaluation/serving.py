@@ -209,6 +209,10 @@ def server_stats(url: str, timeout_s: float) -> dict:
         time.sleep(1)
 
 
+WARMUP_PROMPT = "Name three colours of the rainbow."
+"""The warm-up request of ``bench.warmup_requests``: outside every prompt set."""
+
+
 def bench_server(cfg: DictConfig, spec, url: str, counters, prompts, references, load_references, tokenizer) -> dict:
     """``pipeline.bench_serve``'s three parts on one running server at ``url`` (``counters``: its speculative-decoding
     counters, see ``served``).
@@ -238,6 +242,8 @@ def bench_server(cfg: DictConfig, spec, url: str, counters, prompts, references,
                 log.info("%s %s stream=%s: identical %s, tau %s", spec.get("name"), p.id, stream, same, r["tau"])
         out["identity"] = rows
         assert all(r["identical"] for r in rows), f"{spec.get('name')}: a served text differs from the eval stage's decode"
+    for _ in range(int(b.get("warmup_requests", 0) or 0)):  # unmeasured: a cold machine's first touches
+        one_request(client, model, WARMUP_PROMPT, 16, True)
     rate = b.get("rate")
     out["load"] = []
     for c in b.concurrency:

@@ -31,7 +31,8 @@ def check_policy_options(cfg) -> None:
 
 def check_mixed_options(mixed) -> None:
     """``policy.mixed``: known ``sources`` (at least one), ``max_n`` and ``branches`` >= 1, ``cache_tokens`` >= 0 (0: no
-    suffix cache; with ``cache`` among the sources, >= 1), ``max_nodes`` null or 1..15, ``max_skip`` >= 0.
+    suffix cache; with ``cache`` among the sources, >= 1), ``max_nodes`` null or 1..15, ``max_skip`` >= 0, each
+    ``cache_seed`` file an eval run's rows.jsonl with responses.
 
     Raises:
         ValueError: for the first bad value, naming the key and the fix.
@@ -56,6 +57,38 @@ def check_mixed_options(mixed) -> None:
         raise ValueError(f"policy.mixed.max_nodes={mixed.max_nodes}: give 1..15 (a verify of up to 16 rows), or null")
     if mixed.get("max_skip") is not None and int(mixed.max_skip) < 0:
         raise ValueError(f"policy.mixed.max_skip={mixed.max_skip}: give 0 or more steps")
+    if mixed.get("cache_seed"):
+        from pipeline.policy.mixed import read_responses
+
+        read_responses(cache_seed_paths(mixed))  # every file there and readable (the target is checked at the build)
+
+
+def cache_seed_paths(mixed) -> list[str]:
+    """``policy.mixed.cache_seed`` as a list of paths (one path or a list; null: none)."""
+    seed = mixed.get("cache_seed")
+    if not seed:
+        return []
+    return [str(seed)] if isinstance(seed, str) else [str(p) for p in seed]
+
+
+def check_cache_seed_disjoint(policy, prompt_ids) -> None:
+    """An eval whose ``policy.mixed.cache_seed`` holds a response to one of its own prompts would draft that prompt
+    from its own earlier answer: refused.
+
+    Raises:
+        ValueError: naming a shared prompt and the fix.
+    """
+    from pipeline.policy.mixed import read_responses
+    from pipeline.prompts import prompt_id_of
+
+    paths = cache_seed_paths((policy or {}).get("mixed") or {})
+    if not paths:
+        return
+    shared = sorted({prompt_id_of(r) for r in read_responses(paths)} & {str(p) for p in prompt_ids})
+    if shared:
+        raise ValueError(f"policy.mixed.cache_seed holds responses to {len(shared)} prompts this run decodes (e.g. "
+                         f"{shared[0]}): seed the suffix cache from runs on other prompts (another set, or data.offset "
+                         "past this run's)")
 
 
 def check_dataset_config(cfg) -> None:

@@ -27,6 +27,9 @@ Lossless at every T like every tree: the target's own (position-keyed) token dec
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from pipeline.costs import CostModel, ObservedCosts
@@ -163,6 +166,14 @@ class SharedSources:
         self.row_cost = ObservedRowCost()  # what a verified row adds to a batched step, as the steps measure it
         self._curves: dict[tuple, list[float]] = {}
 
+    def seed(self, responses) -> int:
+        """Put earlier responses (token id lists, ``read_responses``) into the suffix cache, oldest first, as if this
+        method had served them (a cache of ``cache_tokens`` keeps the latest); returns the tokens now held."""
+        if self.cache is not None:
+            for tokens in responses:
+                self.cache.new_segment(tokens)
+        return self.cache.tokens_held if self.cache is not None else 0
+
     def load_curve(self, costs, load: int, nodes: int) -> list[float]:
         """A request's cost of a batched step of ``load`` requests with 0..``nodes`` nodes of its own verified: its share
         of the others' plain step plus every ms its rows add (``costs``: a ``BatchCostModel``; a row at least what the
@@ -178,6 +189,48 @@ class SharedSources:
             curve = self._curves[key] = [plain / load + max(costs.step_ms(load + k, 0, load) - plain, per_row * k)
                                          for k in range(nodes + 1)]
         return curve
+
+
+def read_responses(paths, target: str | None = None) -> dict[str, list[int]]:
+    """The responses of earlier eval runs, for ``policy.mixed.cache_seed``: {request id: output ids} of every request
+    of each run's rows.jsonl (``python -m pipeline.evaluate``'s, beside its results.json), its ``ar`` row where it has
+    one, else its first method's.
+
+    Args:
+        target: the target these token ids must come from (``model.target``), or None: not checked.
+    Raises:
+        ValueError: for a missing or unreadable file, one of another target, or one with no response; the message
+            names the fix.
+    """
+    out: dict[str, list[int]] = {}
+    for path in paths:
+        path = Path(str(path))
+        fix = ("policy.mixed.cache_seed takes the rows.jsonl of earlier eval runs on this target (python -m "
+               "pipeline.evaluate ... writes data/eval/<run>/rows.jsonl)")
+        if not path.is_file():
+            raise ValueError(f"policy.mixed.cache_seed: {path} is not a file; {fix}")
+        found = 0
+        with open(path) as f:
+            for n, line in enumerate(f, 1):
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"policy.mixed.cache_seed: {path} line {n} is not JSON ({err}); {fix}") from None
+                settings = record.get("settings")
+                if settings is not None:
+                    seeded = (settings.get("model") or {}).get("target")
+                    if target is not None and seeded is not None and str(seeded) != str(target):
+                        raise ValueError(f"policy.mixed.cache_seed: {path} holds responses of target {seeded}, not "
+                                         f"{target}: their token ids are another tokenizer's; seed from a run on {target}")
+                    continue
+                rows = record.get("rows") or {}
+                row = rows.get("ar") or next((r for r in rows.values() if r.get("output_ids")), None)
+                if row and row.get("output_ids"):
+                    out[str(record.get("id"))] = [int(t) for t in row["output_ids"]]
+                    found += 1
+        if not found:
+            raise ValueError(f"policy.mixed.cache_seed: {path} holds no response (no request row with output_ids); {fix}")
+    return out
 
 
 def merge_paths(tree: DraftTree, chains: list[tuple[list[int], list[float], list[object]]], max_nodes: int

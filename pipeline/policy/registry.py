@@ -309,7 +309,8 @@ def mixed_sources(options: Mapping) -> list[str]:
 
 def _mixed(ctx: Context):
     from pipeline.decoding.trees import TOP_K
-    from pipeline.policy.mixed import MixedSchedule, SharedSources
+    from pipeline.policy.checks import cache_seed_paths
+    from pipeline.policy.mixed import MixedSchedule, SharedSources, read_responses
 
     sources = mixed_sources(ctx.options)
     drafter = "drafter" in sources and ctx.decoder.drafter is not None
@@ -325,6 +326,9 @@ def _mixed(ctx: Context):
                "max_n": max_n, "branches": branches, "sources": sources if drafter else [s for s in sources if s != "drafter"]}
     shared = SharedSources(cache_tokens if "cache" in sources else 0, max_n,
                            int(ctx.decoder.lm_head.shape[0]) if "recycle" in sources else None, ObservedCosts())
+    seed = cache_seed_paths(ctx.options.get("mixed") or {})
+    if seed and "cache" in sources:  # earlier runs' responses: a suffix cache as warm as a server's that served them
+        shared.seed(read_responses(seed, getattr(getattr(ctx.decoder, "target", None), "name", None)).values())
     calibration, latency = ctx.inputs.calibration, ctx.inputs.latency
     options["batch_costs"] = ctx.inputs.batch_costs  # a batching server's (loaded for serve.max_batch=auto), else None
     MixedSchedule(calibration, latency, b, shared, **options)  # raises for a bad option
