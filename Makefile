@@ -8,7 +8,7 @@
 #                                 shipped one in data/drafters/ came from scripts/gpu_draft.sh (one GPU, 6 min)
 #   make label|dataset|train|eval one stage; Hydra overrides go in ARGS="key=value ..."
 #   make bench-label              labelling speed benchmark
-#   make demo                     one prompt per benchmark set with ar, fixed B and verify_width (about a minute on 2 cores once
+#   make demo                     one prompt per benchmark set with ar, fixed B, verify_width and mixed (about a minute on 2 cores once
 #                                 the step costs are cached; the first run also measures this machine's step costs); prints
 #                                 tokens/s, speedups, writes data/eval/demo/results.md and logs to W&B like make eval
 #   make serve                    OpenAI-compatible server on 127.0.0.1:8000 (ARGS="serve.policy=blockpilot serve.record=true ...")

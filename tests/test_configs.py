@@ -212,7 +212,8 @@ def test_every_experiment_selects_one_profile_for_every_stage(compose_config):
     assert (main["label"].data.limit, main["label"].decode.max_new_tokens, main["label"].label.store_full_logits) == (60, 64, True)
     assert dict(main["dataset"].dataset.fractions) == {"train": 0.7, "validation": 0.15, "test": 0.15}
     assert list(main["evaluate"].eval.methods) == ["ar", "fixed", "best_fixed", "blockpilot", "full_vocab", "ema", "oracle",
-                                                   "verify_width", "hybrid", "hf_generate"]
+                                                   "verify_width", "hybrid", "hf_generate", "mixed"]
+    assert main["evaluate"].policy.mixed.cache_seed == "labels"  # the label stage's train replies seed its suffix cache
     assert compose_config("evaluate", ["experiment=gpu"]).model.target == "Qwen/Qwen3-4B"
     assert compose_config("evaluate").data.sets[0]["name"] == "humaneval"  # no experiment: the stage's own defaults
 

@@ -445,7 +445,7 @@ def test_demo_runs_to_the_end_on_a_fresh_clone_without_shared_data_or_hub(tmp_pa
         assert log.count(f"skipping a prompt set (data.missing=skip): prompt set {name}: {empty}/{name}.jsonl") == 1, name
     assert "BLOCKPILOT_SHARED_DATA=" in log
     results = json.loads((tmp_path / "data" / "eval" / "demo" / "results.json").read_text())
-    assert list(results["per_set"]) == ["humaneval"] and set(results["methods"]) == {"ar", "fixed", "verify_width"}
+    assert list(results["per_set"]) == ["humaneval"] and set(results["methods"]) == {"ar", "fixed", "verify_width", "mixed"}
     assert sorted(results["skipped_sets"]) == ["gsm8k", "math500", "mbpp", "mt_bench"]  # named in results.json too
     assert (tmp_path / "data" / "eval" / "demo" / "results.md").exists()
     assert (tmp_path / "data" / "eval" / "demo" / "speedup.png").exists()

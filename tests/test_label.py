@@ -203,7 +203,7 @@ def test_label_stage_replay_and_brute_agree(label_setup, trained_decoder, tmp_pa
     replayed, brute = read_labels(replay_dir), read_labels(brute_dir)
     assert replayed["id"].tolist() == [f"tiny-{i}" for i in range(len(TEXTS))]
     for column in ("tau", "new_tokens", "label_tau", "topk_ids", "topk_logprobs", "full_logits", "entropy",
-                   "prompt_tokens", "vocab_size"):
+                   "prompt_tokens", "vocab_size", "reply_ids"):
         pd.testing.assert_series_equal(replayed[column], brute[column], check_names=False)
     vocab = trained_decoder.lm_head.shape[0]
     for _, row in replayed.iterrows():
@@ -221,6 +221,8 @@ def test_label_stage_replay_and_brute_agree(label_setup, trained_decoder, tmp_pa
     assert meta["mode"] == "replay" and meta["candidates"] == CANDIDATES and meta["training_block_size"] == 8
     assert LabelStore(brute_dir).read_meta()["latency_model"] is None
     ids = chat_input_ids(trained_decoder.target.tokenizer, [TEXTS[0]])
+    ar = trained_decoder.generate(ids, 1, LabelSettings(CANDIDATES, max_new_tokens=24).decode_config(0)).output_ids
+    assert replayed.loc[0, "reply_ids"].tolist() == ar and len(ar) == replayed.loc[0, "new_tokens"][0]  # its reply
     settings = LabelSettings(CANDIDATES, "replay", 24)
     again = label_prompt(trained_decoder, ids, settings, model, keep_runs=True)
     trace, results = again.runs[0]

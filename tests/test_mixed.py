@@ -328,3 +328,25 @@ def test_a_seeded_suffix_cache_drafts_an_earlier_response_losslessly(trained_dec
     taken = {name: stats.sources.get("cache", (0, 0))[1] for name, stats in runs.items()}
     assert taken["cold"] == 0 and taken["seeded"] > 0, taken
     assert sum(runs["seeded"].taus) / len(runs["seeded"].taus) > sum(runs["cold"].taus) / len(runs["cold"].taus)
+
+
+def test_labels_seed_the_cache_with_the_train_splits_replies_only():
+    """``policy.mixed.cache_seed=labels``: the label stage's replies to the train split's requests (a second turn's
+    too), never another split's; labels without replies, or a run that decodes the train split, are refused."""
+    import pandas as pd
+
+    from pipeline.policy.registry import PolicyInputs, train_replies
+
+    labels = pd.DataFrame({"id": ["a", "a#turn2", "b", "c"], "reply_ids": [[1, 2], [3], [4, 5], [6]]})
+    inputs = PolicyInputs(labels=labels, splits={"train": ["a", "a#turn2"], "test": ["b"], "validation": ["c"]})
+    assert train_replies(inputs) == [[1, 2], [3]]
+    with pytest.raises(ValueError, match="keep no replies"):
+        train_replies(PolicyInputs(labels=labels.drop(columns=["reply_ids"]), splits=inputs.splits))
+    with pytest.raises(ValueError, match="no labelled request of the train split"):
+        train_replies(PolicyInputs(labels=labels, splits={"train": ["z"]}))
+    policy = OmegaConf.create({"mixed": {"cache_seed": "labels"}})
+    check_policy_options(OmegaConf.create({"policy": policy}))  # no file to read
+    check_cache_seed_disjoint(policy, ["b"], "test")
+    for split in (None, "train"):
+        with pytest.raises(ValueError, match="decode the test or validation split"):
+            check_cache_seed_disjoint(policy, ["b"], split)

@@ -83,7 +83,7 @@ def load_bench_prompts(cfg: DictConfig, tokenizer) -> list:
     if "mixed" in list(cfg.bench.methods or []):
         from pipeline.policy.checks import check_cache_seed_disjoint
 
-        check_cache_seed_disjoint(cfg.get("policy"), [p.id for p in prompts])
+        check_cache_seed_disjoint(cfg.get("policy"), [p.id for p in prompts], cfg.bench.split)
     if cfg.bench.requests:
         prompts = [prompts[i % len(prompts)] for i in range(int(cfg.bench.requests))]
     return [chat_input_ids(tokenizer, p.turns) for p in prompts]

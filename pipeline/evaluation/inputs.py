@@ -65,8 +65,9 @@ def check_prompts(cfg: DictConfig) -> int:
                                skipped_to=cfg.data.get("skipped_to"))
     methods = [str(m) for m in cfg.eval.get("methods") or []]
     if "mixed" in methods:  # the prompts it decodes (without a split: data.limit and offset; with one: any of them)
-        decoded = prompts if resolve_split(cfg, methods) is not None else select_prompts(cfg, None, EvalInputs())
-        check_cache_seed_disjoint(cfg.get("policy"), [p.id for p in decoded])
+        split = resolve_split(cfg, methods)
+        decoded = prompts if split is not None else select_prompts(cfg, None, EvalInputs())
+        check_cache_seed_disjoint(cfg.get("policy"), [p.id for p in decoded], split)
     return len(prompts)
 
 

@@ -208,8 +208,9 @@ def run_label(cfg: DictConfig, decoder: SpeculativeDecoder | None = None,
                     progress.update(len(later))
                     break
                 replies.append(tokenizer.decode(result.reply_ids, skip_special_tokens=True))
+                # the target's reply kept too: the other splits' suffix cache seed (policy.mixed.cache_seed=labels)
                 row = {"id": rid, "source_set": prompt.source_set, "shard": shard, "num_shards": num_shards,
-                       **result.row}
+                       **result.row, "reply_ids": [int(t) for t in result.reply_ids]}
                 queued.append(row)
                 labels[row["label_tau"]] += 1
                 progress.update(1)

@@ -83,6 +83,7 @@ LABEL_SCHEMA = pa.schema([
     ("conf_ok", pa.list_(pa.bool_())),
     ("conf_top_p", pa.list_(pa.list_(pa.float64()))),
     ("conf_rank", pa.list_(pa.int64())),
+    ("reply_ids", pa.list_(pa.int64())),
 ])
 """One row per request (``id``: ``pipeline.prompts.request_id``). Per candidate B (lists in ``candidates`` order):
 ``tau`` (mean acceptance length, tokens), ``new_tokens``, ``decode_ms``, ``tokens_per_s``; the labels ``label_tau`` /
@@ -92,12 +93,13 @@ verify-width calibration's samples from the replays (``conf_*``, one entry per s
 draft column j, the drafter's probability of its draft there, whether it was accepted, the probabilities of its
 ``label.tree_top_k`` best candidates there and the rank among them of the target's token, -1 for none: a draft
 tree's samples; columns 1..first rejection of every step; empty in brute mode, null in shards written before they
-existed)."""
+existed); ``reply_ids``, the target's reply (token ids under the first seed; null in shards written before
+2026-12-07), which ``policy.mixed.cache_seed=labels`` puts in the other splits' suffix cache."""
 
 CONFIDENCE_COLUMNS = ("conf_block", "conf_column", "conf_p", "conf_ok", "conf_top_p", "conf_rank")
 """The replay samples' columns, in the order of a sample (the step's B, then ``ReplayResult.confidence``'s tuple)."""
 
-OPTIONAL_COLUMNS = CONFIDENCE_COLUMNS
+OPTIONAL_COLUMNS = (*CONFIDENCE_COLUMNS, "reply_ids")
 """Columns a shard may lack (written by an earlier version of the label stage); read as nulls."""
 
 # meta.json keys that must agree between workers writing the same directory

@@ -57,30 +57,44 @@ def check_mixed_options(mixed) -> None:
         raise ValueError(f"policy.mixed.max_nodes={mixed.max_nodes}: give 1..15 (a verify of up to 16 rows), or null")
     if mixed.get("max_skip") is not None and int(mixed.max_skip) < 0:
         raise ValueError(f"policy.mixed.max_skip={mixed.max_skip}: give 0 or more steps")
-    if mixed.get("cache_seed"):
+    if cache_seed_paths(mixed):
         from pipeline.policy.mixed import read_responses
 
         read_responses(cache_seed_paths(mixed))  # every file there and readable (the target is checked at the build)
 
 
+SEED_LABELS = "labels"
+"""``policy.mixed.cache_seed=labels``: the run's label stage's replies to the train split's prompts."""
+
+
 def cache_seed_paths(mixed) -> list[str]:
-    """``policy.mixed.cache_seed`` as a list of paths (one path or a list; null: none)."""
+    """``policy.mixed.cache_seed`` as a list of paths (one path or a list; null or ``labels``: none)."""
     seed = mixed.get("cache_seed")
-    if not seed:
+    if not seed or seed == SEED_LABELS:
         return []
     return [str(seed)] if isinstance(seed, str) else [str(p) for p in seed]
 
 
-def check_cache_seed_disjoint(policy, prompt_ids) -> None:
+def seeds_from_labels(policy) -> bool:
+    """Whether ``policy.mixed.cache_seed`` is ``labels``."""
+    return ((policy or {}).get("mixed") or {}).get("cache_seed") == SEED_LABELS
+
+
+def check_cache_seed_disjoint(policy, prompt_ids, split: str | None = None) -> None:
     """An eval whose ``policy.mixed.cache_seed`` holds a response to one of its own prompts would draft that prompt
-    from its own earlier answer: refused.
+    from its own earlier answer: refused. ``labels`` (the train split's replies) needs a run that decodes the test or
+    validation ``split``.
 
     Raises:
-        ValueError: naming a shared prompt and the fix.
+        ValueError: naming a shared prompt (or the split) and the fix.
     """
     from pipeline.policy.mixed import read_responses
     from pipeline.prompts import prompt_id_of
 
+    if seeds_from_labels(policy) and split not in ("test", "validation"):
+        raise ValueError(f"policy.mixed.cache_seed=labels fills the suffix cache with the label stage's replies to the "
+                         f"train split's prompts, but this run decodes {split or 'every configured prompt'}: decode the "
+                         "test or validation split (eval.split=test, bench.split=test)")
     paths = cache_seed_paths((policy or {}).get("mixed") or {})
     if not paths:
         return

@@ -309,7 +309,7 @@ def mixed_sources(options: Mapping) -> list[str]:
 
 def _mixed(ctx: Context):
     from pipeline.decoding.trees import TOP_K
-    from pipeline.policy.checks import cache_seed_paths
+    from pipeline.policy.checks import cache_seed_paths, seeds_from_labels
     from pipeline.policy.mixed import MixedSchedule, SharedSources, read_responses
 
     sources = mixed_sources(ctx.options)
@@ -327,12 +327,40 @@ def _mixed(ctx: Context):
     shared = SharedSources(cache_tokens if "cache" in sources else 0, max_n,
                            int(ctx.decoder.lm_head.shape[0]) if "recycle" in sources else None, ObservedCosts())
     seed = cache_seed_paths(ctx.options.get("mixed") or {})
-    if seed and "cache" in sources:  # earlier runs' responses: a suffix cache as warm as a server's that served them
-        shared.seed(read_responses(seed, getattr(getattr(ctx.decoder, "target", None), "name", None)).values())
+    responses = None  # earlier responses in the suffix cache first: as warm as a server's that served them
+    if seed and "cache" in sources:
+        responses = list(read_responses(seed, getattr(getattr(ctx.decoder, "target", None), "name", None)).values())
+    elif seeds_from_labels(ctx.options) and "cache" in sources:
+        responses = train_replies(ctx.inputs)
+    if responses is not None:
+        log.info("mixed: suffix cache seeded with %d responses (%d tokens held) from %s", len(responses),
+                 shared.seed(responses), seed or "the label stage's train split")
     calibration, latency = ctx.inputs.calibration, ctx.inputs.latency
     options["batch_costs"] = ctx.inputs.batch_costs  # a batching server's (loaded for serve.max_batch=auto), else None
     MixedSchedule(calibration, latency, b, shared, **options)  # raises for a bad option
     return Factory(lambda: MixedSchedule(calibration, latency, b, shared, **options))
+
+
+def train_replies(inputs: PolicyInputs) -> list[list[int]]:
+    """The label stage's replies (``reply_ids``) to the train split's requests, for ``policy.mixed.cache_seed=labels``.
+
+    Raises:
+        ValueError: where the labels hold no reply (labelled before replies were kept) or no train request.
+    """
+    from pipeline.prompts import prompt_id_of
+
+    labels = inputs.labels
+    kept = labels is not None and "reply_ids" in labels.columns and labels["reply_ids"].notna().any()
+    if not kept:
+        raise ValueError("policy.mixed.cache_seed=labels: the run's labels keep no replies (labelled before 2026-12-07); "
+                         "label again (make label) or seed from eval runs' rows.jsonl")
+    train = {prompt_id_of(i) for i in (inputs.splits or {}).get("train", [])}
+    replies = [[int(t) for t in r] for i, r in zip(labels["id"], labels["reply_ids"])
+               if r is not None and prompt_id_of(i) in train]
+    if not replies:
+        raise ValueError("policy.mixed.cache_seed=labels: no labelled request of the train split with a reply; run make "
+                         "dataset (or label again)")
+    return replies
 
 
 def tree_max_nodes(options: Mapping, decoder, without_drafter: int = 2) -> int:
@@ -470,11 +498,15 @@ def uses_drafter(name: str, options: Mapping) -> bool:
 
 
 def needs_of(method: Method, options: Mapping, decoder) -> frozenset:
-    """What ``method`` reads on ``decoder``: its ``needs``, but no calibration where it drafts from the free sources
-    alone (``Method.free_sources``: ``mixed`` with no drafter among its sources, or none loaded)."""
+    """What ``method`` reads on ``decoder``: its ``needs`` (with ``policy.mixed.cache_seed=labels``, ``mixed`` the run's
+    labels and splits too), but no calibration where it drafts from the free sources alone (``Method.free_sources``:
+    ``mixed`` with no drafter among its sources, or none loaded)."""
+    from pipeline.policy.checks import seeds_from_labels
+
+    needs = method.needs | ({LABELS, SPLITS} if method.name == "mixed" and seeds_from_labels(options) else set())
     if method.free_sources and (not method.drafter(options) or (decoder is not None and decoder.drafter is None)):
-        return method.needs - {CALIBRATION}
-    return method.needs
+        return needs - {CALIBRATION}
+    return needs
 
 
 def missing_inputs(method: Method, inputs: PolicyInputs, options: Mapping | None = None, decoder=None) -> list[str]:
