@@ -91,12 +91,14 @@ def load_bench_prompts(cfg: DictConfig, tokenizer) -> list:
 
 def sources(cfg: DictConfig):
     """Where the benchmark's methods read their inputs (``pipeline.policy.setup.Sources``): the run's predictors
-    folder (its ``verify_width`` calibration, else the drafter's), ``bench.block_size``, up to the largest concurrency."""
+    folder (its ``verify_width`` calibration, else the drafter's), its labels and splits (read only by ``mixed`` with
+    ``policy.mixed.cache_seed=labels``), ``bench.block_size``, up to the largest concurrency."""
     from pipeline.policy.setup import Sources
 
     return Sources("bench", str(Path(cfg.paths.data) / "predictors" / str(cfg.run_name)),
-                   block_size=cfg.bench.get("block_size"), block_size_key="bench.block_size",
-                   max_requests=max(int(c) for c in cfg.bench.concurrency))
+                   labels_dir=str(Path(cfg.paths.data) / "labels" / str(cfg.run_name)),  # policy.mixed.cache_seed=labels
+                   features_dir=str(cfg.bench.features_dir), block_size=cfg.bench.get("block_size"),
+                   block_size_key="bench.block_size", max_requests=max(int(c) for c in cfg.bench.concurrency))
 
 
 def bench_batch(cfg: DictConfig) -> dict:
