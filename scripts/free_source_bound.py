@@ -27,7 +27,7 @@ import json
 
 from pipeline.decoding.sources import NgramIndex
 from pipeline.models.target import load_target
-from pipeline.policy.mixed import continuations, read_responses
+from pipeline.policy.mixed import SharedSources, continuations, read_responses
 from pipeline.prompts import chat_input_ids, humaneval_prompts
 
 MAX_NODES, BRANCHES, MAX_N = 15, 2, 4
@@ -40,11 +40,11 @@ def proposals(own: NgramIndex, seg: int, cache: NgramIndex, cseg: int, room: int
 
 
 def new_cache(seed=()) -> NgramIndex:
-    """The suffix cache as ``mixed`` starts it: empty, or holding the ``seed`` responses (token id lists)."""
-    cache = NgramIndex(MAX_N, keep=3, max_tokens=65536)
-    for tokens in seed:
-        cache.new_segment(tokens)
-    return cache
+    """The suffix cache as ``mixed`` starts it (``SharedSources``, 65,536 tokens): empty, or holding the ``seed``
+    responses (token id lists)."""
+    shared = SharedSources(65536, MAX_N)
+    shared.seed(seed)
+    return shared.cache
 
 
 def replay(outputs: dict, prompt_ids: dict, choose, costs, oracle: bool = False, seed=()) -> tuple[float, float, float]:

@@ -44,6 +44,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from pipeline.costs import ObservedCosts
+from pipeline.policy.checks import cache_seed_paths, seeds_from_labels
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +310,6 @@ def mixed_sources(options: Mapping) -> list[str]:
 
 def _mixed(ctx: Context):
     from pipeline.decoding.trees import TOP_K
-    from pipeline.policy.checks import cache_seed_paths, seeds_from_labels
     from pipeline.policy.mixed import MixedSchedule, SharedSources, read_responses
 
     sources = mixed_sources(ctx.options)
@@ -437,6 +437,8 @@ class Method:
             none: ``uses_drafter``).
         free_sources: whether it drafts from the free sources alone where it has no drafter to run (then it reads no
             calibration: ``needs_of``).
+        needs_also: what else it reads, given the ``policy`` options (``mixed`` with ``policy.mixed.cache_seed=labels``:
+            the run's labels and splits).
     """
 
     name: str
@@ -451,6 +453,7 @@ class Method:
     load_sized: bool = False
     drafter: Callable[[Mapping], bool] = lambda options: True
     free_sources: bool = False
+    needs_also: Callable[[Mapping], frozenset] = lambda options: frozenset()
 
 
 _EVAL_ONLY_HF = "transformers' generate runs outside the server's speculative decoder; compare it in the eval stage"
@@ -469,7 +472,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            gain_share=False, label_split=True),
     Method("tree", frozenset({CALIBRATION, COSTS}), _tree, gain_share=False),
     Method("mixed", frozenset({CALIBRATION, COSTS}), _mixed, gain_share=False, load_sized=True,
-           drafter=lambda options: "drafter" in mixed_sources(options), free_sources=True),
+           drafter=lambda options: "drafter" in mixed_sources(options), free_sources=True,
+           needs_also=lambda options: frozenset({LABELS, SPLITS}) if seeds_from_labels(options) else frozenset()),
     Method("budget", frozenset({CALIBRATION, BATCH_COSTS}), _budget, gain_share=False, batched=True),
     Method("hf_generate", frozenset(), _hf(False), gain_share=False, servable=_EVAL_ONLY_HF),
     Method("hf_prompt_lookup", frozenset(), _hf(True), gain_share=False, servable=_EVAL_ONLY_HF),
@@ -498,12 +502,9 @@ def uses_drafter(name: str, options: Mapping) -> bool:
 
 
 def needs_of(method: Method, options: Mapping, decoder) -> frozenset:
-    """What ``method`` reads on ``decoder``: its ``needs`` (with ``policy.mixed.cache_seed=labels``, ``mixed`` the run's
-    labels and splits too), but no calibration where it drafts from the free sources alone (``Method.free_sources``:
-    ``mixed`` with no drafter among its sources, or none loaded)."""
-    from pipeline.policy.checks import seeds_from_labels
-
-    needs = method.needs | ({LABELS, SPLITS} if method.name == "mixed" and seeds_from_labels(options) else set())
+    """What ``method`` reads on ``decoder``: its ``needs`` and ``needs_also``, but no calibration where it drafts from
+    the free sources alone (``Method.free_sources``: ``mixed`` with no drafter among its sources, or none loaded)."""
+    needs = method.needs | method.needs_also(options)
     if method.free_sources and (not method.drafter(options) or (decoder is not None and decoder.drafter is None)):
         return needs - {CALIBRATION}
     return needs
