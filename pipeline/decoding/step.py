@@ -196,7 +196,8 @@ def advance(forward, policy: BatchPolicy, reqs: Sequence) -> tuple[list[list[int
         tree_step = r.schedule.chooses_trees
         s.last_tree, s.last_path = (trees[i], path) if tree_step else (None, None)
         if r.schedule.proposes:
-            r.schedule.verified(trees[i], path, [pendings[i], *new[:-1]], logits[rows])
+            taken = logits[: len(rows)] if rows[-1] == len(rows) - 1 else logits[rows]  # a prefix: a view, no copy
+            r.schedule.verified(trees[i], path, [pendings[i], *new[:-1]], taken)
         news.append(new)
     shape = StepShape(sum(len(t) + 1 for t in trees), sum(sizes[i] for i in drafting), n, len(drafting))
     return news, sizes, shape

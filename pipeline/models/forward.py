@@ -17,6 +17,7 @@ then the same bits whatever the rows beside it (PyTorch's GEMM, which takes long
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -311,7 +312,10 @@ class Forward:
         base = dec.base
         sizes = [x.shape[1] for x in ids]
         h = base.embed_tokens(ids[0] if len(ids) == 1 else torch.cat(ids, dim=1))
-        positions = torch.cat([s + row_depths(p, r, h.device) for s, p, r in zip(starts, parents, sizes)])[None]
+        if len(ids) == 1 and parents[0] is None:  # one request's causal rows (a plain step, a chain's verify)
+            positions = torch.arange(starts[0], starts[0] + sizes[0], device=h.device)[None]
+        else:
+            positions = torch.cat([s + row_depths(p, r, h.device) for s, p, r in zip(starts, parents, sizes)])[None]
         cos, sin = base.rotary_emb(h, position_ids=positions)
         tree = None  # every row's parent among its request's rows, where any request verifies a tree
         if any(p is not None for p in parents):
@@ -321,7 +325,7 @@ class Forward:
         if got is None:
             return None
         out, states = got
-        ends = torch.tensor(sizes).cumsum(0).tolist()
+        ends = list(itertools.accumulate(sizes))
         logits = by_rows(dec.head, out[[e - 1 for e in ends]] if last_only else out).float()
         features = dec.drafter.extract_context(states) if keep else None
         results = []
