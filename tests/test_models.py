@@ -180,3 +180,53 @@ def test_a_head_that_cannot_be_reproduced_is_refused(tiny):
         logit_head(target.model)
     with pytest.raises(ValueError, match="cannot be served losslessly"):
         SpeculativeDecoder(target)
+
+
+def test_the_forwards_run_on_fewer_threads_while_other_processes_hold_cores():
+    """``ThreadGovernor`` (injected clock, CPU times and thread setter): it looks at most every period; with the
+    process on 2 threads, others taking 0.9 of a core drop it to 1 and 0.2 bring it back; on 16, others taking 3.4
+    cores leave 13; a count the process sets itself is the one it adapts from; one thread, or no reading, changes
+    nothing."""
+    from pipeline.models.threads import ThreadGovernor
+
+    clock, load, threads = [0.0], [0.0], [2]
+    governor = ThreadGovernor(0.25, others=lambda: load[0], clock=lambda: clock[0], get_threads=lambda: threads[0],
+                              set_threads=lambda n: threads.__setitem__(0, n))
+    governor.adapt()
+    assert threads[0] == 2 and governor.threads == 2
+    load[0] = 0.9
+    clock[0] = 0.1
+    governor.adapt()  # within the period: no look
+    assert threads[0] == 2
+    clock[0] = 0.3
+    governor.adapt()
+    assert threads[0] == 1 and governor.switches == 1
+    load[0], clock[0] = 0.2, 0.6
+    governor.adapt()
+    assert threads[0] == 2 and governor.switches == 2
+    threads[0], load[0], clock[0] = 16, 3.4, 0.9  # the process asked for 16 threads since
+    governor.adapt()
+    assert governor.threads == 16 and threads[0] == 13  # 3 cores held, the fourth less than half
+    threads[0], load[0], clock[0] = 1, 1.0, 1.2
+    governor.adapt()
+    assert threads[0] == 1 and governor.threads == 1
+    quiet = ThreadGovernor(0.25, others=lambda: None, clock=lambda: 0.0, get_threads=lambda: 2,
+                           set_threads=lambda n: pytest.fail("set without a reading"))
+    quiet.adapt()
+
+
+def test_cpu_times_read_other_processes_share_of_this_processes_cpus():
+    """``CpuTimes`` on this host's /proc: nothing at the first call, then a share of cores (>= 0, at most the CPUs this
+    process may use)."""
+    import os
+    import time
+
+    from pipeline.models.threads import CpuTimes
+
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc on this host: the governor keeps the process's thread count")
+    times = CpuTimes()
+    assert times() is None
+    time.sleep(0.05)
+    share = times()
+    assert share is not None and 0.0 <= share <= len(os.sched_getaffinity(0)) + 0.5

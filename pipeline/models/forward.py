@@ -28,6 +28,7 @@ from pipeline.models.backend import SMALLM, SMALLM_MAX_ROWS, LMHead, packed_kind
 from pipeline.models.cache import reserve_rows, resolve_kv_cache
 from pipeline.models.native import (Bf16Head, Int8Head, NativeStack, build_draft_stack, resolve_draft_precision,
                                     resolve_kv_dtype, resolve_precision)
+from pipeline.models.threads import GOVERNOR
 
 LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
 NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
@@ -292,6 +293,7 @@ class Forward:
             per request (logits [q_i or 1, V] float32, features [1, q_i, n_taps*H] or None).
         """
         dec = self.decoder
+        GOVERNOR.adapt()  # one thread while another process holds a core (``pipeline.models.threads``)
         parents = list(parents) if parents is not None else [None] * len(ids)
         if dec.native is not None:
             got = self._native(ids, caches, starts, want_features, parents, last_only)
