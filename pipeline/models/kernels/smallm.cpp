@@ -1065,6 +1065,30 @@ torch::Tensor attend_rows(torch::Tensor q, c10::optional<torch::Tensor> k_new, c
   const bool bf16 = N > 0 && keys[0].scalar_type() == torch::kBFloat16;
   const auto head_of = [](const torch::Tensor& t, int64_t h) { return static_cast<const char*>(t.data_ptr()) +
                                                                      h * t.stride(0) * t.element_size(); };
+  // one pass: m query rows (qs, ns, slots -> outs) over key/value head kh of k / v, the first `shared` keys read once
+  // for all of them (attend_queries_fixed); a pass of one row keeps its query and output in registers
+  // (attend_row_fixed): the same bits either way
+  const auto run_pass = [&](const torch::Tensor& k, const torch::Tensor& v, int64_t kh, int64_t m, int64_t shared,
+                            int64_t longest, std::vector<float>& scores, const std::vector<const float*>& qs,
+                            const std::vector<float*>& outs, const std::vector<int64_t>& ns,
+                            const std::vector<KeySlots>& slots) {
+    if (static_cast<int64_t>(scores.size()) < m * longest) scores.resize(m * longest);
+    const auto pass = [&](auto kp, auto vp) {
+      if (m == 1) {
+        if (D == 64) attend_row_fixed<8>(qs[0], kp, k.stride(1), vp, v.stride(1), ns[0], sc, scores.data(), outs[0], slots[0]);
+        else attend_row_fixed<16>(qs[0], kp, k.stride(1), vp, v.stride(1), ns[0], sc, scores.data(), outs[0], slots[0]);
+      } else if (D == 64)
+        attend_queries_fixed<8>(qs.data(), m, kp, k.stride(1), vp, v.stride(1), shared, ns.data(), slots.data(), sc,
+                                scores.data(), longest, outs.data());
+      else
+        attend_queries_fixed<16>(qs.data(), m, kp, k.stride(1), vp, v.stride(1), shared, ns.data(), slots.data(), sc,
+                                 scores.data(), longest, outs.data());
+    };
+    if (bf16)
+      pass(reinterpret_cast<const c10::BFloat16*>(head_of(k, kh)), reinterpret_cast<const c10::BFloat16*>(head_of(v, kh)));
+    else
+      pass(reinterpret_cast<const float*>(head_of(k, kh)), reinterpret_cast<const float*>(head_of(v, kh)));
+  };
   // one unit per query row and head where each request's rows share a cached context at least twice their number (a
   // verify, a draft block, a decode row), ordered by request, key/value head, query head, row: a thread's consecutive
   // units of one request and one key/value head (rows of the query heads of a GQA group) run as one pass, whose rows
@@ -1104,23 +1128,7 @@ torch::Tensor attend_rows(torch::Tensor q, c10::optional<torch::Tensor> k_new, c
           longest = std::max(longest, ns[x]);
         }
         w = stop;
-        const int64_t shared = causal ? base : lengths[i];
-        if (static_cast<int64_t>(scores.size()) < m * longest) scores.resize(m * longest);
-        const auto pass = [&](auto kp, auto vp) {
-          if (m == 1) {  // one row of one head: its query and output stay in registers (attend_row_fixed)
-            if (D == 64) attend_row_fixed<8>(qs[0], kp, k.stride(1), vp, v.stride(1), ns[0], sc, scores.data(), outs[0], slots[0]);
-            else attend_row_fixed<16>(qs[0], kp, k.stride(1), vp, v.stride(1), ns[0], sc, scores.data(), outs[0], slots[0]);
-          } else if (D == 64)
-            attend_queries_fixed<8>(qs.data(), m, kp, k.stride(1), vp, v.stride(1), shared, ns.data(), slots.data(), sc,
-                                    scores.data(), longest, outs.data());
-          else
-            attend_queries_fixed<16>(qs.data(), m, kp, k.stride(1), vp, v.stride(1), shared, ns.data(), slots.data(), sc,
-                                     scores.data(), longest, outs.data());
-        };
-        if (bf16)
-          pass(reinterpret_cast<const c10::BFloat16*>(head_of(k, kh)), reinterpret_cast<const c10::BFloat16*>(head_of(v, kh)));
-        else
-          pass(reinterpret_cast<const float*>(head_of(k, kh)), reinterpret_cast<const float*>(head_of(v, kh)));
+        run_pass(k, v, kh, m, causal ? base : lengths[i], longest, scores, qs, outs, ns, slots);
       }
     });
     return out;
@@ -1170,20 +1178,8 @@ torch::Tensor attend_rows(torch::Tensor q, c10::optional<torch::Tensor> k_new, c
             qs[x] = qp + (r * Hq + h + a) * D;
             outs[x] = op + r * Hq * D + (h + a) * D;
           }
-        const int64_t shared = causal ? base + j0 + 1 : lengths[i], longest = causal ? base + j0 + nb : lengths[i];
-        if (static_cast<int64_t>(scores.size()) < m * longest) scores.resize(m * longest);
-        const auto unit = [&](auto kp, auto vp) {
-          if (D == 64)
-            attend_queries_fixed<8>(qs.data(), m, kp, k.stride(1), vp, v.stride(1), shared, ns.data(), slots.data(), sc,
-                                    scores.data(), longest, outs.data());
-          else
-            attend_queries_fixed<16>(qs.data(), m, kp, k.stride(1), vp, v.stride(1), shared, ns.data(), slots.data(),
-                                     sc, scores.data(), longest, outs.data());
-        };
-        if (bf16)
-          unit(reinterpret_cast<const c10::BFloat16*>(head_of(k, kh)), reinterpret_cast<const c10::BFloat16*>(head_of(v, kh)));
-        else
-          unit(reinterpret_cast<const float*>(head_of(k, kh)), reinterpret_cast<const float*>(head_of(v, kh)));
+        run_pass(k, v, kh, m, causal ? base + j0 + 1 : lengths[i], causal ? base + j0 + nb : lengths[i], scores, qs, outs,
+                 ns, slots);
       }
     });
     return out;
