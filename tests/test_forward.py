@@ -123,3 +123,22 @@ def test_the_native_stack_follows_weight_updates(tiny, eager_afterwards):
     finally:
         with torch.no_grad():
             proj.weight.copy_(saved)
+
+
+@needs_smallm
+def test_the_native_draft_stack_follows_weight_updates(tiny, eager_afterwards):
+    """The drafter's stack is packed again after a weight changes in place (training), and only then."""
+    drafter = tiny.drafter("llama", "random")
+    dec = SpeculativeDecoder(tiny.target("llama"), drafter, backend="smallm")
+    first = dec.native_draft.native_stack()
+    assert first is not None and dec.native_draft.native_stack() is first  # unchanged weights: the same stack
+    proj = drafter.layers[0].mlp.down_proj
+    saved = proj.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            proj.weight.mul_(1.5)
+        second = dec.native_draft.native_stack()
+        assert second is not first and dec.native_draft.native_stack() is second
+    finally:
+        with torch.no_grad():
+            proj.weight.copy_(saved)

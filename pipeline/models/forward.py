@@ -151,17 +151,16 @@ class NativeDraft:
 
     def __init__(self, drafter: nn.Module, precision: str):
         self.drafter, self.precision = drafter, precision
-        self._stack = self._versions = None
+        self._stack = None
         self._counted = [w for w in drafter.parameters() if not w.is_inference()]
 
     def native_stack(self):
         kind = packed_kind(self.drafter)
         if kind not in SMALLM:
             return None
-        versions = [w._version for w in self._counted]
-        if self._stack is None or versions != self._versions:
+        if self._stack is None or self._stack.changed():
             self._stack = build_draft_stack(self.drafter, kind, self.precision)
-            self._versions = versions
+            self._stack.watch(self._counted)
         return self._stack
 
     def __call__(self, embeds, features, positions, caches) -> list[torch.Tensor] | None:

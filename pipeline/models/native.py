@@ -306,8 +306,7 @@ class NativeStack:
         self.head_dim = attn.head_dim
         self.scale = attn.scaling
         self._weights = [w for layer in self.layers for w in self._layer_weights(layer)] + [base.norm.weight]
-        self._counted = [w for w in self._weights if not w.is_inference()]
-        self._versions = None
+        self._counted = [w for w in self._weights if not w.is_inference()]  # inference tensors have no counter
         self._stack = None
 
     @staticmethod
@@ -327,6 +326,7 @@ class NativeStack:
         with torch.no_grad():
             for layer in self.layers:
                 stack.add_layer(*_layer_specs(layer, formats, self.precision))
+        stack.watch(self._counted)
         return stack
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches, rows, taps, parents=None
@@ -340,11 +340,8 @@ class NativeStack:
             (final normed states [R, H], the hidden states at ``taps`` (transformers' ``hidden_states`` indices) side
             by side [R, len(taps) * H]), or None when a cache cannot take the native path (nothing was changed).
         """
-        # repacked when a weight changed (training): inference tensors have no counter (read once, -2)
-        versions = [w._version for w in self._counted]
-        if self._stack is None or versions != self._versions:
+        if self._stack is None or self._stack.changed():  # repacked when a weight changed in place (training)
             self._stack = self._build()
-            self._versions = versions
         reserved = reserve_rows(caches, rows, len(self.layers), (self.kv_heads, self.head_dim, self.kv_dtype))
         if reserved is None:
             return None

@@ -142,15 +142,14 @@ def _rebuild(owner, freeze: bool) -> None:
     (kept ones copied out of file mappings); with ``freeze``, stop it from checking its weights for changes (it would
     rebuild from released ones)."""
     owner._stack = None
-    if hasattr(owner, "_build"):  # NativeStack: otherwise built on its first call
-        owner._stack = owner._build()
-        owner._versions = [w._version for w in owner._counted]
-    else:
-        owner.native_stack()
     if freeze:
-        owner._counted, owner._versions = [], []
+        owner._counted = []
         if hasattr(owner, "_weights"):
             owner._weights = []
+    if hasattr(owner, "_build"):  # NativeStack: otherwise built on its first call
+        owner._stack = owner._build()
+    else:
+        owner.native_stack()
 
 
 class PackedRowsEmbedding(nn.Embedding):
