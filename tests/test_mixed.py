@@ -92,6 +92,43 @@ def test_ngram_segments_do_not_match_across_and_the_bound_holds():
         NgramIndex(3, 2, max_tokens=0)
 
 
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(segments=st.lists(st.lists(st.integers(0, 4), min_size=0, max_size=30), min_size=1, max_size=12),
+       max_n=st.integers(1, 4), keep=st.integers(1, 3), bound=st.integers(1, 60))
+def test_an_evicting_index_holds_what_a_fresh_index_of_its_segments_holds(segments, max_n, keep, bound):
+    """Evicting takes the dropped segments' places out of the tables: the index then equals one built afresh from
+    the segments it kept (their tokens in order), and each segment's own tokens are what it was given (a segment
+    longer than the bound: its tail)."""
+    index = NgramIndex(max_n, keep, max_tokens=bound)
+    given_tokens = {}
+    for seq in segments:
+        half = len(seq) // 2
+        sid = index.new_segment(seq[:half])
+        index.extend(sid, seq[half:])
+        given_tokens[sid] = seq
+        assert index.tokens_held == sum(len(t) for t in index.segments.values()) <= bound
+        fresh = NgramIndex(max_n, keep)
+        for kept, tokens in index.segments.items():
+            assert tokens == given_tokens[kept][len(given_tokens[kept]) - len(tokens):]
+            fresh.segments[kept] = []
+            fresh.extend(kept, tokens)
+        assert index._tables == fresh._tables
+
+
+def test_evicting_a_segment_does_not_index_the_others_again(monkeypatch):
+    index = NgramIndex(4, keep=3, max_tokens=100)
+    for i in range(10):
+        index.new_segment(range(10 * i, 10 * i + 10))
+    indexed = []
+    extend = NgramIndex.extend
+    monkeypatch.setattr(NgramIndex, "extend", lambda self, sid, tokens: (indexed.append(len(list(tokens))),
+                                                                         extend(self, sid, tokens))[1])
+    sid = index.new_segment()
+    index.extend(sid, [7, 8, 9])  # 103 tokens: the oldest segment goes, nothing else is indexed again
+    assert indexed == [0, 3] and index.tokens_held == 93 and 0 not in index.segments
+    assert index.lookup([15, 16], 2)[0].tokens == [17, 18]
+
+
 # ------------------------------------------------------------------------------------------------
 # the merged tree
 # ------------------------------------------------------------------------------------------------
