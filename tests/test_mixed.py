@@ -2,7 +2,8 @@
 step that runs them (``pipeline.decoding.step``).
 
 - the n-gram index's proposals against a brute-force scan of the same sequences (longest suffix match, latest places
-  first, distinct next tokens, the match length measured backwards), and its memory bound;
+  first, distinct next tokens, the match length measured backwards), and its memory bound: eviction takes the dropped
+  segments' places out (the index then equals a fresh one of what it kept) without indexing the others again;
 - a merged tree holds each source's chain as a path, parents first, values along a path non-increasing, siblings'
   estimates summing to at most 1;
 - the recycled candidates are the target's own top-k after each token;
