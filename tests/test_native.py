@@ -151,20 +151,16 @@ def _probe(isa: str) -> dict:
 
 @needs_smallm
 @pytest.mark.parametrize("rows, vocab, k", [(7, 32768, 4), (1, 49152, 1), (3, 100, 16), (5, 17, 4)])
-def test_top_probs_are_torchs_top_k_and_softmax(rows, vocab, k):
-    """The drafter's candidates at T = 0 (``step.candidates``): the kernel's k best columns are torch's ``topk``'s,
-    the first of equal values is ``argmax``'s, and each probability is ``softmax``'s within 1e-5 (relative)."""
+def test_top_columns_are_torchs_top_k(rows, vocab, k):
+    """The drafter's candidates at T = 0 (``step.candidates``): the kernel's k best columns are torch's ``topk``'s, and
+    the first of equal values is ``argmax``'s."""
     g = torch.Generator().manual_seed(rows * vocab + k)
     x = torch.randn(rows, vocab, generator=g) * 3
-    columns, probs = kernel.smallm_kernel().top_probs(x, k)
-    assert torch.equal(columns, x.topk(k, dim=-1).indices)
-    reference = torch.softmax(x.double(), dim=-1).gather(-1, columns)
-    assert torch.allclose(probs.double(), reference, rtol=1e-5, atol=0)
+    assert torch.equal(kernel.smallm_kernel().top_columns(x, k), x.topk(k, dim=-1).indices)
     ties = torch.zeros(2, 40)
     ties[0, 9] = ties[0, 5] = 1.0
-    columns, probs = kernel.smallm_kernel().top_probs(ties, 3)
+    columns = kernel.smallm_kernel().top_columns(ties, 3)
     assert columns.tolist() == [[5, 9, 0], [0, 1, 2]] and columns[:, 0].tolist() == ties.argmax(-1).tolist()
-    assert torch.allclose(probs[1], torch.full((3,), 1 / 40))
 
 
 @pytest.mark.slow

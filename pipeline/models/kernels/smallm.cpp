@@ -1239,27 +1239,23 @@ torch::Tensor attend(torch::Tensor q, c10::optional<torch::Tensor> k_new, c10::o
   return attend_rows(q, k_new, v_new, keys, values, rows, lengths, scale, true, parents);
 }
 
-// The drafter's candidates at T = 0 (pipeline.decoding.step.candidates): each row's k best columns of logits [R, V]
-// (larger first, the lower column first among equals: column 0 is the row's argmax, the chain's draft) and their
-// softmax probabilities exp(x - max) / sum_j exp(x_j - max), in two passes over the row (the best k kept against
-// the k-th's value, 16 lanes at a time; the sum with exp8, 8 lanes at a time in a fixed order). torch's topk, the
-// division by T = 1 and log_softmax + gather read the row three times and wrote it twice: 470 us over [7, 32768] with
-// the row out of cache (2026-12-07, AMD EPYC Zen 4), after every draft.
-std::tuple<torch::Tensor, torch::Tensor> top_probs(torch::Tensor logits, int64_t k) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32, "top_probs: logits must be float32 [R, V]");
+// The drafter's candidates at T = 0 (pipeline.decoding.step.candidates): each row's k best columns of logits [R, V],
+// larger first, the lower column first among equals (column 0 is the row's argmax, the chain's draft): torch's topk's
+// columns, in one read of the row (the best k kept against the k-th's value, 16 lanes at a time). torch's topk took
+// 246 us over [7, 32768] with the row out of cache (2026-12-07, AMD EPYC Zen 4), after every draft.
+torch::Tensor top_columns(torch::Tensor logits, int64_t k) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32, "top_columns: logits must be float32 [R, V]");
   logits = logits.contiguous();
   const int64_t R = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(k >= 1 && k <= 16 && k <= V, "top_probs: 1 <= k <= min(16, V)");
+  TORCH_CHECK(k >= 1 && k <= 16 && k <= V, "top_columns: 1 <= k <= min(16, V)");
   auto idx = torch::empty({R, k}, logits.options().dtype(torch::kLong));
-  auto prob = torch::empty({R, k}, logits.options());
   const float* xp = logits.data_ptr<float>();
   int64_t* ip = idx.data_ptr<int64_t>();
-  float* pp = prob.data_ptr<float>();
   at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* x = xp + r * V;
       float best[16];
-      int64_t where[16];
+      int64_t* where = ip + r * k;
       int64_t held = 0;
       // insert column j (value v) into the sorted best list: larger first, the lower column first among equals
       const auto insert = [&](float v, int64_t j) {
@@ -1287,27 +1283,9 @@ std::tuple<torch::Tensor, torch::Tensor> top_probs(torch::Tensor logits, int64_t
       }
 #endif
       for (; j < V; ++j) insert(x[j], j);
-      const float mx = best[0];
-      const __m256 mv = _mm256_set1_ps(mx);
-      __m256 acc = _mm256_setzero_ps();
-      int64_t t = 0;
-      for (; t + 8 <= V; t += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + t), mv)));
-      float sum = hsum8(acc);
-      if (t < V) {
-        alignas(32) float tail[8];
-        for (int l = 0; l < 8; ++l) tail[l] = t + l < V ? x[t + l] : -INFINITY;
-        sum += hsum8(exp8(_mm256_sub_ps(_mm256_load_ps(tail), mv)));
-      }
-      for (int64_t c = 0; c < k; ++c) {
-        alignas(32) float one[8] = {best[c] - mx, 0, 0, 0, 0, 0, 0, 0};
-        alignas(32) float out[8];
-        _mm256_store_ps(out, exp8(_mm256_load_ps(one)));
-        ip[r * k + c] = where[c];
-        pp[r * k + c] = out[0] / sum;
-      }
     }
   });
-  return {idx, prob};
+  return idx;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -2286,7 +2264,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack W [N, K] into [ceil(N/16), K, 16] panels");
   m.def("linear", &linear, "y = x @ W^T (+ bias) from packed panels");
   m.def("linear_exact", &linear_exact, "y = x @ W^T (+ bias) from bf16 / q8 / q4 panels expanded exactly");
-  m.def("top_probs", &top_probs, "each row's k best columns (argmax first) and their softmax probabilities, one read");
+  m.def("top_columns", &top_columns, "each row's k best columns, larger first, the lower column among equals (topk's)");
   m.def("attend", &attend, "causal attention of many requests' rows over their own caches, each row bit-identical alone or batched",
         pybind11::arg("q"), pybind11::arg("k_new"), pybind11::arg("v_new"), pybind11::arg("keys"), pybind11::arg("values"),
         pybind11::arg("rows"), pybind11::arg("lengths"), pybind11::arg("scale"),
