@@ -149,20 +149,6 @@ def _probe(isa: str) -> dict:
     return json.loads(done.stdout)
 
 
-@needs_smallm
-@pytest.mark.parametrize("rows, vocab, k", [(7, 32768, 4), (1, 49152, 1), (3, 100, 16), (5, 17, 4)])
-def test_top_columns_are_torchs_top_k(rows, vocab, k):
-    """The drafter's candidates at T = 0 (``step.candidates``): the kernel's k best columns are torch's ``topk``'s, and
-    the first of equal values is ``argmax``'s."""
-    g = torch.Generator().manual_seed(rows * vocab + k)
-    x = torch.randn(rows, vocab, generator=g) * 3
-    assert torch.equal(kernel.smallm_kernel().top_columns(x, k), x.topk(k, dim=-1).indices)
-    ties = torch.zeros(2, 40)
-    ties[0, 9] = ties[0, 5] = 1.0
-    columns = kernel.smallm_kernel().top_columns(ties, 3)
-    assert columns.tolist() == [[5, 9, 0], [0, 1, 2]] and columns[:, 0].tolist() == ties.argmax(-1).tolist()
-
-
 @pytest.mark.slow
 @needs_smallm
 def test_avx2_and_avx512_builds_give_the_same_bits():

@@ -129,7 +129,7 @@ def draft_confidence(logits: torch.Tensor, index: torch.Tensor, temperature: flo
     Returns:
         [R] (or [R, k]) float32 probabilities in (0, 1].
     """
-    scaled = logits.float() / float(temperature) if temperature > 0 else logits.float()  # T=0: no copy (/ 1 is exact)
+    scaled = logits.float() / (float(temperature) if temperature > 0 else 1.0)
     columns = index.reshape(index.shape[0], -1).to(scaled.device)
     picked = torch.log_softmax(scaled, dim=-1).gather(-1, columns)  # one fused pass (half logsumexp's time on the CPU)
     return picked.exp() if index.dim() > 1 else picked[:, 0].exp()

@@ -33,7 +33,6 @@ from pipeline.decoding.schedules import BatchPolicy
 from pipeline.decoding.trees import DraftTree
 from pipeline.models.cache import compact, crop_to
 from pipeline.models.clock import now
-from pipeline.models.kernel import loaded_kernel
 
 
 @dataclass
@@ -104,14 +103,9 @@ def candidates(decoder, request, logits: torch.Tensor, top_k: int) -> tuple[torc
     """The drafter's top ``top_k`` candidates at each drafted position of ``request``'s block from its ``logits``
     [b-1, V']: (tokens [b-1, k] long, best first: column 0 is the chain's draft; the drafter's probability of each
     [b-1, k], ``draft_confidence``)."""
-    sampler, kernel = request.sampler, loaded_kernel()
-    if (sampler.temperature == 0 and kernel is not None and logits.device.type == "cpu"
-            and logits.dtype == torch.float32 and int(top_k) <= 16):  # topk's columns in one native read of the rows
-        columns = kernel.top_columns(logits, max(1, min(int(top_k), logits.shape[-1])))
-    else:
-        columns = sampler.top_columns(logits, request.state.start + 1, top_k, decoder.draft_vocab)
-    probs = draft_confidence(logits, columns, sampler.temperature)
-    return (columns if decoder.draft_vocab is None else decoder.draft_vocab[columns]), probs
+    columns = request.sampler.top_columns(logits, request.state.start + 1, top_k, decoder.draft_vocab)
+    tokens = columns if decoder.draft_vocab is None else decoder.draft_vocab[columns]
+    return tokens, draft_confidence(logits, columns, request.sampler.temperature)
 
 
 @torch.inference_mode()

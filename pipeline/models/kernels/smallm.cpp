@@ -1239,55 +1239,6 @@ torch::Tensor attend(torch::Tensor q, c10::optional<torch::Tensor> k_new, c10::o
   return attend_rows(q, k_new, v_new, keys, values, rows, lengths, scale, true, parents);
 }
 
-// The drafter's candidates at T = 0 (pipeline.decoding.step.candidates): each row's k best columns of logits [R, V],
-// larger first, the lower column first among equals (column 0 is the row's argmax, the chain's draft): torch's topk's
-// columns, in one read of the row (the best k kept against the k-th's value, 16 lanes at a time). torch's topk took
-// 246 us over [7, 32768] with the row out of cache (2026-12-07, AMD EPYC Zen 4), after every draft.
-torch::Tensor top_columns(torch::Tensor logits, int64_t k) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32, "top_columns: logits must be float32 [R, V]");
-  logits = logits.contiguous();
-  const int64_t R = logits.size(0), V = logits.size(1);
-  TORCH_CHECK(k >= 1 && k <= 16 && k <= V, "top_columns: 1 <= k <= min(16, V)");
-  auto idx = torch::empty({R, k}, logits.options().dtype(torch::kLong));
-  const float* xp = logits.data_ptr<float>();
-  int64_t* ip = idx.data_ptr<int64_t>();
-  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* x = xp + r * V;
-      float best[16];
-      int64_t* where = ip + r * k;
-      int64_t held = 0;
-      // insert column j (value v) into the sorted best list: larger first, the lower column first among equals
-      const auto insert = [&](float v, int64_t j) {
-        int64_t at = held < k ? held : k - 1;
-        if (held == k && !(v > best[k - 1])) return;
-        while (at > 0 && v > best[at - 1]) {
-          best[at] = best[at - 1];
-          where[at] = where[at - 1];
-          --at;
-        }
-        best[at] = v;
-        where[at] = j;
-        if (held < k) ++held;
-      };
-      int64_t j = 0;
-#ifdef __AVX512F__
-      for (; j + 16 <= V; j += 16) {
-        const __m512 v = _mm512_loadu_ps(x + j);
-        // only lanes above the k-th best (or any while fewer than k are held) go through the scalar insert, in order
-        const __mmask16 m = held < k ? __mmask16(0xFFFF) : _mm512_cmp_ps_mask(v, _mm512_set1_ps(best[k - 1]), _CMP_GT_OQ);
-        if (m) {
-          for (int l = 0; l < 16; ++l)
-            if (m & (1u << l)) insert(x[j + l], j + l);
-        }
-      }
-#endif
-      for (; j < V; ++j) insert(x[j], j);
-    }
-  });
-  return idx;
-}
-
 // ---------------------------------------------------------------------------------------------------------------
 // The reduced-precision product of model.precision=int8 (AVX-512 VNNI builds on CPUs with VNNI): q4 weights times
 // activations quantized to int8 per row and per group of 32 (d_x = max|x| / 127), with AVX-512 VNNI integer dot
@@ -2264,7 +2215,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack W [N, K] into [ceil(N/16), K, 16] panels");
   m.def("linear", &linear, "y = x @ W^T (+ bias) from packed panels");
   m.def("linear_exact", &linear_exact, "y = x @ W^T (+ bias) from bf16 / q8 / q4 panels expanded exactly");
-  m.def("top_columns", &top_columns, "each row's k best columns, larger first, the lower column among equals (topk's)");
   m.def("attend", &attend, "causal attention of many requests' rows over their own caches, each row bit-identical alone or batched",
         pybind11::arg("q"), pybind11::arg("k_new"), pybind11::arg("v_new"), pybind11::arg("keys"), pybind11::arg("values"),
         pybind11::arg("rows"), pybind11::arg("lengths"), pybind11::arg("scale"),
