@@ -83,16 +83,17 @@ def _bf16_spec(weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple:
 
 
 def q8_quantize(w: torch.Tensor) -> SmallmWeight:
-    """``w`` [N, K] (K a multiple of 32) rounded to q8 by GGUF Q8_0's rule, per row and group of 32: ``d = absmax /
-    127``, ``q = round(w / d)`` (d kept in float32): a lossy q8 ``SmallmWeight`` (the drafter's int8 products; its
-    weights are not of that form)."""
+    """``w`` [N, K] (K a multiple of 32) rounded to q8 by GGUF Q8_0's rule (ggml's ``quantize_row_q8_0``), per row and
+    group of 32: ``q = round(w / d)`` with ``d = absmax / 127``, stored as the float16 of d: a lossy q8 ``SmallmWeight``
+    (the drafter's int8 products; its weights are not of that form)."""
     n, k = w.shape
     if k % _GROUP:
         raise ValueError(f"q8 needs an input width that is a multiple of {_GROUP}, got {k}")
     blocks = w.detach().float().view(n, k // _GROUP, _GROUP)
     d = blocks.abs().amax(-1, keepdim=True) / 127
     q = torch.where(d > 0, torch.round(blocks / torch.where(d > 0, d, 1.0)), 0.0).clamp_(-127, 127)
-    return SmallmWeight("q8", _panels(q.view(n, k).to(torch.int8)), _panels(d.view(n, -1)), torch.empty(0), n)
+    return SmallmWeight("q8", _panels(q.view(n, k).to(torch.int8)), _panels(d.half().float().view(n, -1)),
+                        torch.empty(0), n)
 
 
 class Bf16Head:
@@ -125,8 +126,7 @@ class Int8Head:
                              f"{getattr(packed, 'fmt', 'not packed')}")
         self.n = packed.n
         self.vnni = q8_vnni_layout(packed.q)
-        self.d = packed.d.contiguous()
-        self.c8 = q8_corrections(packed.q)
+        self.d = q8_scales(packed.d)
 
     @classmethod
     def quantized(cls, weight: torch.Tensor) -> "Int8Head":
@@ -135,25 +135,32 @@ class Int8Head:
 
     @property
     def nbytes(self) -> int:
-        """Bytes one call streams: the int8 rows, their scales and their corrections."""
-        return sum(t.numel() * t.element_size() for t in (self.vnni, self.d, self.c8))
+        """Bytes one call streams: the int8 rows and their scales."""
+        return sum(t.numel() * t.element_size() for t in (self.vnni, self.d))
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1]).float().contiguous()
-        return smallm_kernel().linear_q8_int8(flat, self.vnni, self.d, self.c8, self.n).reshape(*hidden.shape[:-1], self.n)
+        return smallm_kernel().linear_q8_int8(flat, self.vnni, self.d, self.n).reshape(*hidden.shape[:-1], self.n)
 
 
 def q8_vnni_layout(q: torch.Tensor) -> torch.Tensor:
-    """q8 panels [P, K, 16] int8 -> the VNNI layout [P, K / 32, 8, 64] of ``linear_q8_int8``: chunk u's byte 4c + b is
-    column c's q at k = 32g + 4u + b."""
+    """q8 panels [P, K, 16] int8 -> the VNNI layout [P, K / 32, 8, 64] uint8 of ``linear_q8_int8``: chunk u's byte
+    4c + b is column c's q + 128 at k = 32g + 4u + b (VPDPBUSD's unsigned operand)."""
     P, K, _ = q.shape
-    return q.view(P, K // 32, 8, 4, 16).permute(0, 1, 2, 4, 3).contiguous().view(P, K // 32, 8, 64)
+    shifted = (q.to(torch.int16) + 128).to(torch.uint8)
+    return shifted.view(P, K // 32, 8, 4, 16).permute(0, 1, 2, 4, 3).contiguous().view(P, K // 32, 8, 64)
 
 
-def q8_corrections(q: torch.Tensor) -> torch.Tensor:
-    """[P, K / 32, 16] int32: 128 x each column's sum of q over each group of 32 (the unsigned activations' offset)."""
-    P, K, _ = q.shape
-    return (q.view(P, K // 32, 32, 16).sum(dim=2, dtype=torch.int32) * 128).contiguous()
+def q8_scales(d: torch.Tensor) -> torch.Tensor:
+    """q8 scales [P, K / 32, 16] float32 -> float16 (``linear_q8_int8``'s), the same values at half the bytes.
+
+    Raises:
+        ValueError: when some scale is not a float16 (neither a GGUF Q8_0 block's nor ``q8_quantize``'s).
+    """
+    half = d.half()
+    if not torch.equal(half.float(), d):
+        raise ValueError("q8 scales that float16 does not hold exactly (neither a GGUF Q8_0 block's nor q8_quantize's)")
+    return half.contiguous()
 
 
 def vnni_layout(q: torch.Tensor) -> torch.Tensor:
@@ -195,9 +202,9 @@ def _spec(weight: SmallmWeight, bias: torch.Tensor | None = None, precision: str
 
 def _q8_int8_spec(weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple:
     """A weight as the native stack takes it for the drafter's int8 products (``kQ8Int8``): rounded to q8
-    (``q8_quantize``), in the VNNI layout with its corrections."""
+    (``q8_quantize``), in the VNNI layout with its float16 scales."""
     packed = q8_quantize(weight)
-    return (_Q8_INT8, q8_vnni_layout(packed.q), packed.d, q8_corrections(packed.q), torch.empty(0), packed.n, _ALL_ROWS,
+    return (_Q8_INT8, q8_vnni_layout(packed.q), q8_scales(packed.d), torch.empty(0), torch.empty(0), packed.n, _ALL_ROWS,
             None if bias is None else bias.detach().float())
 
 

@@ -155,8 +155,8 @@ def _rebuild(owner, freeze: bool) -> None:
 class PackedRowsEmbedding(nn.Embedding):
     """An embedding whose rows are read from the LM head's q8 packed form (a tied embedding: the same float32 values,
     ``d * q`` per group of 32, checked bit for bit when made) instead of a float32 table: ``_bp_q`` the head's int8
-    rows (``Int8Head``'s VNNI layout [P, K / 32, 8, 16, 4], or ``SmallmWeight`` panels [P, K, 16]), ``_bp_d`` their
-    scales [P, K / 32, 16]. Made by ``release_unused_weights`` (a class swap; its ``weight``: a ``ReleasedWeight``)."""
+    rows (``Int8Head``'s VNNI layout [P, K / 32, 8, 16, 4] of q + 128, or ``SmallmWeight`` panels [P, K, 16]), ``_bp_d``
+    their scales [P, K / 32, 16] (float16 or float32). Made by ``release_unused_weights`` (a class swap; its ``weight``: a ``ReleasedWeight``)."""
 
     _bp_q: torch.Tensor
     _bp_d: torch.Tensor
@@ -166,8 +166,9 @@ class PackedRowsEmbedding(nn.Embedding):
 
 
 def _packed_rows(q: torch.Tensor, d: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``ids`` [n] of a q8 packed weight (``q``: VNNI [P, G, 8, 16, 4] or panels [P, K, 16], contiguous; ``d``
-    [P, G, 16]) -> [n, K] float32, each value ``d * q`` as the kernel expands it (one ``index_select`` each)."""
+    """Rows ``ids`` [n] of a q8 packed weight (``q``: VNNI [P, G, 8, 16, 4] uint8 of q + 128, or panels [P, K, 16]
+    int8, contiguous; ``d`` [P, G, 16]) -> [n, K] float32, each value ``d * q`` as the kernel expands it (one
+    ``index_select`` each)."""
     groups = d.shape[1]
     p, c = ids // 16, ids % 16
     if q.dim() == 5:  # row 16 p + c at k = 32 g + 4 u + b: q[p, g, u, c, b]
@@ -178,8 +179,13 @@ def _packed_rows(q: torch.Tensor, d: torch.Tensor, ids: torch.Tensor) -> torch.T
         inner, at = torch.arange(groups * 32) * q.stride(1), p * q.stride(0) + c
     values = q.reshape(-1).index_select(0, (at[:, None] + inner).reshape(-1)).view(-1, groups, 32)
     at_d = (p * d.stride(0) + c)[:, None] + torch.arange(groups) * d.stride(1)
-    scales = d.reshape(-1).index_select(0, at_d.reshape(-1))
-    return (scales.view(-1, groups, 1) * values.float()).view(-1, groups * 32)
+    scales = d.reshape(-1).index_select(0, at_d.reshape(-1)).float()
+    return (scales.view(-1, groups, 1) * _signed(values)).view(-1, groups * 32)
+
+
+def _signed(q: torch.Tensor) -> torch.Tensor:
+    """q8 values as float32: int8 panels as they are, the VNNI layout's uint8 q + 128 shifted back."""
+    return (q.to(torch.int16) - 128).float() if q.dtype == torch.uint8 else q.float()
 
 
 def _embedding_rows(decoder) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -204,7 +210,7 @@ def _embedding_rows(decoder) -> tuple[torch.Tensor, torch.Tensor] | None:
         for a in range(0, q.shape[0], 256):  # 4096 rows at a time, in panel order
             part = q[a: a + 256]
             part = part.permute(0, 3, 1, 2, 4) if q.dim() == 5 else part.permute(0, 2, 1)
-            rows = (d[a: a + 256].permute(0, 2, 1).reshape(-1, groups, 1) * part.reshape(-1, groups, 32).float())
+            rows = (d[a: a + 256].float().permute(0, 2, 1).reshape(-1, groups, 1) * _signed(part.reshape(-1, groups, 32)))
             want = weight[16 * a: 16 * (a + 256)]
             if not torch.equal(rows.reshape(-1, groups * 32)[: len(want)].view(torch.int32), want.view(torch.int32)):
                 log.warning("the LM head's q8 rows do not expand to the embedding bit for bit: its float32 table stays")

@@ -1370,22 +1370,22 @@ bool amx_available() {
 }
 
 // One group's sums of one tile of rows into ct, on tile set S (C, A, B = 0, 1, 2 or 3, 4, 5: two sets, so that
-// consecutive groups overlap; the tile intrinsics take literal numbers). Q8: TDPBUSD (unsigned activations, q8's signed
-// weights), else TDPBSUD (signed activations, q4's unsigned nibbles).
-template <bool Q8, int S>
+// consecutive groups overlap; the tile intrinsics take literal numbers): TDPBSUD, signed activations times unsigned
+// weights (q4's nibbles, q8's q + 128).
+template <int S>
 __attribute__((target("amx-tile,amx-int8")))
 inline void amx_group(const uint8_t* bt, const uint8_t* x, int64_t K, int32_t* ct) {
   if constexpr (S == 0) {
     _tile_loadd(2, bt, 64);
     _tile_zero(0);
     _tile_loadd(1, x, K);
-    if constexpr (Q8) _tile_dpbusd(0, 1, 2); else _tile_dpbsud(0, 1, 2);
+    _tile_dpbsud(0, 1, 2);
     _tile_stored(0, ct, 64);
   } else {
     _tile_loadd(5, bt, 64);
     _tile_zero(3);
     _tile_loadd(4, x, K);
-    if constexpr (Q8) _tile_dpbusd(3, 4, 5); else _tile_dpbsud(3, 4, 5);
+    _tile_dpbsud(3, 4, 5);
     _tile_stored(3, ct, 64);
   }
 }
@@ -1409,37 +1409,38 @@ inline int64_t amx_height(int64_t M) {
 }
 inline int64_t amx_padded(int64_t M) { return (M + 15) / 16 * amx_height(M); }
 
-// One tile of MT rows (xt: its first row's activations, K apart; dx, sx its scales; q8 reads no sx) against one panel's
-// G groups (bt: their B tiles, 512 bytes each; ws its scales: q4's float16 d and m, 32 a group; q8's float32 d, 16 a
-// group, with mp its corrections c8, int32), the running sums in registers, each row's scales applied as
+// One tile of MT rows (xt: its first row's activations, K apart; dx its scales; rowp the rows' second term per group,
+// q4's s_x float32, q8's integer sums sq) against one panel's G groups (bt: their B tiles, 512 bytes each; ws its
+// float16 scales: q4's d and m, 32 a group; q8's d, 16 a group), the running sums in registers, each row's scales applied as
 // q4_int8_tile / q8_int8_tile apply them; group g + 1's tile product overlaps group g's scaling.
 template <int MT, bool Q8>
 __attribute__((target("amx-tile,amx-int8,avx512bw,avx512f")))
-void int8_tile_amx(const uint8_t* bt, const uint8_t* xt, const float* dxp, const float* sxp, const void* ws,
-                   const void* mp, int64_t K, int64_t G, float* y, int64_t ldy, int64_t rows, __mmask16 keep) {
+void int8_tile_amx(const uint8_t* bt, const uint8_t* xt, const float* dxp, const void* rowp, const void* ws, int64_t K,
+                   int64_t G, float* y, int64_t ldy, int64_t rows, __mmask16 keep) {
   alignas(64) int32_t ct[2][16 * 16];
   __m512 acc[MT];
 #pragma GCC unroll 16
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
-  amx_group<Q8, 0>(bt, xt, K, ct[0]);
+  amx_group<0>(bt, xt, K, ct[0]);
   for (int64_t g = 0; g < G; ++g) {
     if (g + 1 < G) {
-      if (g & 1) amx_group<Q8, 0>(bt + (g + 1) * 512, xt + (g + 1) * kGroup, K, ct[0]);
-      else amx_group<Q8, 1>(bt + (g + 1) * 512, xt + (g + 1) * kGroup, K, ct[1]);
+      if (g & 1) amx_group<0>(bt + (g + 1) * 512, xt + (g + 1) * kGroup, K, ct[0]);
+      else amx_group<1>(bt + (g + 1) * 512, xt + (g + 1) * kGroup, K, ct[1]);
     }
     const int32_t* cg = ct[g & 1];
     if constexpr (Q8) {
-      const __m512 dw = _mm512_loadu_ps(static_cast<const float*>(ws) + g * kPanel);
-      const __m512i c8 = _mm512_loadu_si512(static_cast<const int32_t*>(mp) + g * kPanel);
+      const __m512 dw = scales16(static_cast<const uint16_t*>(ws) + g * kPanel);
+      const int32_t* sq = static_cast<const int32_t*>(rowp);
 #pragma GCC unroll 16
       for (int i = 0; i < MT; ++i) {
         const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dxp[i * G + g]));
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(cg + i * 16), c8)), scale,
-                                 acc[i]);
+        const __m512i exact = _mm512_sub_epi32(_mm512_load_si512(cg + i * 16), _mm512_set1_epi32(128 * sq[i * G + g]));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, acc[i]);
       }
     } else {
       const uint16_t* s = static_cast<const uint16_t*>(ws) + g * 2 * kPanel;
       const __m512 dw = scales16(s), mw = scales16(s + kPanel);
+      const float* sxp = static_cast<const float*>(rowp);
 #pragma GCC unroll 16
       for (int i = 0; i < MT; ++i) {
         const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dxp[i * G + g]));
@@ -1453,24 +1454,25 @@ void int8_tile_amx(const uint8_t* bt, const uint8_t* xt, const float* dxp, const
     if (i < rows) _mm512_mask_storeu_ps(y + i * ldy, keep, acc[i]);
 }
 
-// One panel p (its B tiles bt, scales dw, offsets or corrections m) for all M rows in tiles of h (4, 8, 12 or 16; x, dx
-// and sx hold whole tiles, the rows past M zeros).
+// One panel p (its B tiles bt, float16 scales ws) for all M rows in tiles of h (4, 8, 12 or 16; x, dx and rowp, 4
+// bytes a row and group, hold whole tiles, the rows past M zeros).
 template <bool Q8>
 __attribute__((target("amx-tile,amx-int8,avx512bw,avx512f")))
-void int8_panel_amx(int64_t p, const uint8_t* bt, const void* ws, const void* mp, const uint8_t* x, const float* dxp,
-                    const float* sxp, int64_t M, int64_t K, int64_t G, float* yp, int64_t n, int64_t h) {
+void int8_panel_amx(int64_t p, const uint8_t* bt, const void* ws, const uint8_t* x, const float* dxp, const void* rowp,
+                    int64_t M, int64_t K, int64_t G, float* yp, int64_t n, int64_t h) {
   const int64_t n0 = p * kPanel, ncols = std::min(kPanel, n - n0);
   const __mmask16 keep = ncols >= kPanel ? __mmask16(0xFFFF) : __mmask16((1u << ncols) - 1);
   for (int64_t r0 = 0; r0 < M; r0 += h) {
     const int64_t rows = std::min<int64_t>(h, M - r0);
     const uint8_t* xt = x + r0 * K;
-    const float *dx = dxp + r0 * G, *sx = sxp + r0 * G;
+    const float* dx = dxp + r0 * G;
+    const void* rw = static_cast<const uint32_t*>(rowp) + r0 * G;
     float* y = yp + r0 * n + n0;
     switch (h) {
-      case 16: int8_tile_amx<16, Q8>(bt, xt, dx, sx, ws, mp, K, G, y, n, rows, keep); break;
-      case 12: int8_tile_amx<12, Q8>(bt, xt, dx, sx, ws, mp, K, G, y, n, rows, keep); break;
-      case 8: int8_tile_amx<8, Q8>(bt, xt, dx, sx, ws, mp, K, G, y, n, rows, keep); break;
-      default: int8_tile_amx<4, Q8>(bt, xt, dx, sx, ws, mp, K, G, y, n, rows, keep); break;
+      case 16: int8_tile_amx<16, Q8>(bt, xt, dx, rw, ws, K, G, y, n, rows, keep); break;
+      case 12: int8_tile_amx<12, Q8>(bt, xt, dx, rw, ws, K, G, y, n, rows, keep); break;
+      case 8: int8_tile_amx<8, Q8>(bt, xt, dx, rw, ws, K, G, y, n, rows, keep); break;
+      default: int8_tile_amx<4, Q8>(bt, xt, dx, rw, ws, K, G, y, n, rows, keep); break;
     }
   }
 }
@@ -1500,16 +1502,16 @@ void q4_int8_panels_amx(int64_t begin, int64_t end, const uint8_t* wp, const uin
         _mm512_store_si512(bts + g * 512 + (u + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
       }
     }
-    int8_panel_amx<false>(p, bts, sp + p * G * 2 * kPanel, nullptr, reinterpret_cast<const uint8_t*>(xqp), dxp,
-                          sxp, M, K, G, yp, n, h);
+    int8_panel_amx<false>(p, bts, sp + p * G * 2 * kPanel, reinterpret_cast<const uint8_t*>(xqp), dxp, sxp, M, K, G,
+                          yp, n, h);
   }
   _tile_release();
 }
 
 // Activations [M, K] -> int8 per row and group of 32: q = round-to-nearest-even(x * 127 / max|x|), d_x = max|x| / 127,
-// s_x = d_x * sum q (each row's values from its own inputs only).
+// s_x = d_x * sum q, and (where sq is given) sum q itself (each row's values from its own inputs only).
 __attribute__((target("avx512bw,avx512f")))
-void quantize_rows(const float* xp, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx) {
+void quantize_rows(const float* xp, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx, int32_t* sq) {
   const int64_t G = K / kGroup;
   const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
   for (int64_t r = 0; r < M; ++r)
@@ -1521,15 +1523,20 @@ void quantize_rows(const float* xp, int64_t M, int64_t K, int8_t* xq, float* dx,
       const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * K + g * kGroup), _mm512_cvtepi32_epi8(qa));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * K + g * kGroup + 16), _mm512_cvtepi32_epi8(qb));
+      const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
       dx[r * G + g] = amax / 127.f;
-      sx[r * G + g] = dx[r * G + g] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+      sx[r * G + g] = dx[r * G + g] * static_cast<float>(total);
+      if (sq != nullptr) sq[r * G + g] = total;
     }
 }
 
 // quantize_rows over row blocks (row_blocks: on every thread for many rows).
-void quantize_row_blocks(const float* xp, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx) {
+void quantize_row_blocks(const float* xp, int64_t M, int64_t K, int8_t* xq, float* dx, float* sx,
+                         int32_t* sq = nullptr) {
   const int64_t G = K / kGroup;
-  row_blocks(M, [&](int64_t b, int64_t e) { quantize_rows(xp + b * K, e - b, K, xq + b * K, dx + b * G, sx + b * G); });
+  row_blocks(M, [&](int64_t b, int64_t e) {
+    quantize_rows(xp + b * K, e - b, K, xq + b * K, dx + b * G, sx + b * G, sq == nullptr ? nullptr : sq + b * G);
+  });
 }
 
 // y [M, n] = x [M, K] @ W^T for q4 weights in the VNNI layout above (P panels, float16 scales s [P, G, 32]),
@@ -1550,38 +1557,40 @@ void matmul_q4_int8(const uint8_t* wp, const uint16_t* sp, int64_t P, int64_t K,
   });
 }
 
-// q8 weights (GGUF Q8_0: w = d q, q int8) times int8 activations: model.precision=int8's LM head. VPDPBUSD multiplies
-// unsigned by signed bytes, so the activations go in shifted to unsigned (q_x + 128) and each group's integer sum
-// drops 128 * sum_k q_w, kept per column and group (c8, int32): y[r, c] = sum_g d_w[c,g] d_x[r,g] (sum_k (q_x + 128)
-// q_w - c8[c,g]), the integer part exact, the groups added in order (a fixed computation of the row's own values).
-// Weights: vnni [P, G, 8, 64] int8, chunk u's bytes 4c + b = column c's q at k = 32 g + 4u + b.
+// q8 weights (GGUF Q8_0: w = d q, q int8, d float16) times int8 activations: model.precision=int8's LM head and the
+// int8 drafts. VPDPBUSD multiplies unsigned by signed bytes, so the weights are stored shifted to unsigned (q_w + 128,
+// as q4's nibbles are unsigned) and each group's integer sum drops 128 * sum_k q_x, the row's own (sq, from the
+// quantization): y[r, c] = sum_g d_w[c,g] d_x[r,g] (sum_k q_x (q_w + 128) - 128 sq[r,g]), the integer part exact, the
+// groups added in order (a fixed computation of the row's own values). A 1-row call streams 1.0625 bytes a weight
+// (float16 scales, no per-column corrections): the head of SmolLM2 28.3 MB + 1.8 MB a step, not 28.3 + 3.5 + 3.5.
+// Weights: vnni [P, G, 8, 64] uint8, chunk u's bytes 4c + b = column c's q + 128 at k = 32 g + 4u + b; scales d
+// [P, G, 16] float16.
 template <int MT>
 __attribute__((target("avx512vnni,avx512bw,avx512f")))
-void q8_int8_tile(int64_t p, int64_t r0, const int8_t* wp, const float* dp, const int32_t* cp, const uint8_t* xu,
-                  const float* dxp, int64_t K, int64_t G, float* yp, int64_t n) {
+void q8_int8_tile(int64_t p, int64_t r0, const uint8_t* wp, const uint16_t* dp, const int8_t* xqp, const float* dxp,
+                  const int32_t* sqp, int64_t K, int64_t G, float* yp, int64_t n) {
   __m512 acc[MT];
 #pragma GCC unroll 8
   for (int i = 0; i < MT; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    const int8_t* src = wp + (p * G + g) * 512;
+    const uint8_t* src = wp + (p * G + g) * 512;
     {  // as q4_int8_tile
       const int64_t ahead = p * G + g + kPrefetchGroups;
 #pragma GCC unroll 8
       for (int u = 0; u < 8; ++u) _mm_prefetch(reinterpret_cast<const char*>(wp + ahead * 512 + u * 64), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(dp + ahead * kPanel), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(cp + ahead * kPanel), _MM_HINT_T0);
     }
     __m512i w[8];
 #pragma GCC unroll 8
     for (int u = 0; u < 8; ++u) w[u] = _mm512_loadu_si512(src + u * 64);
-    const __m512 dw = _mm512_loadu_ps(dp + (p * G + g) * kPanel);
-    const __m512i c8 = _mm512_loadu_si512(cp + (p * G + g) * kPanel);
+    const __m512 dw = scales16(dp + (p * G + g) * kPanel);
     __m512i sum[MT];
-    group_dots<MT, false>(w, xu + r0 * K + g * kGroup, K, sum);
+    group_dots<MT, true>(w, reinterpret_cast<const uint8_t*>(xqp) + r0 * K + g * kGroup, K, sum);
 #pragma GCC unroll 8
     for (int i = 0; i < MT; ++i) {
       const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(dxp[(r0 + i) * G + g]));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[i], c8)), scale, acc[i]);
+      const __m512i exact = _mm512_sub_epi32(sum[i], _mm512_set1_epi32(128 * sqp[(r0 + i) * G + g]));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, acc[i]);
     }
   }
   const int64_t n0 = p * kPanel, ncols = std::min(kPanel, n - n0);
@@ -1590,47 +1599,46 @@ void q8_int8_tile(int64_t p, int64_t r0, const int8_t* wp, const float* dp, cons
   for (int i = 0; i < MT; ++i) _mm512_mask_storeu_ps(yp + (r0 + i) * n + n0, keep, acc[i]);
 }
 
-void q8_int8_panels(int64_t begin, int64_t end, const int8_t* wp, const float* dp, const int32_t* cp, const uint8_t* xu,
-                    const float* dxp, int64_t M, int64_t K, int64_t G, float* yp, int64_t n) {
+void q8_int8_panels(int64_t begin, int64_t end, const uint8_t* wp, const uint16_t* dp, const int8_t* xqp,
+                    const float* dxp, const int32_t* sqp, int64_t M, int64_t K, int64_t G, float* yp, int64_t n) {
   for (int64_t p = begin; p < end; ++p)
     int8_tiles(M, [&](int64_t r0, int64_t mt) {
       switch (mt) {
-        case 4: q8_int8_tile<4>(p, r0, wp, dp, cp, xu, dxp, K, G, yp, n); break;
-        case 3: q8_int8_tile<3>(p, r0, wp, dp, cp, xu, dxp, K, G, yp, n); break;
-        case 2: q8_int8_tile<2>(p, r0, wp, dp, cp, xu, dxp, K, G, yp, n); break;
-        default: q8_int8_tile<1>(p, r0, wp, dp, cp, xu, dxp, K, G, yp, n); break;
+        case 4: q8_int8_tile<4>(p, r0, wp, dp, xqp, dxp, sqp, K, G, yp, n); break;
+        case 3: q8_int8_tile<3>(p, r0, wp, dp, xqp, dxp, sqp, K, G, yp, n); break;
+        case 2: q8_int8_tile<2>(p, r0, wp, dp, xqp, dxp, sqp, K, G, yp, n); break;
+        default: q8_int8_tile<1>(p, r0, wp, dp, xqp, dxp, sqp, K, G, yp, n); break;
       }
     });
 }
 
-// The same on AMX tiles (as q4_int8_panels_amx): the q8 chunks are already B tiles, loaded as they lie; TDPBUSD's
+// The same on AMX tiles (as q4_int8_panels_amx): the q8 chunks are already B tiles, loaded as they lie; TDPBSUD's
 // sums are group_dots' integers.
 __attribute__((target("amx-tile,amx-int8,avx512bw,avx512f")))
-void q8_int8_panels_amx(int64_t begin, int64_t end, const int8_t* wp, const float* dp, const int32_t* cp,
-                        const uint8_t* xu, const float* dxp, const float* sxp, int64_t M, int64_t K, int64_t G,
-                        float* yp, int64_t n, int64_t h) {
+void q8_int8_panels_amx(int64_t begin, int64_t end, const uint8_t* wp, const uint16_t* dp, const int8_t* xqp,
+                        const float* dxp, const int32_t* sqp, int64_t M, int64_t K, int64_t G, float* yp, int64_t n,
+                        int64_t h) {
   amx_config(h);
   for (int64_t p = begin; p < end; ++p)
-    int8_panel_amx<true>(p, reinterpret_cast<const uint8_t*>(wp + p * G * 512), dp + p * G * kPanel,
-                         cp + p * G * kPanel, xu, dxp, sxp, M, K, G, yp, n, h);
+    int8_panel_amx<true>(p, wp + p * G * 512, dp + p * G * kPanel, reinterpret_cast<const uint8_t*>(xqp), dxp, sqp, M,
+                         K, G, yp, n, h);
   _tile_release();
 }
 
-void matmul_q8_int8(const int8_t* wp, const float* dp, const int32_t* cp, int64_t P, int64_t K, const float* xp,
-                    int64_t M, float* yp, int64_t n) {
+void matmul_q8_int8(const uint8_t* wp, const uint16_t* dp, int64_t P, int64_t K, const float* xp, int64_t M,
+                    float* yp, int64_t n) {
   const int64_t G = K / kGroup;
   const bool amx = g_amx && M >= kAmxRowsQ8;
   const int64_t h = amx_height(M), padded = amx ? amx_padded(M) : M;  // AMX: whole tiles of h rows
   std::vector<int8_t> xq(padded * K);
   std::vector<float> dx(padded * G), sx(padded * G);
-  quantize_row_blocks(xp, M, K, xq.data(), dx.data(), sx.data());
-  std::vector<uint8_t> xu(padded * K);
-  for (int64_t e = 0; e < padded * K; ++e) xu[e] = static_cast<uint8_t>(static_cast<int32_t>(xq[e]) + 128);
+  std::vector<int32_t> sq(padded * G);
+  quantize_row_blocks(xp, M, K, xq.data(), dx.data(), sx.data(), sq.data());
   at::parallel_for(0, P, 4, [&](int64_t begin, int64_t end) {
     if (amx)
-      q8_int8_panels_amx(begin, end, wp, dp, cp, xu.data(), dx.data(), sx.data(), M, K, G, yp, n, h);
+      q8_int8_panels_amx(begin, end, wp, dp, xq.data(), dx.data(), sq.data(), M, K, G, yp, n, h);
     else
-      q8_int8_panels(begin, end, wp, dp, cp, xu.data(), dx.data(), M, K, G, yp, n);
+      q8_int8_panels(begin, end, wp, dp, xq.data(), dx.data(), sq.data(), M, K, G, yp, n);
   });
 }
 
@@ -1716,18 +1724,17 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, int64_t n, c10::opti
   return y;
 }
 
-// x [M, K] float32, vnni [P, G, 8, 64] int8, d [P, G, 16] float32, c8 [P, G, 16] int32 -> y [M, n].
-torch::Tensor linear_q8_int8(torch::Tensor x, torch::Tensor vnni, torch::Tensor d, torch::Tensor c8, int64_t n) {
+// x [M, K] float32, vnni [P, G, 8, 64] uint8 (q + 128), d [P, G, 16] float16 -> y [M, n].
+torch::Tensor linear_q8_int8(torch::Tensor x, torch::Tensor vnni, torch::Tensor d, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && vnni.is_contiguous() && d.is_contiguous() &&
-              c8.is_contiguous() && c8.scalar_type() == torch::kInt32 && vnni.scalar_type() == torch::kInt8,
-              "linear_q8_int8: bad input");
+              d.scalar_type() == torch::kHalf && vnni.scalar_type() == torch::kUInt8, "linear_q8_int8: bad input");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), G = K / kGroup, P = vnni.size(0);
-  TORCH_CHECK(K % kGroup == 0 && vnni.numel() == P * G * 512 && d.numel() == P * G * kPanel && c8.numel() == P * G * kPanel &&
-              P * kPanel >= n, "linear_q8_int8: bad weights");
+  TORCH_CHECK(K % kGroup == 0 && vnni.numel() == P * G * 512 && d.numel() == P * G * kPanel && P * kPanel >= n,
+              "linear_q8_int8: bad weights");
   auto y = torch::empty({M, n}, x.options());
-  matmul_q8_int8(vnni.data_ptr<int8_t>(), d.data_ptr<float>(), c8.data_ptr<int32_t>(), P, K, x.data_ptr<float>(), M,
-                 y.data_ptr<float>(), n);
+  matmul_q8_int8(static_cast<const uint8_t*>(vnni.data_ptr()), static_cast<const uint16_t*>(d.data_ptr()), P, K,
+                 x.data_ptr<float>(), M, y.data_ptr<float>(), n);
   return y;
 }
 
@@ -1765,7 +1772,7 @@ struct Lin {
 // form (the same bits).
 constexpr int64_t kQ4Int8 = 4;  // q4 weights in the VNNI layout (d: their float16 scales), int8 activations (model.precision=int8)
 constexpr int64_t kBF16Dot = 5;  // bf16 weights in pairs, bf16 activations (the drafter's model.draft_precision=bf16)
-constexpr int64_t kQ8Int8 = 6;  // q8 weights in the VNNI layout (m: their corrections c8), int8 activations (int8 drafts)
+constexpr int64_t kQ8Int8 = 6;  // q8 weights (q + 128) in the VNNI layout (d: their float16 scales), int8 activations (int8 drafts)
 
 void apply(const Lin& w, const float* x, int64_t M, float* y) {
   if (w.fmt == kBF16Dot) {
@@ -1776,7 +1783,8 @@ void apply(const Lin& w, const float* x, int64_t M, float* y) {
 #endif
   } else if (w.fmt == kQ8Int8) {
 #ifdef __AVX512F__
-    matmul_q8_int8(w.q.data_ptr<int8_t>(), w.d.data_ptr<float>(), w.m.data_ptr<int32_t>(), w.P, w.K, x, M, y, w.n);
+    matmul_q8_int8(static_cast<const uint8_t*>(w.q.data_ptr()), static_cast<const uint16_t*>(w.d.data_ptr()), w.P, w.K,
+                   x, M, y, w.n);
 #else
     TORCH_CHECK(false, "int8 products need the AVX-512 build of the kernel");
 #endif
@@ -1863,8 +1871,8 @@ Lin to_lin(const std::tuple<int64_t, torch::Tensor, torch::Tensor, torch::Tensor
   TORCH_CHECK(w.fmt == 0 || w.fmt == kBF16 || w.fmt == kQ8 || w.fmt == kQ4 || w.fmt == kQ4Int8 || w.fmt == kBF16Dot ||
               w.fmt == kQ8Int8, "Stack: unknown weight format ", w.fmt);
   TORCH_CHECK(w.fmt == kQ8Int8 ? (K % kGroup == 0 && w.q.numel() == w.P * (K / kGroup) * 512 &&
-                                  w.d.numel() == w.q.numel() / 32 && w.m.numel() == w.d.numel() &&
-                                  w.q.scalar_type() == torch::kInt8 && w.m.scalar_type() == torch::kInt32)
+                                  w.d.numel() == w.q.numel() / 32 && w.q.scalar_type() == torch::kUInt8 &&
+                                  w.d.scalar_type() == torch::kHalf)
               : w.fmt == kQ4Int8 ? (w.q.numel() == w.P * (K / kGroup) * 256 && w.d.scalar_type() == torch::kHalf &&
                                     w.d.numel() == w.P * (K / kGroup) * 2 * kPanel)
               : w.fmt == kBF16Dot ? (w.q.dim() == 3 && w.q.size(1) * 2 == K && w.q.size(2) == 32) : w.q.size(1) == K,
