@@ -142,3 +142,25 @@ def test_the_native_draft_stack_follows_weight_updates(tiny, eager_afterwards):
     finally:
         with torch.no_grad():
             proj.weight.copy_(saved)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_rotary_table_gives_the_rotary_embeddings_own_bits(tiny, arch):
+    """``RotaryTable`` (the native stacks' cos / sin rows looked up by position) against the model's own
+    ``rotary_emb`` called on the same rows: the same bits for the target's and the drafter's, for a step's few rows,
+    a tree's repeated positions, several requests' rows side by side and a prefill chunk, across the table's growth."""
+    from pipeline.models.forward import RotaryTable
+
+    g = torch.Generator().manual_seed(0)
+    for rotary in (tiny.target(arch).model.base_model.rotary_emb, tiny.drafter(arch, "random").rotary_emb):
+        table = RotaryTable(rotary)
+        assert table.static
+        like = torch.zeros(1, 1, 8)
+        for positions in (torch.tensor([[5]]), torch.tensor([[300, 301, 301, 302, 302, 303]]),
+                          torch.arange(700, 956)[None], torch.randint(0, 3000, (1, 40), generator=g),
+                          torch.tensor([[17, 18, 2049, 2050, 2051]]), torch.tensor([[0]])):
+            cos, sin = table(like, positions)
+            want_cos, want_sin = rotary(like, positions)
+            assert cos.shape == want_cos[0].shape and torch.equal(cos, want_cos[0]), positions
+            assert torch.equal(sin, want_sin[0]), positions
+        assert table.cos.shape[0] > 2051  # grown past the first 256 positions
