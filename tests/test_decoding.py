@@ -10,7 +10,7 @@ import torch
 
 from pipeline.decoding import DecodeConfig, EMASchedule, FixedSchedule
 from pipeline.decoding.conversation import decode_prompt
-from pipeline.decoding.sampling import PositionKeyedSampler, argmax_rows
+from pipeline.decoding.sampling import PositionKeyedSampler, argmax_rows, top_indices
 from pipeline.prompts import Prompt, chat_input_ids
 
 # Prompts in the tiny drafter's training distribution (accepted drafts) and outside it (tau ~ 1).
@@ -190,6 +190,35 @@ def test_the_greedy_pick_is_the_first_maximum_as_argmax_takes_it():
             scores[-1] = float("-inf")
         assert torch.equal(argmax_rows(scores), scores.argmax(dim=-1))
 
+
+
+def test_top_indices_ranks_every_row_as_a_sort_does():
+    """``top_indices`` (the drafter's candidates, the recycled candidates and the label stage's shortlists) against a
+    plain sort of each row by (NaN first, larger value first, lower column first): rows of the LM head's width and
+    small ones, k from 1 to the whole row, with ties, infinities and NaNs; where the k + 1 best are distinct it is
+    ``torch.topk``'s."""
+    g = torch.Generator().manual_seed(0)
+
+    def reference(row: list[float], k: int) -> list[int]:
+        return sorted(range(len(row)), key=lambda j: (row[j] == row[j], -row[j] if row[j] == row[j] else 0.0, j))[:k]
+
+    for case in range(60):
+        rows, width = 1 + case % 3, (49152, 8192, 17, 40, 5)[case % 5]
+        scores = torch.randn(rows, width, generator=g)
+        if case % 4 == 1:  # many ties: a few distinct values
+            scores = torch.randint(0, 4, (rows, width), generator=g).float()
+        if case % 6 == 2:
+            scores[0, int(torch.randint(0, width, (1,), generator=g))] = float("nan")
+            scores[-1, :3] = float("-inf")
+        if case % 10 == 3:
+            scores[0] = float("inf")
+        for k in sorted({1, 4, 8, width} & set(range(1, width + 1))):
+            got = top_indices(scores, k)
+            assert got.shape == (rows, k) and got.dtype == torch.long
+            assert got.tolist() == [reference(r, k) for r in scores.tolist()], (case, k)
+            distinct = case % 4 != 1 and case % 6 != 2 and case % 10 != 3
+            if distinct and k < width:
+                assert torch.equal(got, scores.topk(k, dim=-1).indices), (case, k)
 
 def test_decoder_samples_the_first_token_from_the_target_distribution(tiny):
     decoder = tiny.decoder("llama", None)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.decoding.sampling import PositionKeyedSampler, draft_confidence
+from pipeline.decoding.sampling import PositionKeyedSampler, draft_confidence, top_indices
 from pipeline.decoding.requests import DecodeConfig, PrefillResult
 from pipeline.decoding.speculative import SpeculativeDecoder
 from pipeline.decoding.trees import TOP_K as TREE_CANDIDATES
@@ -112,7 +112,7 @@ def target_trace(decoder: SpeculativeDecoder, prefill: PrefillResult, config: De
     first_scores = sampler.scores(prefill.last_logits[None], [n])
     gaps = top2_gap(first_scores) if record_gaps else None
     k = min(shortlist, first_scores.shape[-1])
-    short = [first_scores.topk(k, dim=-1).indices] if k > 0 else None
+    short = [top_indices(first_scores, k)] if k > 0 else None
     stopped = tokens[0] in decoder.stop_ids
     start = n
     t0 = now(decoder.device)
@@ -124,7 +124,7 @@ def target_trace(decoder: SpeculativeDecoder, prefill: PrefillResult, config: De
         if record_gaps:
             gaps += top2_gap(scores)
         if short is not None:
-            short.append(scores.topk(k, dim=-1).indices)
+            short.append(top_indices(scores, k))
         tokens.append(token)
         features.append(new_features)
         stopped = token in decoder.stop_ids
@@ -169,7 +169,7 @@ def trace_from_output(decoder: SpeculativeDecoder, prefill: PrefillResult, token
         logits = torch.cat([logits, rest])
         features.append(new_features)
     k = min(shortlist, logits.shape[-1])
-    short = sampler.scores(logits, list(range(n, n + m))).topk(k, dim=-1).indices if k > 0 else None
+    short = top_indices(sampler.scores(logits, list(range(n, n + m))), k) if k > 0 else None
     return Trace(list(tokens), torch.cat(features, dim=1), n, tokens[-1] in decoder.stop_ids, decode_ms, sampler, short)
 
 

@@ -34,6 +34,7 @@ import torch
 
 from pipeline.costs import CostModel, ObservedCosts
 from pipeline.costs.monitor import ObservedRowCost
+from pipeline.decoding.sampling import top_indices
 from pipeline.decoding.sources import Continuation, NgramIndex
 from pipeline.decoding.trees import DraftTree, grow
 from pipeline.policy.calibration import AcceptanceCalibration
@@ -125,7 +126,7 @@ class RecycledTokens:
 
     def update(self, tokens: list[int], logits: torch.Tensor) -> None:
         """``logits`` [r, V] are the target's at the rows whose input tokens are ``tokens`` (r ids)."""
-        self.table[torch.tensor(tokens)] = logits.topk(self.k, dim=-1).indices
+        self.table[torch.tensor(tokens)] = top_indices(logits.float(), self.k)
 
     def chains(self, pending: int, widths: tuple[int, ...], room: int) -> list[tuple[list[int], list[int]]]:
         """The tree of candidates from ``pending``: ``widths[d]`` children per node at depth d + 1 (within ``room``

@@ -2219,6 +2219,55 @@ bool set_amx(bool on) {
 }
 
 
+// ---------------------------------------------------------------------------------------------------------------
+// Each row's k best columns, best first: x [R, V] float32 -> [R, k] int64. The order is a total one: NaN above every
+// number, then larger values, and among equal values (NaNs included) the lower column first; so the result is
+// torch.topk's wherever a row's k + 1 best values are distinct. One pass a row: the first k columns sorted in, then
+// each later one compared with the k-th best (16 at a time on AVX-512, a column passing only where it is NaN or above
+// it) and inserted in order. 49,152 columns, k = 4: ~10 us a row against torch.topk's ~86 (AMD EPYC Zen 4, 2026-12-07).
+namespace {
+
+inline bool above(float a, float b) { return a > b || (a != a && b == b); }  // a ranks before b (ties: neither)
+
+void topk_row(const float* x, int64_t V, int64_t k, float* best, int64_t* at) {
+  int64_t have = 0;
+  const auto insert = [&](float v, int64_t j) {  // v ranks above the k-th best, or fewer than k are held
+    int64_t i = have < k ? have++ : k - 1;          // the slot it fills (when full, the k-th best drops out)
+    for (; i > 0 && above(v, best[i - 1]); --i) best[i] = best[i - 1], at[i] = at[i - 1];
+    best[i] = v, at[i] = j;
+  };
+  int64_t j = 0;
+  for (; j < std::min(k, V); ++j) insert(x[j], j);
+#ifdef __AVX512F__
+  for (; j + 16 <= V; j += 16) {
+    const __m512 v = _mm512_loadu_ps(x + j);
+    // lanes not at or below the k-th best: above it, or NaN (an unordered compare); a NaN k-th best passes every lane
+    __mmask16 pass = _mm512_cmp_ps_mask(v, _mm512_set1_ps(best[k - 1]), _CMP_NLE_UQ);
+    while (pass) {
+      const int lane = __builtin_ctz(pass);
+      pass &= pass - 1;
+      if (above(x[j + lane], best[k - 1])) insert(x[j + lane], j + lane);
+    }
+  }
+#endif
+  for (; j < V; ++j)
+    if (above(x[j], best[k - 1])) insert(x[j], j);
+}
+
+}  // namespace
+
+torch::Tensor topk_rows(torch::Tensor x, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "topk_rows: x must be float32 [R, V]");
+  TORCH_CHECK(k >= 1 && k <= x.size(1), "topk_rows: k must be in 1..V");
+  x = x.contiguous();
+  const int64_t R = x.size(0), V = x.size(1);
+  auto out = torch::empty({R, k}, x.options().dtype(torch::kInt64));
+  std::vector<float> best(k);
+  for (int64_t r = 0; r < R; ++r)
+    topk_row(x.data_ptr<float>() + r * V, V, k, best.data(), out.data_ptr<int64_t>() + r * k);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack W [N, K] into [ceil(N/16), K, 16] panels");
   m.def("linear", &linear, "y = x @ W^T (+ bias) from packed panels");
@@ -2230,6 +2279,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("move_rows", &move_rows, "token rows moved back inside KV buffers [B, H, L, D] (a tree's accepted path)",
         pybind11::arg("buffers"), pybind11::arg("dst"), pybind11::arg("src"));
   m.def("unpack_exact", &unpack_exact, "the float32 weight that linear_exact computes with");
+  m.def("topk_rows", &topk_rows, "each row's k best columns, best first (NaN first, ties: the lower column)",
+        pybind11::arg("x"), pybind11::arg("k"));
 #ifdef __AVX512F__
   m.def("linear_q4_int8", &linear_q4_int8, "q4 weights (VNNI layout) x int8 activations (AVX-512 VNNI)");
   m.def("linear_q8_int8", &linear_q8_int8, "q8 weights (VNNI layout) x int8 activations (AVX-512 VNNI)");
