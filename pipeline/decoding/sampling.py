@@ -101,10 +101,16 @@ class PositionKeyedSampler:
 
 
 def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax [n] (the first maximum; NaN as the maximum, as ``argmax``). On the CPU NumPy's ``argmax``
-    (vectorised): rows of 49,152 float32, AMD EPYC Zen 4, 2026-12-07: 1 / 3 / 8 rows 5 / 12 / 29 us against torch's
-    ``max(dim=-1).indices`` 44 / 86 / 184 (``argmax`` 42 / 84 / 169), every verified row of every step; elsewhere
-    ``max``'s indices."""
+    """Each row's argmax [n] (the first maximum; NaN as the maximum, as ``argmax``). On the CPU the kernel's
+    ``topk_rows`` at k = 1 (the same order) for float32, else NumPy's ``argmax`` (vectorised): rows of 49,152 float32,
+    AMD EPYC Zen 4, 2026-12-07: 1 / 3 / 8 rows 5 / 12 / 29 us hot against torch's ``max(dim=-1).indices`` 44 / 86 /
+    184; right after the LM head wrote them (every verified row of every step, an eval's `mixed` and `ar` steps) 72 us
+    a step with NumPy, 25 with the kernel; elsewhere ``max``'s indices."""
+    if scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 2 and scores.shape[1] > 0:
+        try:
+            return smallm_kernel().topk_rows(scores, 1).view(-1)
+        except KernelUnavailableError:
+            pass
     if scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64) and scores.dim() == 2:
         return torch.from_numpy(scores.detach().numpy().argmax(-1))
     return scores.max(dim=-1).indices
