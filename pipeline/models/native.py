@@ -155,7 +155,8 @@ def q8_scales(d: torch.Tensor) -> torch.Tensor:
     """q8 scales [P, K / 32, 16] float32 -> float16 (``linear_q8_int8``'s), the same values at half the bytes.
 
     Raises:
-        ValueError: when some scale is not a float16 (neither a GGUF Q8_0 block's nor ``q8_quantize``'s).
+        ValueError: when some scale is not a float16 (neither a GGUF Q8_0 block's nor ``q8_quantize``'s; ``pack_smallm``
+            finds q8 blocks only with float16 scales, so no packed head is refused).
     """
     half = d.half()
     if not torch.equal(half.float(), d):
