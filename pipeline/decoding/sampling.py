@@ -106,11 +106,9 @@ def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
     AMD EPYC Zen 4, 2026-12-07: 1 / 3 / 8 rows 5 / 12 / 29 us hot against torch's ``max(dim=-1).indices`` 44 / 86 /
     184; right after the LM head wrote them (every verified row of every step, an eval's `mixed` and `ar` steps) 72 us
     a step with NumPy, 25 with the kernel; elsewhere ``max``'s indices."""
-    if scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 2 and scores.shape[1] > 0:
-        try:
-            return smallm_kernel().topk_rows(scores, 1).view(-1)
-        except KernelUnavailableError:
-            pass
+    native = _native_top(scores, 1)
+    if native is not None:
+        return native.view(-1)
     if scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64) and scores.dim() == 2:
         return torch.from_numpy(scores.detach().numpy().argmax(-1))
     return scores.max(dim=-1).indices
@@ -149,9 +147,17 @@ def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     the smallm kernel's ``topk_rows`` (one pass a row; ties: the lower column first, NaN above every number; ~10 us a
     row of 49,152 against ``torch.topk``'s ~86, AMD EPYC Zen 4, 2026-12-07); elsewhere ``torch.topk``'s indices (the
     same where the k + 1 best values are distinct)."""
-    if scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 2 and 1 <= k <= scores.shape[1]:
-        try:
-            return smallm_kernel().topk_rows(scores, int(k))
-        except KernelUnavailableError:
-            pass
-    return scores.topk(k, dim=-1).indices
+    native = _native_top(scores, k)
+    return native if native is not None else scores.topk(k, dim=-1).indices
+
+
+def _native_top(scores: torch.Tensor, k: int) -> torch.Tensor | None:
+    """The kernel's ``topk_rows(scores, k)`` for float32 [R, V] CPU rows (1 <= k <= V), else None (another device,
+    dtype or shape, or no kernel here)."""
+    if not (scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 2
+            and 1 <= k <= scores.shape[1]):
+        return None
+    try:
+        return smallm_kernel().topk_rows(scores, int(k))
+    except KernelUnavailableError:
+        return None
